@@ -1,0 +1,166 @@
+"""The one policy interface both worlds call: simulator and control plane.
+
+A policy sees a frozen :class:`Snapshot` (cluster, jobs, profiles, overheads,
+now) and returns a :class:`Plan`. It never does I/O, sleeps or reads a clock.
+Scheduling is split the Blox way: ``admission`` -> ``allocation`` ->
+``placement``; :meth:`Policy.schedule` chains them.
+
+Per-job policy memory (Tiresias' promotion, ElasticFlow's guarantees) lives
+in the snapshot as ``JobView.tags`` and comes back through ``Plan.tags``: the
+executor stores it, the policy object stays stateless.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+from tidal.core.job import JobSpec, JobState
+from tidal.core.overhead import OverheadModel
+from tidal.core.profile import ThroughputProfile
+from tidal.core.topology import Cluster
+
+EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class JobView:
+    """One job as the policy sees it at ``Snapshot.now``."""
+
+    spec: JobSpec
+    state: JobState
+    gpus: tuple[int, ...] = ()  # GPUs held now (running / resizing)
+    done: float = 0.0  # iterations completed
+    attained: float = 0.0  # GPU-seconds received so far (Tiresias' attained service)
+    executed: float = 0.0  # wall seconds spent running
+    waiting_since: float = 0.0  # when it last became pending
+    admitted: bool = False
+    tags: Mapping[str, Any] = field(default_factory=lambda: EMPTY)
+
+    @property
+    def job_id(self) -> str:
+        return self.spec.job_id
+
+    @property
+    def n(self) -> int:
+        return len(self.gpus)
+
+    @property
+    def remaining(self) -> float:
+        return max(0.0, self.spec.iterations - self.done)
+
+    @property
+    def running(self) -> bool:
+        return self.state in (JobState.RUNNING, JobState.RESIZING)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    now: float
+    cluster: Cluster
+    jobs: tuple[JobView, ...]  # active jobs: submitted, pending, running, resizing
+    profiles: ThroughputProfile
+    overheads: OverheadModel = field(default_factory=OverheadModel)
+
+    def free_gpus(self) -> set[int]:
+        used: set[int] = set()
+        for j in self.jobs:
+            used.update(j.gpus)
+        return set(self.cluster.all_gpus) - used
+
+    def throughput(self, job: JobView | JobSpec, n: float) -> float:
+        spec = job.spec if isinstance(job, JobView) else job
+        return self.profiles.throughput(spec.model, spec.batch_size, n)
+
+
+@dataclass
+class Plan:
+    """What a policy wants. ``allocation`` lists every job that should hold GPUs
+    after this plan (count); jobs left out are pending (preempted if running).
+    ``placement`` gives the GPU ids for each allocated job. ``drop`` maps job id
+    to a reason. ``wake_at`` asks the executor to call again at that time even
+    if nothing happens (e.g. a Tiresias queue threshold is crossed)."""
+
+    admit: set[str] = field(default_factory=set)
+    drop: dict[str, str] = field(default_factory=dict)
+    allocation: dict[str, int] = field(default_factory=dict)
+    placement: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    tags: dict[str, dict[str, Any]] = field(default_factory=dict)
+    wake_at: float | None = None
+
+
+class Policy(abc.ABC):
+    """Base class: admission -> allocation -> placement."""
+
+    name: str = "?"
+
+    def schedule(self, snap: Snapshot) -> Plan:
+        plan = Plan()
+        self.admission(snap, plan)
+        self.allocation(snap, plan)
+        self.placement(snap, plan)
+        return plan
+
+    def admission(self, snap: Snapshot, plan: Plan) -> None:
+        """Default: admit every submitted job that could ever fit the cluster."""
+        total = snap.cluster.num_gpus
+        for j in snap.jobs:
+            if j.state is not JobState.SUBMITTED:
+                continue
+            if j.spec.lo > total or not j.spec.counts(total):
+                plan.drop[j.job_id] = f"needs {j.spec.lo} GPUs, cluster has {total}"
+            elif snap.throughput(j, j.spec.lo) <= 0:
+                plan.drop[j.job_id] = f"model {j.spec.model} does not run at {j.spec.lo} GPUs"
+            else:
+                plan.admit.add(j.job_id)
+
+    @abc.abstractmethod
+    def allocation(self, snap: Snapshot, plan: Plan) -> None:
+        """Fill ``plan.allocation`` (GPU count per job that should run)."""
+
+    def placement(self, snap: Snapshot, plan: Plan) -> None:
+        from tidal.scheduler.placement import place_consolidated
+
+        plan.placement = place_consolidated(snap, plan.allocation)
+
+
+def schedulable(snap: Snapshot, plan: Plan) -> list[JobView]:
+    """Jobs that may get GPUs in this plan: admitted before or now, not dropped."""
+    return [
+        j
+        for j in snap.jobs
+        if j.job_id not in plan.drop and (j.admitted or j.job_id in plan.admit)
+    ]
+
+
+_REGISTRY: dict[str, Callable[..., Policy]] = {}
+
+
+def register_policy(name: str) -> Callable[[Callable[..., Policy]], Callable[..., Policy]]:
+    def deco(factory: Callable[..., Policy]) -> Callable[..., Policy]:
+        if name in _REGISTRY:
+            raise ValueError(f"policy {name!r} registered twice")
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def get_policy(name: str, **options: Any) -> Policy:
+    import tidal.scheduler.policies  # noqa: F401  (registers the built-in policies)
+
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+    policy = factory(**options)
+    policy.name = name
+    return policy
+
+
+def policy_names() -> list[str]:
+    import tidal.scheduler.policies  # noqa: F401
+
+    return sorted(_REGISTRY)

@@ -1,0 +1,44 @@
+"""Small estimates shared by policies: GPU counts and remaining run time."""
+
+from __future__ import annotations
+
+import math
+
+from tidal.core.job import JobSpec
+from tidal.scheduler.api import JobView, Snapshot
+
+
+def rigid_count(spec: JobSpec) -> int:
+    """The count a non-elastic policy runs a job at: its request, kept within
+    the job's allowed range."""
+    n = spec.requested_gpus or spec.lo
+    if spec.allowed_gpus is not None and n not in spec.allowed_gpus:
+        n = min(spec.allowed_gpus, key=lambda a: (abs(a - n), a))
+    if spec.max_gpus is not None:
+        n = min(n, spec.max_gpus)
+    return max(n, spec.lo)
+
+
+def remaining_time(snap: Snapshot, job: JobView, n: int) -> float:
+    """Seconds to finish at ``n`` GPUs from now (consolidated placement)."""
+    rate = snap.throughput(job, n)
+    return job.remaining / rate if rate > 0 else math.inf
+
+
+def useful_counts(snap: Snapshot, job: JobView | JobSpec, cap: int) -> list[int]:
+    """Counts a job may take that were profiled (powers of two for the A100
+    profiles, the buddy sizes of ElasticFlow §4.3), ascending, at most ``cap``."""
+    spec = job.spec if isinstance(job, JobView) else job
+    profiled = set(snap.profiles.profiled_counts(spec.model, spec.batch_size))
+    return [c for c in spec.counts(cap) if c in profiled]
+
+
+def best_count(snap: Snapshot, job: JobView | JobSpec, cap: int) -> int:
+    """The smallest useful count <= ``cap`` with the highest throughput (0 if
+    none fits): more GPUs only while they still raise throughput."""
+    best_n, best_v = 0, 0.0
+    for c in useful_counts(snap, job, cap):
+        v = snap.throughput(job, c)
+        if v > best_v * (1 + 1e-9):
+            best_n, best_v = c, v
+    return best_n

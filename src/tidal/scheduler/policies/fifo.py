@@ -1,0 +1,35 @@
+"""FIFO: first come, first served, rigid, non-preemptive, head-of-line blocking.
+
+The baseline of Elan §VI-C and of every cluster scheduler: jobs start in
+submission order at their requested GPU count; a job that does not fit blocks
+every job behind it.
+"""
+
+from __future__ import annotations
+
+from tidal.scheduler.api import Plan, Policy, Snapshot, register_policy, schedulable
+from tidal.scheduler.estimate import rigid_count
+
+
+def fifo_allocation(snap: Snapshot, plan: Plan) -> None:
+    free = snap.cluster.num_gpus
+    queue = []
+    for j in schedulable(snap, plan):
+        if j.running:
+            plan.allocation[j.job_id] = j.n
+            free -= j.n
+        else:
+            queue.append(j)
+    queue.sort(key=lambda j: (j.spec.submit_time, j.job_id))
+    for j in queue:
+        n = rigid_count(j.spec)
+        if n > free:
+            break
+        plan.allocation[j.job_id] = n
+        free -= n
+
+
+@register_policy("fifo")
+class FIFO(Policy):
+    def allocation(self, snap: Snapshot, plan: Plan) -> None:
+        fifo_allocation(snap, plan)
