@@ -1,0 +1,158 @@
+"""``tidal simulate``: run policies over a trace and compare them."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tidal.cli.main import app
+from tidal.core.errors import InputError
+
+
+def _fmt(v: Any, kind: str = "") -> str:
+    if v is None:
+        return "-"
+    if kind == "h":
+        return f"{v / 3600:.2f}"
+    if kind == "pct":
+        return f"{100 * v:.1f}%"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
+
+
+def results_table(summaries: list[dict[str, Any]], title: str) -> Table:
+    t = Table(title=title)
+    cols = [
+        ("policy", "policy", ""),
+        ("finished", "done", ""),
+        ("dropped", "dropped", ""),
+        ("avg_jct", "avg JCT h", "h"),
+        ("median_jct", "med JCT h", "h"),
+        ("p95_jct", "p95 JCT h", "h"),
+        ("avg_pending", "avg wait h", "h"),
+        ("makespan", "makespan h", "h"),
+        ("utilization", "util", "pct"),
+        ("cluster_efficiency", "CE", "pct"),
+        ("deadline_ratio", "deadline", "pct"),
+        ("rescales", "rescales", ""),
+        ("wall_seconds", "wall s", ""),
+    ]
+    for _, head, _ in cols:
+        t.add_column(head, justify="left" if head == "policy" else "right")
+    for s in summaries:
+        t.add_row(*(_fmt(s.get(k), kind) for k, _, kind in cols))
+    return t
+
+
+def run_policies(
+    jobs: list,
+    cluster,
+    policies: list[str],
+    *,
+    profiles=None,
+    overheads=None,
+    slot: float = 60.0,
+    show_progress: bool = True,
+    console: Console | None = None,
+):
+    from tidal.scheduler.api import get_policy
+    from tidal.sim.engine import Simulator
+
+    console = console or Console(stderr=True)
+    results = []
+    with Progress(
+        TextColumn("[bold]{task.description:<12}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not show_progress,
+        transient=False,
+    ) as progress:
+        for name in policies:
+            task = progress.add_task(name, total=len(jobs))
+
+            def on_progress(done: int, total: int, _task=task) -> None:
+                progress.update(_task, completed=done)
+
+            sim = Simulator(
+                cluster,
+                get_policy(name),
+                jobs,
+                profiles=profiles,
+                overheads=overheads,
+                slot=slot,
+                on_progress=on_progress,
+            )
+            result = sim.run()
+            progress.update(task, completed=len(jobs))
+            results.append(result)
+    return results
+
+
+@app.command()
+def simulate(
+    trace: Path = typer.Option(..., "--trace", help="Trace CSV (ITP, Philly with deadlines, or Philly)."),
+    fmt: str = typer.Option("auto", "--format", help="auto | itp | philly | philly-ef"),
+    cluster: str = typer.Option("n32g8", "--cluster", help="Cluster spec like n32g8, or a cluster CSV."),
+    policy: str = typer.Option("fifo", "--policy", help="Policy name(s), comma separated."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default out/<trace>_<cluster>)."),
+    seed: int = typer.Option(0, "--seed", help="Seed for trace synthesis (Philly models, batch sizes)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N jobs."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object per policy."),
+    slot: float = typer.Option(60.0, "--slot", help="Scheduling slot in seconds (0: schedule at every event)."),
+    overhead: str = typer.Option("stop-free", "--overhead", help="Rescale overhead model: stop-free | stop-resume."),
+    profiles_dir: Optional[Path] = typer.Option(None, "--profiles", help="Throughput profile directory (default: shipped A100)."),
+    rigid: bool = typer.Option(False, "--rigid", help="Treat every job as rigid (not elastic)."),
+) -> None:
+    """Simulate one or more policies on a trace; print a table (or JSON) and
+    write per-job CSVs, summary.json and plots."""
+    from tidal.core.overhead import OverheadModel
+    from tidal.core.profile import load_profiles
+    from tidal.core.topology import parse_cluster
+    from tidal.scheduler.api import policy_names
+    from tidal.sim.metrics import summarize, write_outputs
+    from tidal.sim.traces import load_trace
+
+    err = Console(stderr=True)
+    names = [p.strip() for p in policy.split(",") if p.strip()]
+    known = policy_names()
+    bad = [n for n in names if n not in known]
+    if not names or bad:
+        err.print(f"[red]error:[/] unknown policy {', '.join(bad) or '(none)'}; known: {', '.join(known)}")
+        raise typer.Exit(2)
+    try:
+        prof = load_profiles(profiles_dir)
+        topo = parse_cluster(cluster)
+        overheads = OverheadModel(mode=overhead)
+        tr = load_trace(trace, fmt, seed=seed, limit=limit, profiles=prof, elastic=not rigid)
+    except (InputError, ValueError) as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2)
+    err.print(f"trace: {tr.describe()}")
+    err.print(f"cluster: {topo.name} ({topo.num_gpus} GPUs, {topo.num_nodes} nodes, {topo.num_switches} switches)")
+    results = run_policies(
+        list(tr.jobs), topo, names, profiles=prof, overheads=overheads, slot=slot,
+        show_progress=sys.stderr.isatty() or not as_json, console=err,
+    )
+    summaries = [summarize(r) for r in results]
+    out_dir = out or Path("out") / f"{trace.stem}_{topo.name}"
+    paths = write_outputs(results, out_dir)
+    if as_json:
+        from tidal.sim.metrics import SUMMARY_KEYS
+
+        for s in summaries:
+            obj = {k: s[k] for k in SUMMARY_KEYS}
+            obj.update({k: v for k, v in s.items() if k not in obj})
+            print(json.dumps(obj))
+    else:
+        Console().print(results_table(summaries, f"{tr.source} on {topo.name}"))
+    err.print(f"wrote {out_dir}/ (summary.json, *_jobs.csv, {paths['utilization'].name}, {paths['jct_cdf'].name})")

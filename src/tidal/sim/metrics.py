@@ -1,0 +1,238 @@
+"""Metrics of a simulation: per-job records, a summary, CSV/JSON and plots.
+
+Definitions (times in seconds):
+- JCT = completion - submission, over completed jobs; pending = first start -
+  submission, over jobs that started.
+- makespan = last completion - first submission.
+- utilisation = allocated GPU-seconds / (GPUs x span), span = first
+  submission .. last event.
+- cluster efficiency (ElasticFlow §6, eq. 8): the time average of
+  (1/M) * sum_j T_j(x_j) / T_j(1), i.e. each job's throughput on its x_j GPUs
+  normalised by its one-GPU throughput, summed and divided by the M GPUs.
+  Paused GPUs (rescale overhead) count 0.
+- deadline ratio: jobs with a deadline that completed by it / jobs with a
+  deadline (dropped jobs count as misses).
+- overhead GPU-s: GPU time lost to rescale overheads (paused or warming up).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from statistics import median
+from typing import Any, Iterable
+
+from tidal.core.job import JobState
+from tidal.sim.engine import SimResult
+
+SUMMARY_KEYS = (
+    "policy",
+    "jobs",
+    "finished",
+    "avg_jct",
+    "median_jct",
+    "p95_jct",
+    "p99_jct",
+    "avg_pending",
+    "makespan",
+    "utilization",
+    "cluster_efficiency",
+    "deadline_ratio",
+    "admitted",
+    "dropped",
+    "rescales",
+    "wall_seconds",
+)
+
+JOB_COLUMNS = (
+    "job_id",
+    "user",
+    "model",
+    "batch_size",
+    "requested_gpus",
+    "max_gpus_used",
+    "submit_time",
+    "start_time",
+    "end_time",
+    "jct",
+    "pending",
+    "deadline",
+    "met_deadline",
+    "state",
+    "drop_reason",
+    "rescales",
+    "preemptions",
+    "migrations",
+    "gpu_seconds",
+    "overhead_gpu_s",
+)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolation percentile (numpy's default), ``q`` in [0, 100]."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def job_rows(result: SimResult) -> list[dict[str, Any]]:
+    rows = []
+    for j in result.jobs:
+        s = j.spec
+        done = j.state is JobState.COMPLETED
+        met = None
+        if s.deadline is not None:
+            met = bool(done and j.end_time is not None and j.end_time <= s.deadline + 1e-6)
+        rows.append(
+            {
+                "job_id": s.job_id,
+                "user": s.user,
+                "model": s.model,
+                "batch_size": s.batch_size,
+                "requested_gpus": s.requested_gpus,
+                "max_gpus_used": j.max_gpus,
+                "submit_time": s.submit_time,
+                "start_time": j.start_time,
+                "end_time": j.end_time if done or j.state is JobState.DROPPED else None,
+                "jct": (j.end_time - s.submit_time) if done else None,
+                "pending": (j.start_time - s.submit_time) if j.start_time is not None else None,
+                "deadline": s.deadline,
+                "met_deadline": met,
+                "state": j.state.value,
+                "drop_reason": j.drop_reason,
+                "rescales": j.rescales,
+                "preemptions": j.preemptions,
+                "migrations": j.migrations,
+                "gpu_seconds": j.gpu_seconds,
+                "overhead_gpu_s": j.overhead_gpu_s,
+            }
+        )
+    return rows
+
+
+def summarize(result: SimResult) -> dict[str, Any]:
+    rows = job_rows(result)
+    jcts = [r["jct"] for r in rows if r["jct"] is not None]
+    pend = [r["pending"] for r in rows if r["pending"] is not None]
+    ends = [r["end_time"] for r in rows if r["state"] == "completed"]
+    with_ddl = [r for r in rows if r["deadline"] is not None]
+    span = max(result.end - result.start, 0.0)
+    gpus = result.cluster.num_gpus
+    states = [r["state"] for r in rows]
+    out: dict[str, Any] = {
+        "policy": result.policy,
+        "jobs": len(rows),
+        "finished": len(jcts),
+        "avg_jct": sum(jcts) / len(jcts) if jcts else None,
+        "median_jct": median(jcts) if jcts else None,
+        "p95_jct": percentile(jcts, 95),
+        "p99_jct": percentile(jcts, 99),
+        "avg_pending": sum(pend) / len(pend) if pend else None,
+        "makespan": (max(ends) - result.start) if ends else None,
+        "utilization": result.busy_gpu_s / (gpus * span) if span > 0 else 0.0,
+        "cluster_efficiency": result.useful_norm_s / (gpus * span) if span > 0 else 0.0,
+        "deadline_ratio": (sum(1 for r in with_ddl if r["met_deadline"]) / len(with_ddl)) if with_ddl else None,
+        "admitted": sum(1 for j in result.jobs if j.admitted),
+        "dropped": states.count("dropped"),
+        "rescales": sum(r["rescales"] for r in rows),
+        "wall_seconds": result.wall_seconds,
+        # beyond the contract
+        "preemptions": sum(r["preemptions"] for r in rows),
+        "migrations": sum(r["migrations"] for r in rows),
+        "overhead_gpu_s": sum(r["overhead_gpu_s"] for r in rows),
+        "running_at_end": sum(1 for s in states if s in ("running", "resizing")),
+        "pending_at_end": sum(1 for s in states if s in ("pending", "submitted", "admitted")),
+        "rounds": result.rounds,
+        "cluster": result.cluster.name,
+        "gpus": gpus,
+    }
+    return out
+
+
+def write_job_csv(result: SimResult, path: Path) -> None:
+    rows = job_rows(result)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=JOB_COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if v is None else v) for k, v in r.items()})
+    tmp.replace(path)
+
+
+def write_json(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def _matplotlib():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_utilization(results: Iterable[SimResult], path: Path) -> None:
+    """GPUs allocated over time (fraction of the cluster), one line per policy."""
+    plt = _matplotlib()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for r in results:
+        if not r.timeline:
+            continue
+        ts = [(t - r.start) / 3600 for t, _ in r.timeline] + [(r.end - r.start) / 3600]
+        us = [u / r.cluster.num_gpus for _, u in r.timeline]
+        us.append(us[-1])
+        ax.step(ts, us, where="post", label=r.policy, linewidth=0.8)
+    ax.set_xlabel("hours since first submission")
+    ax.set_ylabel("GPUs allocated (fraction)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Cluster utilisation over time")
+    ax.legend(loc="upper right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_jct_cdf(results: Iterable[SimResult], path: Path) -> None:
+    plt = _matplotlib()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        jcts = sorted(row["jct"] / 3600 for row in job_rows(r) if row["jct"] is not None)
+        if not jcts:
+            continue
+        ys = [(i + 1) / len(jcts) for i in range(len(jcts))]
+        ax.step(jcts, ys, where="post", label=r.policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("job completion time (hours, log scale)")
+    ax.set_ylabel("fraction of jobs")
+    ax.set_title("JCT CDF")
+    ax.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(results: list[SimResult], out: Path) -> dict[str, Path]:
+    """Per-job CSV per policy, summary.json, utilization.png, jct_cdf.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {}
+    for r in results:
+        p = out / f"{r.policy}_jobs.csv"
+        write_job_csv(r, p)
+        paths[f"{r.policy}_jobs"] = p
+    summary = [summarize(r) for r in results]
+    write_json(summary, out / "summary.json")
+    paths["summary"] = out / "summary.json"
+    plot_utilization(results, out / "utilization.png")
+    plot_jct_cdf(results, out / "jct_cdf.png")
+    paths["utilization"] = out / "utilization.png"
+    paths["jct_cdf"] = out / "jct_cdf.png"
+    return paths

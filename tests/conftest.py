@@ -1,0 +1,28 @@
+"""Shared fixtures: a toy throughput profile whose numbers can be worked by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tidal.core.profile import load_profiles
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def toy_profiles(tmp_path_factory):
+    """Model ``lin`` runs n iterations/s on n GPUs (perfect scaling up to 8);
+    model ``sat`` saturates: 1, 1.5, 2, 2 iterations/s on 1, 2, 4, 8 GPUs."""
+    d = tmp_path_factory.mktemp("profiles")
+    (d / "lin.csv").write_text("global_batch_size,1,2,4,8\n32,1,2,4,8\n")
+    (d / "sat.csv").write_text("global_batch_size,1,2,4,8\n32,1,1.5,2,2\n")
+    return load_profiles(d)
+
+
+def shared_data() -> Path:
+    if not SHARED.exists():
+        pytest.skip(f"shared data not found at {SHARED}")
+    return SHARED
