@@ -8,14 +8,15 @@ from tidal.core.job import JobSpec
 from tidal.scheduler.api import JobView, Snapshot
 
 
-def rigid_count(spec: JobSpec) -> int:
+def rigid_count(spec: JobSpec, cap: int) -> int:
     """The count a non-elastic policy runs a job at: its request, kept within
-    the job's allowed range."""
-    n = spec.requested_gpus or spec.lo
+    the job's allowed counts; an elastic job asking for more than the cluster's
+    ``cap`` GPUs gets the largest count it may run at within the cluster."""
+    if not spec.elastic:
+        return max(1, spec.requested_gpus)
+    n = min(spec.requested_gpus or spec.lo, spec.hi(cap))
     if spec.allowed_gpus is not None and n not in spec.allowed_gpus:
         n = min(spec.allowed_gpus, key=lambda a: (abs(a - n), a))
-    if spec.max_gpus is not None:
-        n = min(n, spec.max_gpus)
     return max(n, spec.lo)
 
 

@@ -32,7 +32,7 @@ def easy_backfill(snap: Snapshot, plan: Plan) -> None:
     queue.sort(key=lambda j: (j.spec.submit_time, j.job_id))
     shadow, extra = None, 0
     for j in queue:
-        n = rigid_count(j.spec)
+        n = rigid_count(j.spec, snap.cluster.num_gpus)
         if shadow is None:
             if n <= free:
                 plan.allocation[j.job_id] = n

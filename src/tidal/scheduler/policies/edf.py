@@ -24,7 +24,7 @@ def edf_allocation(snap: Snapshot, plan: Plan) -> None:
         if j.spec.elastic:
             n = best_count(snap, j, free)
         else:
-            n = rigid_count(j.spec)
+            n = rigid_count(j.spec, snap.cluster.num_gpus)
             n = n if n <= free else 0
         if n > 0:
             plan.allocation[j.job_id] = n

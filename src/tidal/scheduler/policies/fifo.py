@@ -22,7 +22,7 @@ def fifo_allocation(snap: Snapshot, plan: Plan) -> None:
             queue.append(j)
     queue.sort(key=lambda j: (j.spec.submit_time, j.job_id))
     for j in queue:
-        n = rigid_count(j.spec)
+        n = rigid_count(j.spec, snap.cluster.num_gpus)
         if n > free:
             break
         plan.allocation[j.job_id] = n

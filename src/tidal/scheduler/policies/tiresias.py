@@ -49,7 +49,7 @@ def tiresias_allocation(
     free = snap.cluster.num_gpus
     waiting = False
     for q, _, jid, j in order:
-        n = j.n if j.running else rigid_count(j.spec)
+        n = j.n if j.running else rigid_count(j.spec, snap.cluster.num_gpus)
         if n <= free:
             plan.allocation[jid] = n
             free -= n
