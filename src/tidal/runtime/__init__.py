@@ -1,0 +1,22 @@
+"""Tidal's elastic runtime: stop-free rescaling of plain PyTorch jobs with
+exactly-once data and fixed-run equivalence (issue 4). See ``docs/runtime.md``.
+
+Worker side: :func:`init`, :class:`Job`, :class:`ElasticState`.
+Job master: :class:`JobMaster`, :class:`MasterServer`, :class:`MasterClient`.
+"""
+
+from tidal.runtime.client import MasterClient, MasterUnavailable
+from tidal.runtime.data import ElasticBatchIterator, ShardManager, epoch_permutation, split_sizes, step_slice
+from tidal.runtime.master import JobMaster, MasterServer
+from tidal.runtime.messages import Generation, Plan, ScaleAnswer, Status
+from tidal.runtime.persistence import StateBackend, open_backend, register_backend
+from tidal.runtime.scaling import BatchPolicy, HybridScaling, StrongScaling, WeakScaling, make_policy
+from tidal.runtime.state import ElasticState
+from tidal.runtime.worker import Job, init
+
+__all__ = [
+    "BatchPolicy", "ElasticBatchIterator", "ElasticState", "Generation", "HybridScaling", "Job", "JobMaster",
+    "MasterClient", "MasterServer", "MasterUnavailable", "Plan", "ScaleAnswer", "ShardManager", "StateBackend",
+    "Status", "StrongScaling", "WeakScaling", "epoch_permutation", "init", "make_policy", "open_backend",
+    "register_backend", "split_sizes", "step_slice",
+]

@@ -1,0 +1,238 @@
+"""Elastic data: exactly-once sample order across rescaling.
+
+Serial semantics (Elan §V-B, EDL's ``elastic_shard_generator``): epoch ``e``
+visits a seeded permutation of the dataset; the data state is one integer, the
+global sample *cursor* ``c`` (``epoch = c // N``, ``offset = c % N``). A step
+consumes positions ``[offset, min(offset + B, N))`` of that permutation, split
+into contiguous, as-even-as-possible slices over the current workers. With a
+fixed global batch ``B`` this is exactly "global step t consumes positions
+``[t*B, (t+1)*B)``" per epoch; the last batch of an epoch may be short and
+never crosses into the next epoch.
+
+Shard mode (EDL §4.3, DLRover §5.2): :class:`ShardManager` hands out large
+partitions in TODO/DOING/DONE states with offsets; a leaving worker's partial
+shard goes back to TODO at its offset.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The seeded permutation of ``range(n)`` used in ``epoch``."""
+    g = torch.Generator()
+    g.manual_seed(int(seed) * 1_000_003 + int(epoch))
+    return torch.randperm(n, generator=g)
+
+
+def split_sizes(total: int, parts: int) -> list[int]:
+    """Split ``total`` samples into ``parts`` contiguous slices, first ones
+    one larger (uneven local batches are allowed under strong scaling)."""
+    q, r = divmod(total, parts)
+    return [q + (1 if i < r else 0) for i in range(parts)]
+
+
+@dataclass(frozen=True)
+class StepSlice:
+    """Where a step reads: ``epoch``, global positions ``[start, stop)`` of the
+    epoch's permutation, and this rank's sub-range ``[lo, hi)``."""
+
+    epoch: int
+    start: int
+    stop: int
+    lo: int
+    hi: int
+
+    @property
+    def global_size(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def local_size(self) -> int:
+        return self.hi - self.lo
+
+
+def step_slice(cursor: int, n: int, batch_size: int, rank: int, world_size: int) -> StepSlice:
+    """The positions step ``cursor`` consumes and this rank's share."""
+    epoch, start = divmod(cursor, n)
+    stop = min(start + batch_size, n)
+    sizes = split_sizes(stop - start, world_size)
+    lo = start + sum(sizes[:rank])
+    return StepSlice(epoch, start, stop, lo, lo + sizes[rank])
+
+
+def default_collate(samples: Sequence[Any]) -> Any:
+    """Stack tensors / tuples of tensors; empty batches stay empty lists."""
+    if len(samples) == 0:
+        return []
+    first = samples[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(list(samples))
+    if isinstance(first, (tuple, list)):
+        return type(first)(default_collate([s[i] for s in samples]) for i in range(len(first)))
+    if isinstance(first, (int, float)):
+        return torch.tensor(samples)
+    return list(samples)
+
+
+class PermutationCache:
+    """Caches the current epoch's permutation."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed = n, seed
+        self._epoch = -1
+        self._perm: torch.Tensor | None = None
+
+    def get(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            self._perm, self._epoch = epoch_permutation(self.n, self.seed, epoch), epoch
+        assert self._perm is not None
+        return self._perm
+
+
+class ElasticBatchIterator:
+    """Iterates this worker's local batches across epochs and rescaling.
+
+    Created by :meth:`tidal.runtime.Job.data`. Every ``next`` reads the job's
+    cursor, world size and global batch size, so a rescale between two steps
+    simply changes the split. ``last_indices`` holds the dataset indices of the
+    batch just returned (useful to audit exactly-once).
+    """
+
+    def __init__(
+        self,
+        job: Any,
+        dataset: Any,
+        epochs: int,
+        seed: int = 0,
+        collate_fn: Callable[[Sequence[Any]], Any] = default_collate,
+    ) -> None:
+        self.job = job
+        self.dataset = dataset
+        self.n = len(dataset)
+        self.epochs = int(epochs)
+        self.seed = int(seed)
+        self.collate_fn = collate_fn
+        self._perms = PermutationCache(self.n, self.seed)
+        self.last_indices: list[int] = []
+        self.epoch = 0
+
+    @property
+    def end_cursor(self) -> int:
+        return self.epochs * self.n
+
+    def __len__(self) -> int:
+        return self.epochs * ((self.n + self.job.global_batch_size - 1) // self.job.global_batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.job._attach_data(self)
+        while True:
+            if not self.job._ready_for_next_batch(self):
+                return
+            sl = step_slice(self.job.cursor, self.n, self.job.global_batch_size, self.job.rank, self.job.world_size)
+            self.epoch = sl.epoch
+            perm = self._perms.get(sl.epoch)
+            idx = perm[sl.lo : sl.hi].tolist()
+            self.last_indices = idx
+            self.job._begin_batch(sl)
+            yield self.collate_fn([self.dataset[i] for i in idx])
+
+
+# --------------------------------------------------------------------------- shard mode
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A partition ``[start, stop)`` of a large dataset; ``offset`` is how far
+    into it work has progressed (EDL §4.3 / DLRover §5.2)."""
+
+    shard_id: int
+    start: int
+    stop: int
+    offset: int
+    epoch: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"shard_id": self.shard_id, "start": self.start, "stop": self.stop, "offset": self.offset, "epoch": self.epoch}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Shard":
+        return cls(int(d["shard_id"]), int(d["start"]), int(d["stop"]), int(d["offset"]), int(d["epoch"]))
+
+
+class ShardManager:
+    """TODO/DOING/DONE partitions of ``[0, n)`` with offsets, held by the
+    master. Thread-safe. A worker that leaves (or dies) returns its DOING
+    shards to TODO at their last reported offset, so every sample of an epoch
+    is handed out exactly once provided workers report progress before
+    leaving."""
+
+    def __init__(self, n: int, shard_size: int, epochs: int = 1) -> None:
+        if shard_size <= 0:
+            raise ValueError("shard_size must be positive")
+        self.n, self.shard_size, self.epochs = n, shard_size, epochs
+        self._lock = threading.Lock()
+        self.epoch = 0
+        self.todo: list[Shard] = []
+        self.doing: dict[int, tuple[str, Shard]] = {}
+        self.done: list[Shard] = []
+        self._fill(0)
+
+    def _fill(self, epoch: int) -> None:
+        base = epoch * ((self.n + self.shard_size - 1) // self.shard_size)
+        self.todo = [
+            Shard(base + i, s, min(s + self.shard_size, self.n), s, epoch)
+            for i, s in enumerate(range(0, self.n, self.shard_size))
+        ]
+        self.done = []
+
+    def next(self, worker: str) -> Shard | None:
+        """The next TODO shard for ``worker`` (None when all epochs are done)."""
+        with self._lock:
+            if not self.todo and not self.doing and self.epoch + 1 < self.epochs:
+                self.epoch += 1
+                self._fill(self.epoch)
+            if not self.todo:
+                return None
+            sh = self.todo.pop(0)
+            self.doing[sh.shard_id] = (worker, sh)
+            return sh
+
+    def progress(self, shard_id: int, offset: int) -> None:
+        """Record that samples ``[start, offset)`` of the shard are consumed."""
+        with self._lock:
+            w, sh = self.doing[shard_id]
+            if not sh.offset <= offset <= sh.stop:
+                raise ValueError(f"offset {offset} outside shard {sh}")
+            self.doing[shard_id] = (w, Shard(sh.shard_id, sh.start, sh.stop, offset, sh.epoch))
+
+    def complete(self, shard_id: int) -> None:
+        with self._lock:
+            _, sh = self.doing.pop(shard_id)
+            self.done.append(Shard(sh.shard_id, sh.start, sh.stop, sh.stop, sh.epoch))
+
+    def release(self, worker: str) -> list[Shard]:
+        """A leaving worker's partial shards go back to TODO with offsets."""
+        with self._lock:
+            back = [sh for (w, sh) in self.doing.values() if w == worker]
+            for sh in back:
+                del self.doing[sh.shard_id]
+                if sh.offset < sh.stop:
+                    self.todo.insert(0, sh)
+                else:
+                    self.done.append(sh)
+            return back
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "epoch": self.epoch,
+                "todo": [s.to_json() for s in self.todo],
+                "doing": {str(k): [w, s.to_json()] for k, (w, s) in self.doing.items()},
+                "done": [s.to_json() for s in self.done],
+            }

@@ -1,0 +1,196 @@
+"""``tidal run``: a torchrun-like launcher for one elastic job without the
+control plane. It hosts the job master (HTTP API + TCPStore) in-process,
+starts local worker processes, starts more on ``scale_out`` (the master's
+spawner), prints progress and a summary, and exits 0 when every worker did.
+
+The master's address is written to ``$TIDAL_HOME/jobs/<job>.json`` (default
+``~/.tidal``) so ``tidal scale JOB --workers N`` can find it. Also runnable as
+``python -m tidal.runtime.launch run|scale ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from tidal.runtime.client import MasterClient
+from tidal.runtime.master import JobMaster, MasterServer
+from tidal.runtime.persistence import open_backend
+from tidal.runtime.worker import ENV_MASTER, ENV_WORKER
+
+log = logging.getLogger(__name__)
+
+
+def jobs_dir() -> Path:
+    return Path(os.environ.get("TIDAL_HOME", Path.home() / ".tidal")) / "jobs"
+
+
+def resolve_master(job: str) -> str:
+    """``job`` may be a master URL or a job name written by ``tidal run``."""
+    if job.startswith("http://"):
+        return job
+    f = jobs_dir() / f"{job}.json"
+    if not f.exists():
+        raise FileNotFoundError(f"no running job {job!r} (looked for {f})")
+    return json.loads(f.read_text())["url"]
+
+
+class LocalSpawner:
+    """Starts worker processes of ``script`` on this host (the master calls
+    it on ``scale_out``). Only ``localhost`` hosts are supported."""
+
+    def __init__(self, script: str, args: Sequence[str], env: dict[str, str] | None = None) -> None:
+        self.script, self.args = script, list(args)
+        self.env = dict(os.environ if env is None else env)
+        self.env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self.env.setdefault("OMP_NUM_THREADS", "1")
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._lock = threading.Lock()
+        self.master_url = ""
+
+    def __call__(self, ids: list[str], hosts: list[str] | None = None) -> None:
+        if hosts and any(h not in ("localhost", "127.0.0.1") for h in hosts):
+            raise ValueError("the local launcher can only start workers on localhost")
+        for wid in ids:
+            env = dict(self.env, **{ENV_MASTER: self.master_url, ENV_WORKER: wid})
+            p = subprocess.Popen([sys.executable, "-u", self.script, *self.args], env=env)
+            with self._lock:
+                self.procs[wid] = p
+            log.info("started worker %s (pid %d)", wid, p.pid)
+
+    def poll(self) -> dict[str, int | None]:
+        with self._lock:
+            return {w: p.poll() for w, p in self.procs.items()}
+
+    def terminate(self) -> None:
+        with self._lock:
+            for p in self.procs.values():
+                if p.poll() is None:
+                    p.terminate()
+            for p in self.procs.values():
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+def run_job(
+    script: str,
+    args: Sequence[str] = (),
+    workers: int = 2,
+    *,
+    max_workers: int | None = None,
+    job: str | None = None,
+    state_url: str | None = None,
+    switch_lead_s: float = 0.5,
+    progress_every_s: float = 1.0,
+    timeout_s: float | None = None,
+    out: Callable[[str], None] = print,
+) -> int:
+    """Run one elastic job to completion; returns the exit code."""
+    job = job or Path(script).stem
+    backend = open_backend(state_url) if state_url else None
+    spawner = LocalSpawner(script, args)
+    master = JobMaster(job, workers, backend=backend, spawner=spawner, switch_lead_s=switch_lead_s, max_workers=max_workers)
+    server = MasterServer(master).start()
+    spawner.master_url = server.url
+    jf = jobs_dir() / f"{job}.json"
+    jf.parent.mkdir(parents=True, exist_ok=True)
+    jf.write_text(json.dumps({"url": server.url, "pid": os.getpid(), "script": script}))
+    out(f"tidal run: job {job} master {server.url} workers {workers}")
+    master.spawned = workers
+    spawner([f"w{i}" for i in range(workers)])
+    t0 = time.time()
+    rc, last_print, failed = 0, 0.0, None
+    try:
+        while True:
+            time.sleep(0.1)
+            codes = spawner.poll()
+            failed = next((w for w, c in codes.items() if c not in (None, 0)), None)
+            if failed is not None:
+                out(f"tidal run: worker {failed} failed with exit code {codes[failed]}; stopping the job")
+                spawner.terminate()
+                rc = 1
+                break
+            if codes and all(c is not None for c in codes.values()):
+                break
+            if timeout_s is not None and time.time() - t0 > timeout_s:
+                out("tidal run: timeout; stopping the job")
+                spawner.terminate()
+                rc = 1
+                break
+            if time.time() - last_print >= progress_every_s:
+                last_print = time.time()
+                st = master.status()
+                if st.state != "forming":
+                    out(
+                        f"[{time.time() - t0:6.1f}s] step {st.step:5d} epoch {st.epoch} workers {st.world_size} "
+                        f"gen {st.gen} step_time {1e3 * st.step_time_s:6.1f} ms {st.state}"
+                        + (f" ({st.pending})" if st.pending else "")
+                    )
+    except KeyboardInterrupt:
+        spawner.terminate()
+        rc = 130
+    finally:
+        st = master.status()
+        server.stop()
+        jf.unlink(missing_ok=True)
+    if rc == 0 and st.state != "finished":
+        rc = 1
+    out(f"tidal run: summary: job {job} {st.state} after {time.time() - t0:.1f}s, {st.step} steps, "
+        f"epoch {st.epoch}, final workers {st.world_size}, {len(st.changes)} rescale(s)")
+    for c in st.changes:
+        out(f"  gen {c['gen']}: {c['kind']} {c['from_size']}->{c['to_size']} at step {c['switch_step']}, "
+            f"pause {1e3 * c['pause_s']:.1f} ms, {c['switched_at'] - c['requested_at']:.2f}s after request")
+    return rc
+
+
+def scale_job(job: str, workers: int, timeout_s: float = 120.0, wait: bool = True, out: Callable[[str], None] = print) -> int:
+    """Ask ``job``'s master for ``workers`` workers (retrying while another
+    change is in progress) and optionally wait until they run."""
+    c = MasterClient(resolve_master(job))
+    ans = c.scale_to(workers, timeout_s=timeout_s)
+    out(f"tidal scale: {ans.status}: {ans.message}")
+    if ans.status != "accepted":
+        return 1
+    if wait:
+        st = c.wait_for(workers, timeout_s=timeout_s)
+        out(f"tidal scale: job {st.job} at {st.world_size} workers, step {st.step} ({st.state})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tidal.runtime.launch")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--workers", "-n", type=int, default=2)
+    r.add_argument("--max-workers", type=int, default=None)
+    r.add_argument("--job", default=None)
+    r.add_argument("--state", default=None, help="master state backend URL (file://..., sqlite://...)")
+    r.add_argument("--switch-lead", type=float, default=0.5, help="T_a in seconds (EDL §4.2)")
+    r.add_argument("--timeout", type=float, default=None)
+    r.add_argument("script")
+    r.add_argument("args", nargs=argparse.REMAINDER)
+    s = sub.add_parser("scale")
+    s.add_argument("job")
+    s.add_argument("--workers", "-n", type=int, required=True)
+    s.add_argument("--timeout", type=float, default=120.0)
+    s.add_argument("--no-wait", action="store_true")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.cmd == "run":
+        return run_job(a.script, a.args, a.workers, max_workers=a.max_workers, job=a.job, state_url=a.state,
+                       switch_lead_s=a.switch_lead, timeout_s=a.timeout)
+    return scale_job(a.job, a.workers, timeout_s=a.timeout, wait=not a.no_wait)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,503 @@
+"""The job master (EDL's leader, Elan's application master), one per job.
+
+It owns membership, the rendezvous store (a torch ``TCPStore``; generation
+``g`` rendezvouses under the prefix ``tidal/<job>/g<g>/``), the last reported
+data cursor and step-time statistics, and the plan of the next change.
+Scaling requests are serialised: while a change is in progress every request
+gets a *retry* answer (EDL §3.1). The state is saved through a pluggable
+:class:`~tidal.runtime.persistence.StateBackend` after every transition so a
+restarted master resumes.
+
+Protocol (HTTP/1.1 + JSON on localhost, stdlib only; every answer is a JSON
+object, errors carry ``{"status": "error", "message": ...}``):
+
+Scheduler-facing
+  ``POST /scale_out {"n": int} | {"hosts": [str]}``  -> ScaleAnswer
+  ``POST /scale_in  {"n": int} | {"ranks": [int]}``  -> ScaleAnswer
+  ``GET  /status``                                   -> Status
+  ``POST /handover  {"url": str}``                   -> snapshot; the old
+  master then answers every request with ``{"status": "moved", "url": ...}``.
+Worker-facing
+  ``POST /register {"worker_id", "pid", "host"}`` -> store address
+  ``GET  /assignment?worker_id=W``   -> wait | assigned(Generation) | finished
+  ``POST /heartbeat Progress``       -> {"plan": Plan|null, "finished": bool}
+  ``POST /agreed {"gen", "switch_step"}``, ``POST /switched {"gen", "step",
+  "pause_s"}``, ``POST /left {"worker_id"}``, ``POST /done {"step", "cursor"}``
+  ``POST /shard/next|progress|complete|release`` (shard mode, EDL §4.3)
+
+Per-step traffic is one asynchronous heartbeat from rank 0 (a background
+thread), never on the training thread's critical path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+from urllib.parse import parse_qs, urlparse
+
+from tidal.runtime.data import ShardManager
+from tidal.runtime.messages import ChangeRecord, Generation, Plan, ScaleAnswer, Status
+from tidal.runtime.persistence import StateBackend
+
+log = logging.getLogger(__name__)
+
+Spawner = Callable[[list[str], "list[str] | None"], None]
+"""Starts worker processes with the given ids (optionally on given hosts)."""
+
+
+class JobMaster:
+    """Membership, generations and the plan of the next change.
+
+    ``spawner(ids, hosts)`` starts new workers for ``scale_out`` (the local
+    launcher passes one); without it, ``scale_out`` waits for workers started
+    elsewhere to register.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        initial_workers: int,
+        *,
+        store_host: str = "127.0.0.1",
+        store_port: int = 0,
+        backend: StateBackend | None = None,
+        spawner: Spawner | None = None,
+        switch_lead_s: float = 0.5,
+        join_timeout_s: float = 120.0,
+        resume: bool = False,
+        shard_manager: ShardManager | None = None,
+        max_workers: int | None = None,
+    ) -> None:
+        import torch.distributed as dist  # heavy import, only where needed
+
+        self.job = job
+        self.initial_workers = int(initial_workers)
+        self.backend = backend
+        self.spawner = spawner
+        self.switch_lead_s = float(switch_lead_s)  # T_a of EDL §4.2
+        self.join_timeout_s = float(join_timeout_s)
+        self.shards = shard_manager
+        self.max_workers = max_workers
+        self._lock = threading.RLock()
+        self.store = dist.TCPStore(
+            store_host, store_port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+        )
+        self.store_host, self.store_port = store_host, int(self.store.port)
+        self.url = ""
+        self.moved_to: str | None = None
+        # membership and progress
+        self.workers: dict[str, dict[str, Any]] = {}
+        self.queue: list[str] = []  # registered, not yet in any generation
+        self.gen: Generation | None = None
+        self.plan: Plan | None = None
+        self.change: dict[str, Any] | None = None
+        self.progress: dict[str, Any] = {"step": 0, "cursor": 0, "epoch": 0, "step_time_s": 0.0, "gen": 0}
+        self.changes: list[dict[str, Any]] = []
+        self.finished = False
+        self.spawned = 0
+        self.started_at = time.time()
+        if resume and backend is not None:
+            snap = backend.load()
+            if snap:
+                self._restore(snap)
+
+    # ------------------------------------------------------------------ persistence
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "job": self.job,
+                "initial_workers": self.initial_workers,
+                "workers": self.workers,
+                "queue": self.queue,
+                "gen": self.gen.to_json() if self.gen else None,
+                "plan": self.plan.to_json() if self.plan else None,
+                "change": self.change,
+                "progress": self.progress,
+                "changes": self.changes,
+                "finished": self.finished,
+                "spawned": self.spawned,
+                "shards": self.shards.snapshot() if self.shards else None,
+            }
+
+    def _restore(self, s: dict[str, Any]) -> None:
+        self.initial_workers = s["initial_workers"]
+        self.workers = s["workers"]
+        self.queue = s["queue"]
+        self.gen = Generation.from_json(s["gen"]) if s.get("gen") else None
+        self.plan = Plan.from_json(s["plan"]) if s.get("plan") else None
+        self.change = s.get("change")
+        self.progress = s["progress"]
+        self.changes = s["changes"]
+        self.finished = s["finished"]
+        self.spawned = s.get("spawned", 0)
+        log.info("master resumed at gen %s step %s", self.gen and self.gen.gen, self.progress.get("step"))
+
+    def _save(self) -> None:
+        if self.backend is not None:
+            self.backend.save(self.snapshot())
+
+    # ------------------------------------------------------------------ helpers
+    def _new_gen(self, members: list[str]) -> Generation:
+        g = (self.gen.gen if self.gen else 0) + 1
+        return Generation(g, tuple(members), self.store_host, self.store_port, f"tidal/{self.job}/g{g}/")
+
+    def _k(self) -> int:
+        st = float(self.progress.get("step_time_s") or 0.0)
+        return max(1, math.ceil(self.switch_lead_s / st)) if st > 0 else 1
+
+    def _publish(self, target: Generation, joiners: list[str], leavers: list[str], kind: str) -> None:
+        k = self._k()
+        self.plan = Plan(target, int(self.progress["step"]) + k, k, tuple(joiners), tuple(leavers), kind)
+        assert self.change is not None
+        self.change["status"] = "published"
+        self.change["published_at"] = time.time()
+        log.info("plan gen %d (%s) switch at step %d (k=%d)", target.gen, kind, self.plan.switch_step, k)
+
+    def _form_initial(self) -> None:
+        members = self.queue[: self.initial_workers]
+        self.queue = self.queue[self.initial_workers :]
+        self.gen = self._new_gen(members)
+        for w in members:
+            self.workers[w]["state"] = "active"
+        self.store.set(self.gen.prefix + "go", "go")
+        log.info("formed gen 1 with %s", members)
+
+    def _start_queued_change(self) -> None:
+        """Workers that registered on their own while no change was active
+        trigger a scale-out for themselves."""
+        if self.change is None and self.queue and self.gen is not None and not self.finished:
+            joiners, self.queue = list(self.queue), []
+            self.change = {"kind": "scale_out", "status": "waiting", "requested_at": time.time(), "expect": joiners, "joiners": joiners}
+            self._publish(self._new_gen(list(self.gen.members) + joiners), joiners, [], "scale_out")
+
+    def _check_timeout(self) -> None:
+        c = self.change
+        if c and c["status"] == "waiting" and time.time() - c["requested_at"] > self.join_timeout_s:
+            log.warning("scale-out abandoned: joiners %s did not register in time", set(c["expect"]) - set(c["joiners"]))
+            for w in c["joiners"]:
+                self.queue.append(w)
+            self.change = None
+            self._save()
+
+    # ------------------------------------------------------------------ scheduler API
+    def _busy(self) -> ScaleAnswer | None:
+        self._check_timeout()
+        if self.finished:
+            return ScaleAnswer("error", "job finished")
+        if self.gen is None:
+            return ScaleAnswer("retry", "job is forming", retry_after_s=0.5)
+        if self.change is not None:
+            return ScaleAnswer("retry", f"a {self.change['kind']} is in progress", retry_after_s=0.5)
+        return None
+
+    def scale_out(self, n: int | None = None, hosts: list[str] | None = None) -> ScaleAnswer:
+        """Add ``n`` workers (or one per host). New workers start and build
+        their model while the others keep training (EDL §4.2)."""
+        with self._lock:
+            busy = self._busy()
+            if busy:
+                return busy
+            count = len(hosts) if hosts else int(n or 0)
+            if count <= 0:
+                return ScaleAnswer("error", "scale_out needs n > 0 or hosts")
+            assert self.gen is not None
+            if self.max_workers is not None and self.gen.world_size + count > self.max_workers:
+                return ScaleAnswer("error", f"would exceed max workers {self.max_workers}")
+            ids = [f"w{self.spawned + i}" for i in range(count)]
+            self.spawned += count
+            self.change = {"kind": "scale_out", "status": "waiting", "requested_at": time.time(), "expect": ids, "joiners": []}
+            target = self.gen.world_size + count
+            self._save()
+        if self.spawner is not None:
+            try:
+                self.spawner(ids, hosts)
+            except Exception as e:  # noqa: BLE001
+                with self._lock:
+                    self.change = None
+                    self._save()
+                return ScaleAnswer("error", f"spawn failed: {e}")
+        return ScaleAnswer("accepted", f"starting {ids}", target_size=target)
+
+    def scale_in(self, n: int | None = None, ranks: list[int] | None = None) -> ScaleAnswer:
+        """Remove ``n`` workers (the highest ranks) or the given ranks; they
+        leave after the agreed switch step, the others do not stop."""
+        with self._lock:
+            busy = self._busy()
+            if busy:
+                return busy
+            assert self.gen is not None
+            members = list(self.gen.members)
+            if ranks:
+                if any(r < 0 or r >= len(members) for r in ranks):
+                    return ScaleAnswer("error", f"ranks {ranks} out of range for world size {len(members)}")
+                leavers = [members[r] for r in sorted(set(ranks))]
+            else:
+                count = int(n or 0)
+                if count <= 0:
+                    return ScaleAnswer("error", "scale_in needs n > 0 or ranks")
+                leavers = members[len(members) - count :]
+            stay = [w for w in members if w not in leavers]
+            if not stay:
+                return ScaleAnswer("error", "cannot remove every worker")
+            self.change = {"kind": "scale_in", "status": "waiting", "requested_at": time.time(), "expect": [], "joiners": []}
+            for w in leavers:
+                self.workers[w]["state"] = "leaving"
+            self._publish(self._new_gen(stay), [], leavers, "scale_in")
+            self._save()
+            return ScaleAnswer("accepted", f"removing {leavers}", target_size=len(stay))
+
+    def status(self) -> Status:
+        with self._lock:
+            self._check_timeout()
+            if self.finished:
+                state = "finished"
+            elif self.gen is None:
+                state = "forming"
+            elif self.change is not None:
+                state = "changing"
+            else:
+                state = "running"
+            return Status(
+                job=self.job,
+                state=state,
+                gen=self.gen.gen if self.gen else 0,
+                world_size=self.gen.world_size if self.gen else 0,
+                members=self.gen.members if self.gen else (),
+                step=int(self.progress["step"]),
+                cursor=int(self.progress["cursor"]),
+                epoch=int(self.progress["epoch"]),
+                step_time_s=float(self.progress["step_time_s"]),
+                changing=self.change is not None,
+                pending=None if self.change is None else f"{self.change['kind']}:{self.change['status']}",
+                changes=tuple(self.changes),
+                master_url=self.url,
+            )
+
+    def handover(self, url: str) -> dict[str, Any]:
+        """Hand the state to a master at ``url`` (e.g. because this host is
+        leaving); afterwards this master redirects every request there."""
+        with self._lock:
+            snap = self.snapshot()
+            self.moved_to = url
+            self._save()
+            return snap
+
+    # ------------------------------------------------------------------ worker API
+    def register(self, worker_id: str, pid: int = 0, host: str = "") -> dict[str, Any]:
+        with self._lock:
+            w = self.workers.setdefault(worker_id, {"state": "registered", "pid": pid, "host": host, "registered_at": time.time()})
+            w.update(pid=pid, host=host)
+            in_gen = self.gen is not None and worker_id in self.gen.members
+            if not in_gen and worker_id not in self.queue:
+                c = self.change
+                if c and c["kind"] == "scale_out" and c["status"] == "waiting" and worker_id in c["expect"]:
+                    c["joiners"].append(worker_id)
+                    if len(c["joiners"]) == len(c["expect"]):
+                        assert self.gen is not None
+                        self._publish(self._new_gen(list(self.gen.members) + c["joiners"]), c["joiners"], [], "scale_out")
+                else:
+                    self.queue.append(worker_id)
+                    if self.gen is None and len(self.queue) >= self.initial_workers:
+                        self._form_initial()
+                    else:
+                        self._start_queued_change()
+            self._save()
+            return {"status": "ok", "job": self.job, "store_host": self.store_host, "store_port": self.store_port}
+
+    def assignment(self, worker_id: str) -> dict[str, Any]:
+        with self._lock:
+            if self.finished:
+                return {"status": "finished"}
+            if self.plan is not None and worker_id in self.plan.joiners:
+                return {"status": "assigned", "generation": self.plan.target.to_json(), "joining": True}
+            if self.gen is not None and worker_id in self.gen.members:
+                return {"status": "assigned", "generation": self.gen.to_json(), "joining": False}
+            return {"status": "wait"}
+
+    def heartbeat(self, p: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            if self.gen is not None and int(p.get("gen", -1)) == self.gen.gen:
+                st = float(p.get("step_time_s") or 0.0)
+                self.progress.update(
+                    step=int(p["step"]), cursor=int(p["cursor"]), epoch=int(p["epoch"]), gen=int(p["gen"]), step_time_s=st
+                )
+            self._check_timeout()
+            return {
+                "plan": self.plan.to_json() if self.plan is not None else None,
+                "finished": self.finished,
+            }
+
+    def agreed(self, gen: int, switch_step: int) -> dict[str, Any]:
+        with self._lock:
+            if self.change is not None and self.plan is not None and self.plan.target.gen == gen:
+                self.change["status"] = "agreed"
+                self.change["agreed_step"] = int(switch_step)
+                self._save()
+            return {"status": "ok"}
+
+    def switched(self, gen: int, step: int, pause_s: float = 0.0) -> dict[str, Any]:
+        with self._lock:
+            if self.plan is None or self.plan.target.gen != gen:
+                return {"status": "ok"}
+            old = self.gen
+            plan = self.plan
+            self.gen, self.plan = plan.target, None
+            for w in plan.leavers:
+                self.workers[w]["state"] = "left"
+                if self.shards:
+                    self.shards.release(w)
+            for w in plan.joiners:
+                self.workers[w]["state"] = "active"
+            assert self.change is not None
+            rec = ChangeRecord(
+                gen=gen,
+                kind=plan.kind,
+                from_size=old.world_size if old else 0,
+                to_size=plan.target.world_size,
+                switch_step=int(step),
+                requested_at=float(self.change["requested_at"]),
+                switched_at=time.time(),
+                pause_s=float(pause_s),
+            )
+            self.changes.append(rec.__dict__)
+            self.change = None
+            self.progress.update(step=int(step), gen=gen)
+            log.info("switched to gen %d (%d workers) at step %d, pause %.1f ms", gen, plan.target.world_size, step, 1e3 * pause_s)
+            self._start_queued_change()
+            self._save()
+            return {"status": "ok"}
+
+    def left(self, worker_id: str) -> dict[str, Any]:
+        with self._lock:
+            if worker_id in self.workers:
+                self.workers[worker_id]["state"] = "left"
+            if self.shards:
+                self.shards.release(worker_id)
+            self._save()
+            return {"status": "ok"}
+
+    def done(self, step: int, cursor: int) -> dict[str, Any]:
+        with self._lock:
+            if not self.finished:
+                self.finished = True
+                self.progress.update(step=int(step), cursor=int(cursor))
+                if self.plan is not None:  # the job ended before the switch step
+                    self.store.set(self.plan.target.prefix + "go", "cancel")
+                self.plan, self.change = None, None
+                log.info("job finished at step %d", step)
+                self._save()
+            return {"status": "ok"}
+
+    # ------------------------------------------------------------------ shard mode
+    def shard_call(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        if self.shards is None:
+            return {"status": "error", "message": "shard mode not enabled"}
+        if op == "next":
+            sh = self.shards.next(body["worker_id"])
+            return {"status": "ok", "shard": sh.to_json() if sh else None}
+        if op == "progress":
+            self.shards.progress(int(body["shard_id"]), int(body["offset"]))
+        elif op == "complete":
+            self.shards.complete(int(body["shard_id"]))
+        elif op == "release":
+            self.shards.release(body["worker_id"])
+        else:
+            return {"status": "error", "message": f"unknown shard op {op}"}
+        return {"status": "ok"}
+
+
+# ====================================================================== HTTP server
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    master: JobMaster  # set on a subclass
+
+    def log_message(self, fmt: str, *args: Any) -> None:  # quiet
+        log.debug("http: " + fmt, *args)
+
+    def _send(self, code: int, obj: dict[str, Any]) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> dict[str, Any]:
+        n = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(n) or b"{}") if n else {}
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        m = self.master
+        u = urlparse(self.path)
+        q = {k: v[0] for k, v in parse_qs(u.query).items()}
+        try:
+            body = self._body() if method == "POST" else {}
+            if m.moved_to and u.path != "/handover":
+                return self._send(200, {"status": "moved", "url": m.moved_to})
+            p = u.path
+            if p == "/status":
+                return self._send(200, m.status().to_json())
+            if p in ("/scale_out", "/scale_in"):
+                if p == "/scale_out":
+                    ans = m.scale_out(n=body.get("n"), hosts=body.get("hosts"))
+                else:
+                    ans = m.scale_in(n=body.get("n"), ranks=body.get("ranks"))
+                code = {"accepted": 200, "retry": 409}.get(ans.status, 400)
+                return self._send(code, ans.to_json())
+            if p == "/handover":
+                return self._send(200, m.handover(body["url"]))
+            if p == "/register":
+                return self._send(200, m.register(body["worker_id"], int(body.get("pid", 0)), str(body.get("host", ""))))
+            if p == "/assignment":
+                return self._send(200, m.assignment(q.get("worker_id") or body["worker_id"]))
+            if p == "/heartbeat":
+                return self._send(200, m.heartbeat(body))
+            if p == "/agreed":
+                return self._send(200, m.agreed(int(body["gen"]), int(body["switch_step"])))
+            if p == "/switched":
+                return self._send(200, m.switched(int(body["gen"]), int(body["step"]), float(body.get("pause_s", 0.0))))
+            if p == "/left":
+                return self._send(200, m.left(body["worker_id"]))
+            if p == "/done":
+                return self._send(200, m.done(int(body["step"]), int(body["cursor"])))
+            if p.startswith("/shard/"):
+                return self._send(200, m.shard_call(p[len("/shard/") :], body))
+            return self._send(404, {"status": "error", "message": f"no route {p}"})
+        except Exception as e:  # noqa: BLE001
+            log.exception("master error on %s", self.path)
+            return self._send(500, {"status": "error", "message": repr(e)})
+
+
+class MasterServer:
+    """Serves a :class:`JobMaster` over HTTP on ``host:port`` (0 = any free)."""
+
+    def __init__(self, master: JobMaster, host: str = "127.0.0.1", port: int = 0) -> None:
+        handler = type("Handler", (_Handler,), {"master": master})
+        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self.master = master
+        self.url = f"http://{host}:{self.httpd.server_address[1]}"
+        master.url = self.url
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="tidal-master-http", daemon=True)
+
+    def start(self) -> "MasterServer":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -1,0 +1,160 @@
+"""Frozen messages exchanged between the job master and its workers.
+
+All messages are plain JSON on the wire (see :mod:`tidal.runtime.master` for the
+protocol); these dataclasses are the typed Python view of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+def _clean(d: dict[str, Any], cls: type) -> dict[str, Any]:
+    names = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+    return {k: v for k, v in d.items() if k in names}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One process-group generation: its members (worker ids in rank order) and
+    the store prefix its rendezvous uses (one TCPStore prefix per generation)."""
+
+    gen: int
+    members: tuple[str, ...]
+    store_host: str
+    store_port: int
+    prefix: str
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, worker_id: str) -> int:
+        return self.members.index(worker_id)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["members"] = list(self.members)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Generation":
+        d = _clean(d, cls)
+        d["members"] = tuple(d["members"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The next change (EDL §4.2): the target generation and the switch step
+    ``t_cur + k`` with ``k = ceil(T_a / T_step)``. ``joiners``/``leavers`` are
+    worker ids relative to the current generation."""
+
+    target: Generation
+    switch_step: int
+    k: int
+    joiners: tuple[str, ...] = ()
+    leavers: tuple[str, ...] = ()
+    kind: str = "scale_out"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "target": self.target.to_json(),
+            "switch_step": self.switch_step,
+            "k": self.k,
+            "joiners": list(self.joiners),
+            "leavers": list(self.leavers),
+            "kind": self.kind,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Plan":
+        return cls(
+            target=Generation.from_json(d["target"]),
+            switch_step=int(d["switch_step"]),
+            k=int(d["k"]),
+            joiners=tuple(d.get("joiners", ())),
+            leavers=tuple(d.get("leavers", ())),
+            kind=str(d.get("kind", "scale_out")),
+        )
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What rank 0 reports on its (asynchronous) heartbeat."""
+
+    gen: int
+    step: int
+    cursor: int
+    epoch: int
+    step_time_s: float
+    world_size: int
+
+
+@dataclass(frozen=True)
+class ChangeRecord:
+    """A finished change, for ``status()`` and the run summary."""
+
+    gen: int
+    kind: str
+    from_size: int
+    to_size: int
+    switch_step: int
+    requested_at: float
+    switched_at: float
+    pause_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Status:
+    """Snapshot returned by ``status()``."""
+
+    job: str
+    state: str  # "forming" | "running" | "changing" | "finished"
+    gen: int
+    world_size: int
+    members: tuple[str, ...]
+    step: int
+    cursor: int
+    epoch: int
+    step_time_s: float
+    changing: bool
+    pending: str | None
+    changes: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    master_url: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["members"] = list(self.members)
+        d["changes"] = list(self.changes)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Status":
+        d = _clean(d, cls)
+        d["members"] = tuple(d.get("members", ()))
+        d["changes"] = tuple(d.get("changes", ()))
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class ScaleAnswer:
+    """Answer to ``scale_out``/``scale_in``: ``accepted``, ``retry`` (a change
+    is in progress, EDL §3.1) or ``error``."""
+
+    status: str
+    message: str = ""
+    retry_after_s: float = 0.0
+    target_size: int = 0
+
+    @property
+    def accepted(self) -> bool:
+        return self.status == "accepted"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ScaleAnswer":
+        return cls(**_clean(d, cls))

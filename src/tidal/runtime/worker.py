@@ -1,0 +1,463 @@
+"""The worker side: :func:`init` and :class:`Job`.
+
+A training script adds a few lines (see ``examples/``)::
+
+    job = tidal.runtime.init()
+    job.register_state(model, optimizer)            # Elan's RegisterState
+    for x, y in job.data(dataset, batch_size=64, epochs=3):   # EDL's elastic_shard_generator
+        loss_fn(model(x), y).backward()
+        job.step()                                  # weighted all-reduce + optimizer step + boundary
+
+How a change happens without stopping (EDL §4.2, Elan §V-B):
+
+1. The master publishes a plan (target generation, switch step ``t_cur + k``).
+2. Rank 0 learns it on its asynchronous heartbeat and piggy-backs two numbers
+   (target generation, switch step) on the next gradient all-reduce, so every
+   rank agrees at the same step at no extra round trip; the effective switch
+   step is ``max(planned, t + 1)``.
+3. At that boundary leavers exit; survivors ``destroy_process_group`` and
+   ``init_process_group`` at the new size with the generation's store prefix
+   (same processes); newcomers, which were blocked on the generation's ``go``
+   key, join the rendezvous and receive the full state by broadcast from the
+   new rank 0 (always an existing worker).
+
+Strong scaling: each rank multiplies its gradient of the *mean* local loss by
+``b_r / B`` before the SUM all-reduce, so the update equals the fixed-size
+update for any split of the global batch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tidal.runtime.client import MasterClient
+from tidal.runtime.data import ElasticBatchIterator, StepSlice, default_collate
+from tidal.runtime.messages import Generation, Plan
+from tidal.runtime.scaling import BatchPolicy, make_policy
+from tidal.runtime.state import ElasticState, RescaleHook
+
+log = logging.getLogger(__name__)
+
+ENV_MASTER = "TIDAL_MASTER_URL"
+ENV_WORKER = "TIDAL_WORKER_ID"
+
+
+def _pctl(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+class Job:
+    """One worker's handle on the elastic job. Create with :func:`init`."""
+
+    def __init__(
+        self,
+        master_url: str | None,
+        worker_id: str,
+        *,
+        pg_timeout_s: float = 60.0,
+        join_timeout_s: float = 300.0,
+        heartbeat_interval_s: float = 0.02,
+    ) -> None:
+        self.worker_id = worker_id
+        self.client = MasterClient(master_url) if master_url else None
+        self.pg_timeout = datetime.timedelta(seconds=pg_timeout_s)
+        self.join_timeout_s = join_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.state: ElasticState | None = None
+        self.policy: BatchPolicy = make_policy("strong", 1)
+        self.global_batch_size = 1
+        self.hooks: list[RescaleHook] = []
+        self.gen: Generation | None = None
+        self.rank, self.world_size = 0, 1
+        self.cursor = 0  # the data state: one integer (global sample position)
+        self.step_count = 0
+        self.end_cursor: int | None = None
+        self.finished = False
+        self.left = False
+        self._started = False
+        self._data: ElasticBatchIterator | None = None
+        self._slice: StepSlice | None = None
+        self._stepped = True
+        self._seen_plan: Plan | None = None  # written by the heartbeat thread
+        self._agreed: tuple[Plan | None, int, int] | None = None  # (plan, gen, switch_step)
+        self._report_agreed: tuple[int, int] | None = None
+        self._stores: dict[tuple[str, int], Any] = {}
+        self._lr_applied = 1.0
+        # statistics
+        self.step_times: deque[float] = deque(maxlen=200)
+        self._last_step_end: float | None = None
+        self.step_ends: list[tuple[int, float, int]] = []  # (step, wall time at end, world size)
+        self.pauses: list[dict[str, Any]] = []
+        self.rtts_ms: list[float] = []
+        self.joined_at_step = 0
+        # heartbeat thread
+        self._hb_event = threading.Event()
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._store_addr: tuple[str, int] = ("", 0)
+
+    # ------------------------------------------------------------------ user API
+    def register_state(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any | None = None,
+        extras: dict[str, Any] | None = None,
+    ) -> ElasticState:
+        """Register what must survive a rescale (Elan's RegisterState)."""
+        self.state = ElasticState(model, optimizer, scheduler, extras)
+        return self.state
+
+    def register_hook(self, hook: RescaleHook) -> None:
+        """``hook(old_world, new_world)`` after each rescale (Elan's RegisterHook)."""
+        self.hooks.append(hook)
+
+    def data(
+        self,
+        dataset: Any,
+        batch_size: int,
+        epochs: int = 1,
+        seed: int = 0,
+        scaling: str | BatchPolicy = "strong",
+        collate_fn: Callable[[Sequence[Any]], Any] = default_collate,
+        **scaling_kw: Any,
+    ) -> ElasticBatchIterator:
+        """Elastic batch iterator over a map-style dataset (exactly once per
+        epoch). ``batch_size`` is the global batch for strong/hybrid scaling,
+        the local batch for weak scaling."""
+        self.policy = scaling if isinstance(scaling, BatchPolicy) else make_policy(scaling, batch_size, **scaling_kw)
+        self.global_batch_size = self.policy.batch
+        return ElasticBatchIterator(self, dataset, epochs, seed, collate_fn)
+
+    @property
+    def step_time_s(self) -> float:
+        return _pctl(list(self.step_times), 0.5)
+
+    @property
+    def epoch(self) -> int:
+        if self._slice is not None:
+            return self._slice.epoch
+        return self.cursor // self._data.n if self._data is not None and self._data.n else 0
+
+    def step(self, optimizer_step: bool = True) -> None:
+        """Mark the batch boundary (EDL's notify_batch_end): all-reduce the
+        gradients weighted by local batch size, step the optimizer, advance the
+        data cursor, and switch generations if this is the agreed step."""
+        if self._slice is None:
+            raise RuntimeError("job.step() called outside of a batch of job.data(...)")
+        if self.state is None:
+            raise RuntimeError("call job.register_state(model, optimizer) first")
+        sl = self._slice
+        self._allreduce(sl)
+        opt = self.state.optimizer
+        if optimizer_step and opt is not None:
+            self._apply_lr()
+            opt.step()
+            opt.zero_grad()
+        self.cursor = sl.epoch * self._data.n + sl.stop if self._data else self.cursor + sl.global_size
+        self.step_count += 1
+        self._slice = None
+        self._stepped = True
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            self.step_times.append(now - self._last_step_end)
+        self._last_step_end = now
+        self.step_ends.append((self.step_count, time.time(), self.world_size))
+        self._hb_event.set()
+
+    def close(self) -> None:
+        """Stop the heartbeat and leave the process group (idempotent)."""
+        self._hb_stop.set()
+        self._hb_event.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=5)
+            self._hb_thread = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "worker": self.worker_id,
+            "steps": self.step_count,
+            "cursor": self.cursor,
+            "left": self.left,
+            "step_time_s": self.step_time_s,
+            "pauses": self.pauses,
+            "coord_rtt_ms_p50": _pctl(self.rtts_ms, 0.5),
+            "coord_rtt_ms_p99": _pctl(self.rtts_ms, 0.99),
+            "heartbeats": len(self.rtts_ms),
+        }
+
+    # ------------------------------------------------------------------ iterator hooks
+    def _attach_data(self, it: ElasticBatchIterator) -> None:
+        self._data = it
+        self.end_cursor = it.end_cursor
+
+    def _ready_for_next_batch(self, it: ElasticBatchIterator) -> bool:
+        if not self._started:
+            self._start()
+        if self.finished or self.left:
+            return False
+        if not self._stepped:
+            raise RuntimeError("call job.step() once per batch")
+        if self.end_cursor is not None and self.cursor >= self.end_cursor:
+            self._finish()
+            return False
+        # The switch happens here, at the batch boundary after all of the
+        # user's per-step code (e.g. scheduler.step()) ran, so the state sent
+        # to newcomers is exactly the state the next step starts from.
+        if self._agreed is not None and self.step_count >= self._agreed[2]:
+            self._switch()
+            if self.left:
+                return False
+        return True
+
+    def _begin_batch(self, sl: StepSlice) -> None:
+        self._slice = sl
+        self._stepped = False
+
+    # ------------------------------------------------------------------ group management
+    def _store(self, host: str, port: int) -> Any:
+        key = (host, port)
+        if key not in self._stores:
+            self._stores[key] = dist.TCPStore(host, port, is_master=False, timeout=self.pg_timeout)
+        return self._stores[key]
+
+    def _init_group(self, g: Generation) -> None:
+        store = dist.PrefixStore(g.prefix, self._store(g.store_host, g.store_port))
+        dist.init_process_group("gloo", store=store, rank=g.rank_of(self.worker_id), world_size=g.world_size, timeout=self.pg_timeout)
+        self.gen, self.rank, self.world_size = g, g.rank_of(self.worker_id), g.world_size
+
+    def _sync_state(self) -> None:
+        """Broadcast the full state from the new rank 0 (an existing worker)."""
+        assert self.state is not None
+        payload = [None]
+        if self.rank == 0:
+            payload = [{
+                "state": self.state.state_dict(),
+                "cursor": self.cursor,
+                "step": self.step_count,
+                "policy": self.policy.state_dict(),
+                "lr_applied": self._lr_applied,
+            }]
+        dist.broadcast_object_list(payload, src=0)
+        if self.rank != 0:
+            p = payload[0]
+            assert p is not None
+            self.state.load_state_dict(p["state"])
+            self.cursor, self.step_count = int(p["cursor"]), int(p["step"])
+            self.policy.load_state_dict(p["policy"])
+            self.global_batch_size = self.policy.batch
+            self._lr_applied = float(p["lr_applied"])
+
+    def _start(self) -> None:
+        """Join the job: wait for a generation, rendezvous, receive state."""
+        self._started = True
+        if self.state is None:
+            raise RuntimeError("call job.register_state(model, optimizer) before iterating")
+        if self.client is None:  # local mode: a single process, no master
+            self.global_batch_size = self.policy.start(1)
+            return
+        # Register only now, when model and data pipeline are built: a newcomer
+        # is "ready" and the others have not waited for its imports (EDL §4.2).
+        info = self.client.post("/register", {"worker_id": self.worker_id, "pid": os.getpid(), "host": socket.gethostname()})
+        self._store_addr = (info["store_host"], int(info["store_port"]))
+        log.debug("worker %s registered (ready)", self.worker_id)
+        deadline = time.monotonic() + self.join_timeout_s
+        while True:
+            a = self.client.get("/assignment", worker_id=self.worker_id)
+            if a["status"] == "finished":
+                self.finished = True
+                return
+            if a["status"] == "assigned":
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self.worker_id} got no generation within {self.join_timeout_s}s")
+            time.sleep(0.01)
+        g = Generation.from_json(a["generation"])
+        log.debug("worker %s assigned to gen %d", self.worker_id, g.gen)
+        store = self._store(g.store_host, g.store_port)
+        while True:  # the generation's go key: set by the master (gen 1) or the old rank 0 at the switch
+            try:
+                store.wait([g.prefix + "go"], datetime.timedelta(seconds=1))
+                break
+            except Exception:  # noqa: BLE001 - timeout: is the job still alive?
+                if self.client.get("/assignment", worker_id=self.worker_id)["status"] == "finished" or time.monotonic() > deadline:
+                    self.finished = True
+                    return
+        if store.get(g.prefix + "go") == b"cancel":
+            self.finished = True
+            return
+        t0 = time.perf_counter()
+        log.debug("worker %s: go for gen %d", self.worker_id, g.gen)
+        self._init_group(g)
+        log.debug("worker %s: group formed", self.worker_id)
+        self._sync_state()
+        if a.get("joining"):
+            self.joined_at_step = self.step_count
+        else:
+            self.global_batch_size = self.policy.start(self.world_size)
+        log.info("worker %s joined gen %d as rank %d/%d at step %d (%.1f ms)", self.worker_id, g.gen, self.rank, self.world_size, self.step_count, 1e3 * (time.perf_counter() - t0))
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="tidal-heartbeat", daemon=True)
+        self._hb_thread.start()
+
+    def _switch(self) -> None:
+        assert self._agreed is not None and self.client is not None
+        plan, gen, switch_step = self._agreed
+        t0 = time.perf_counter()
+        wall0 = time.time()
+        if plan is None:  # only rank 0 holds the plan object; the others read it from the store
+            raw = self._store(*self._store_addr).get(f"tidal/plan/{gen}")
+            plan = Plan.from_json(json.loads(raw))
+        self._agreed = None
+        old_world = self.world_size
+        if self.worker_id in plan.leavers:
+            dist.destroy_process_group()
+            self.left = True
+            self.client.post("/left", {"worker_id": self.worker_id})
+            self.close()
+            log.info("worker %s left at step %d", self.worker_id, self.step_count)
+            return
+        g = plan.target
+        if g.rank_of(self.worker_id) == 0:
+            self._store(g.store_host, g.store_port).set(g.prefix + "go", "go")
+        dist.destroy_process_group()
+        log.debug("worker %s: destroyed old group", self.worker_id)
+        self._init_group(g)
+        log.debug("worker %s: new group formed", self.worker_id)
+        self.global_batch_size = self.policy.rescale(self.step_count, old_world, self.world_size)
+        if plan.joiners:
+            self._sync_state()
+        for h in self.hooks:
+            h(old_world, self.world_size)
+        pause = time.perf_counter() - t0
+        self.pauses.append({"gen": g.gen, "step": self.step_count, "from": old_world, "to": self.world_size, "pause_s": pause, "wall_start": wall0})
+        self._last_step_end = None  # do not count the switch in step-time statistics
+        if self.rank == 0:
+            self.client.post("/switched", {"gen": g.gen, "step": self.step_count, "pause_s": pause})
+        log.info("worker %s switched to gen %d rank %d/%d at step %d in %.1f ms", self.worker_id, g.gen, self.rank, self.world_size, self.step_count, 1e3 * pause)
+
+    def _finish(self) -> None:
+        self.finished = True
+        if self.client is not None and self.rank == 0:
+            self.client.post("/done", {"step": self.step_count, "cursor": self.cursor})
+        self.close()
+
+    # ------------------------------------------------------------------ gradients
+    def _allreduce(self, sl: StepSlice) -> None:
+        assert self.state is not None
+        params = [p for p in self.state.model.parameters() if p.requires_grad]
+        weight = sl.local_size / sl.global_size if sl.global_size else 0.0
+        # control slots piggy-backed on the gradient all-reduce: (target gen, switch step)
+        ctrl = (0.0, 0.0)
+        plan = self._seen_plan
+        if self.rank == 0 and plan is not None and self.gen is not None and plan.target.gen > self.gen.gen and self._agreed is None:
+            ctrl = (float(plan.target.gen), float(plan.switch_step))
+        distributed = dist.is_initialized() and self.world_size > 1
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        ctrl_dtype = torch.float64 if torch.float64 in by_dtype or not by_dtype else next(iter(by_dtype))
+        if ctrl_dtype not in (torch.float64, torch.float32):
+            ctrl_dtype = torch.float64
+            by_dtype.setdefault(torch.float64, [])
+        for dtype, ps in by_dtype.items():
+            parts = []
+            for p in ps:
+                if p.grad is None or sl.local_size == 0:
+                    parts.append(torch.zeros(p.numel(), dtype=dtype))
+                else:
+                    parts.append(p.grad.detach().reshape(-1) * weight)
+            if dtype == ctrl_dtype:
+                parts.append(torch.tensor(ctrl, dtype=dtype))
+            buf = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+            if distributed:
+                dist.all_reduce(buf)
+            off = 0
+            for p in ps:
+                n = p.numel()
+                g = buf[off : off + n].view_as(p)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+                off += n
+            if dtype == ctrl_dtype:
+                gen_c, step_c = int(round(buf[-2].item())), int(round(buf[-1].item()))
+                if gen_c > 0 and self._agreed is None:
+                    switch = max(step_c, self.step_count + 1)
+                    self._agreed = (plan if self.rank == 0 else None, gen_c, switch)
+                    if self.rank == 0:
+                        self._report_agreed = (gen_c, switch)
+                        self._hb_event.set()
+
+    def _apply_lr(self) -> None:
+        f = self.policy.lr_factor(self.step_count)
+        if f != self._lr_applied and self.state is not None and self.state.optimizer is not None:
+            for group in self.state.optimizer.param_groups:
+                group["lr"] = group["lr"] * f / self._lr_applied
+            self._lr_applied = f
+
+    # ------------------------------------------------------------------ heartbeat (off the critical path)
+    def _heartbeat_loop(self) -> None:
+        assert self.client is not None
+        last = 0.0
+        while not self._hb_stop.is_set():
+            self._hb_event.wait(timeout=0.5)
+            self._hb_event.clear()
+            if self._hb_stop.is_set():
+                break
+            if self.rank != 0 or self.gen is None:
+                continue
+            wait = self.heartbeat_interval_s - (time.perf_counter() - last)
+            if wait > 0:
+                time.sleep(wait)
+            try:
+                if self._report_agreed is not None:
+                    gen, s = self._report_agreed
+                    self._report_agreed = None
+                    self.client.post("/agreed", {"gen": gen, "switch_step": s})
+                t = time.perf_counter()
+                resp = self.client.post("/heartbeat", {
+                    "gen": self.gen.gen, "step": self.step_count, "cursor": self.cursor,
+                    "epoch": self.epoch, "step_time_s": self.step_time_s, "world_size": self.world_size,
+                })
+                last = time.perf_counter()
+                self.rtts_ms.append(1e3 * (last - t))
+            except Exception as e:  # noqa: BLE001
+                log.warning("heartbeat failed: %s", e)
+                continue
+            p = resp.get("plan")
+            if p is not None:
+                plan = Plan.from_json(p)
+                seen = self._seen_plan
+                if plan.target.gen > self.gen.gen and (seen is None or seen.target.gen != plan.target.gen):
+                    # make the plan readable by the other ranks before it is piggy-backed
+                    self._store(*self._store_addr).set(f"tidal/plan/{plan.target.gen}", json.dumps(p))
+                    self._seen_plan = plan
+
+
+def init(master_url: str | None = None, worker_id: str | None = None, **kw: Any) -> Job:
+    """Connect this process to its job master (``$TIDAL_MASTER_URL``, set by
+    ``tidal run``) and register. Without a master the job runs as a single
+    local worker, so the same script also runs with plain ``python``."""
+    lvl = os.environ.get("TIDAL_LOG_LEVEL")
+    if lvl:
+        logging.basicConfig(level=lvl.upper(), format="%(asctime)s %(process)d %(name)s: %(message)s")
+    url = master_url or os.environ.get(ENV_MASTER)
+    wid = worker_id or os.environ.get(ENV_WORKER) or f"local-{os.getpid()}"
+    return Job(url, wid, **kw)

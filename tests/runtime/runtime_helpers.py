@@ -1,0 +1,64 @@
+"""Shared helpers for the runtime tests (not collected by pytest)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+TRAIN = HERE / "elastic_train.py"
+REPO = HERE.parent.parent
+
+
+def env(tidal_home: Path) -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TIDAL_HOME=str(tidal_home), PYTHONUNBUFFERED="1")
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(HERE), e.get("PYTHONPATH", "")])
+    return e
+
+
+def launch(job: str, workers: int, out: Path, home: Path, *script_args: str, timeout: float = 150) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "tidal.runtime.launch", "run", "--workers", str(workers), "--job", job,
+           "--timeout", str(timeout), str(TRAIN), "--out", str(out), *script_args]
+    return subprocess.Popen(cmd, env=env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def master_url(job: str, home: Path, proc: subprocess.Popen[str], timeout: float = 30) -> str:
+    f = home / "jobs" / f"{job}.json"
+    deadline = time.monotonic() + timeout
+    while not f.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"launcher did not start: {proc.stdout.read() if proc.stdout else ''}")
+        time.sleep(0.05)
+    return json.loads(f.read_text())["url"]
+
+
+def read_steps(out: Path) -> dict[str, list[dict[str, Any]]]:
+    return {p.stem[len("steps-"):]: [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+            for p in sorted(out.glob("steps-*.jsonl"))}
+
+
+def check_exactly_once(steps: dict[str, list[dict[str, Any]]], n: int, batch: int, epochs: int) -> int:
+    """Every index of every epoch used exactly once; every step's shares add up
+    to the global batch. Returns the number of global steps seen."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for recs in steps.values():
+        for r in recs:
+            by_step.setdefault(r["step"], []).append(r)
+    per_epoch: dict[int, list[int]] = {e: [] for e in range(epochs)}
+    for s, recs in sorted(by_step.items()):
+        worlds = {r["world"] for r in recs}
+        assert len(worlds) == 1 and len(recs) == worlds.pop(), f"step {s}: inconsistent group {recs}"
+        assert sorted(r["rank"] for r in recs) == list(range(len(recs))), f"step {s}: ranks {recs}"
+        for r in recs:
+            per_epoch[r["epoch"]].extend(r["idx"])
+    for e, idx in per_epoch.items():
+        assert len(idx) == n and sorted(idx) == list(range(n)), f"epoch {e}: {len(idx)} indices, {len(set(idx))} distinct"
+    steps_per_epoch = -(-n // batch)
+    assert sorted(by_step) == list(range(epochs * steps_per_epoch))
+    return len(by_step)
