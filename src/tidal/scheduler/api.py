@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 from tidal.core.job import JobSpec, JobState
 from tidal.core.overhead import OverheadModel
@@ -23,11 +23,12 @@ from tidal.core.profile import ThroughputProfile
 from tidal.core.topology import Cluster
 
 EMPTY: Mapping[str, Any] = MappingProxyType({})
+_RUNNING = frozenset({JobState.RUNNING, JobState.RESIZING})
 
 
-@dataclass(frozen=True)
-class JobView:
-    """One job as the policy sees it at ``Snapshot.now``."""
+class JobView(NamedTuple):
+    """One job as the policy sees it at ``Snapshot.now`` (immutable; a named
+    tuple because the simulator builds hundreds of thousands of them)."""
 
     spec: JobSpec
     state: JobState
@@ -37,7 +38,7 @@ class JobView:
     executed: float = 0.0  # wall seconds spent running
     waiting_since: float = 0.0  # when it last became pending
     admitted: bool = False
-    tags: Mapping[str, Any] = field(default_factory=lambda: EMPTY)
+    tags: Mapping[str, Any] = EMPTY
 
     @property
     def job_id(self) -> str:
@@ -53,7 +54,7 @@ class JobView:
 
     @property
     def running(self) -> bool:
-        return self.state in (JobState.RUNNING, JobState.RESIZING)
+        return self.state in _RUNNING
 
 
 @dataclass(frozen=True)

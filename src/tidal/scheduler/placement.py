@@ -20,11 +20,15 @@ from tidal.scheduler.api import Snapshot
 class FreeMap:
     """Free GPUs per node, for best-fit searches."""
 
-    def __init__(self, cluster: Cluster, free: set[int]) -> None:
+    def __init__(self, cluster: Cluster, used: set[int]) -> None:
         self.cluster = cluster
         self.by_node: dict[int, list[int]] = defaultdict(list)
-        for g in sorted(free):
-            self.by_node[cluster.node_of(g)].append(g)
+        per = cluster.gpus_per_node
+        for node in range(cluster.num_nodes):
+            base = node * per
+            free = [g for g in range(base, base + per) if g not in used]
+            if free:
+                self.by_node[node] = free
 
     def total(self) -> int:
         return sum(len(v) for v in self.by_node.values())
@@ -93,11 +97,16 @@ class FreeMap:
 def place_consolidated(snap: Snapshot, allocation: dict[str, int]) -> dict[str, tuple[int, ...]]:
     c = snap.cluster
     current = {j.job_id: j.gpus for j in snap.jobs if j.gpus}
+    if all(len(current.get(jid, ())) == n for jid, n in allocation.items() if n > 0) and all(
+        allocation.get(jid, 0) in (0, len(g)) for jid, g in current.items()
+    ):
+        # nothing grows, shrinks or starts: keep every placement
+        return {jid: current[jid] for jid, n in allocation.items() if n > 0}
     placement: dict[str, tuple[int, ...]] = {}
-    free = set(c.all_gpus)
-    for jid, gpus in current.items():
-        free.difference_update(gpus)
-    fmap = FreeMap(c, free)
+    used: set[int] = set()
+    for gpus in current.values():
+        used.update(gpus)
+    fmap = FreeMap(c, used)
     # 1. release: preempted jobs, then shrinking jobs give back least-used nodes
     for jid, gpus in current.items():
         want = allocation.get(jid, 0)

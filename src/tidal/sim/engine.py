@@ -62,15 +62,15 @@ class SimJob:
 
     def view(self) -> JobView:
         return JobView(
-            spec=self.spec,
-            state=self.state,
-            gpus=self.gpus,
-            done=self.done,
-            attained=self.attained,
-            executed=self.executed,
-            waiting_since=self.waiting_since,
-            admitted=self.admitted,
-            tags=MappingProxyType(dict(self.tags)) if self.tags else EMPTY,
+            self.spec,
+            self.state,
+            self.gpus,
+            self.done,
+            self.attained,
+            self.executed,
+            self.waiting_since,
+            self.admitted,
+            MappingProxyType(dict(self.tags)) if self.tags else EMPTY,
         )
 
 
@@ -165,6 +165,17 @@ class Simulator:
         segs = job.segments
         n = len(job.gpus)
         t0 = job.last_t
+        dt = t - t0
+        if len(segs) == 1 and segs[0][0] <= t0:
+            rate = segs[0][1]
+            job.done += rate * dt
+            job.overhead_gpu_s += segs[0][2] * dt
+            self.useful += rate / job.single_rate * dt
+            job.attained += n * dt
+            job.executed += dt
+            job.gpu_seconds += n * dt
+            job.last_t = t
+            return
         for i, (start, rate, idle) in enumerate(segs):
             end = segs[i + 1][0] if i + 1 < len(segs) else math.inf
             a, b = max(start, t0), min(end, t)
@@ -175,7 +186,6 @@ class Simulator:
         # keep only the segment in force at t and later ones
         while len(segs) > 1 and segs[1][0] <= t:
             segs.pop(0)
-        dt = t - t0
         job.attained += n * dt
         job.executed += dt
         job.gpu_seconds += n * dt
@@ -403,29 +413,41 @@ class Simulator:
         return job.segments[-1][1] if job.segments else 0.0
 
     def _check(self, plan: Plan) -> None:
-        seen: dict[int, str] = {}
+        """Validate the jobs whose GPUs change; unchanged ones were checked when
+        they got them. A new GPU must be free now or held by a job that gives
+        it up in this plan, and no two changing jobs may take the same GPU."""
+        taken: dict[int, str] = {}
         total = self.cluster.num_gpus
+        keeps = {jid for jid, n in plan.allocation.items() if n > 0}
         for jid, n in plan.allocation.items():
             if n <= 0:
                 continue
             job = self.jobs.get(jid)
             if job is None or jid not in self.active:
                 raise PolicyError(f"allocation for unknown or finished job {jid}")
+            gpus = plan.placement.get(jid)
+            if gpus is None or len(gpus) != n or len(set(gpus)) != n:
+                raise PolicyError(f"placement of {jid} does not match its allocation {n}")
+            if job.gpus and (gpus is job.gpus or tuple(sorted(gpus)) == job.gpus):
+                continue
             if not job.admitted:
                 raise PolicyError(f"allocation for job {jid} that was never admitted")
             if not job.spec.can_run_at(n):
                 raise PolicyError(f"job {jid} cannot run at {n} GPUs")
-            gpus = plan.placement.get(jid)
-            if gpus is None or len(gpus) != n or len(set(gpus)) != n:
-                raise PolicyError(f"placement of {jid} does not match its allocation {n}")
             for g in gpus:
                 if not 0 <= g < total:
                     raise PolicyError(f"GPU {g} of {jid} is not in the cluster")
-                if g in seen:
-                    raise PolicyError(f"GPU {g} placed for both {seen[g]} and {jid}")
-                seen[g] = jid
+                if g in taken:
+                    raise PolicyError(f"GPU {g} placed for both {taken[g]} and {jid}")
+                taken[g] = jid
             if self._rate(job, tuple(gpus)) <= 0:
                 raise PolicyError(f"job {jid} has zero throughput at {n} GPUs")
+        for g, jid in taken.items():
+            holder = self.owner.get(g)
+            if holder is not None and holder != jid and holder in keeps:
+                held = plan.placement.get(holder, ())
+                if g in held:
+                    raise PolicyError(f"GPU {g} placed for both {holder} and {jid}")
 
 
 def simulate(
