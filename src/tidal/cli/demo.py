@@ -7,6 +7,7 @@ profiles, and says so.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -29,7 +30,7 @@ def demo(
     from tidal.sim.metrics import summarize, write_outputs
     from tidal.sim.traces import poisson_jobs
 
-    con = Console()
+    con = Console(width=None if sys.stdout.isatty() else 160)
     con.print(
         "[bold]Tidal demo[/] — simulation mode: the live cluster (server + agents) is not built yet,\n"
         "so this runs every built-in policy on a synthetic Poisson workload in the simulator."

@@ -154,5 +154,7 @@ def simulate(
             obj.update({k: v for k, v in s.items() if k not in obj})
             print(json.dumps(obj))
     else:
-        Console().print(results_table(summaries, f"{tr.source} on {topo.name}"))
+        Console(width=None if sys.stdout.isatty() else 160).print(
+            results_table(summaries, f"{tr.source} on {topo.name}")
+        )
     err.print(f"wrote {out_dir}/ (summary.json, *_jobs.csv, {paths['utilization'].name}, {paths['jct_cdf'].name})")
