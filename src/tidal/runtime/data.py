@@ -231,8 +231,52 @@ class ShardManager:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {
+                "n": self.n,
+                "shard_size": self.shard_size,
+                "epochs": self.epochs,
                 "epoch": self.epoch,
                 "todo": [s.to_json() for s in self.todo],
                 "doing": {str(k): [w, s.to_json()] for k, (w, s) in self.doing.items()},
                 "done": [s.to_json() for s in self.done],
             }
+
+    @classmethod
+    def from_snapshot(cls, d: dict[str, Any]) -> "ShardManager":
+        m = cls(int(d["n"]), int(d["shard_size"]), int(d["epochs"]))
+        m.epoch = int(d["epoch"])
+        m.todo = [Shard.from_json(x) for x in d["todo"]]
+        m.doing = {int(k): (w, Shard.from_json(x)) for k, (w, x) in d["doing"].items()}
+        m.done = [Shard.from_json(x) for x in d["done"]]
+        return m
+
+
+class ShardReader:
+    """Worker side of shard mode: iterate ``(shard, start, stop)`` chunks of
+    the shards the master hands out, reporting the offset after each chunk
+    (EDL §4.3). Call :meth:`release` when leaving so a partial shard goes back
+    to TODO at its offset."""
+
+    def __init__(self, client: Any, worker_id: str, chunk: int) -> None:
+        self.client, self.worker_id, self.chunk = client, worker_id, int(chunk)
+        self._last: tuple[int, int] | None = None  # (shard id, end of the last chunk handed out)
+
+    def __iter__(self) -> Iterator[tuple[Shard, int, int]]:
+        while True:
+            r = self.client.post("/shard/next", {"worker_id": self.worker_id})
+            if r.get("shard") is None:
+                return
+            sh = Shard.from_json(r["shard"])
+            for lo in range(sh.offset, sh.stop, self.chunk):
+                hi = min(lo + self.chunk, sh.stop)
+                self._last = (sh.shard_id, hi)
+                yield sh, lo, hi
+                self.client.post("/shard/progress", {"shard_id": sh.shard_id, "offset": hi})
+            self.client.post("/shard/complete", {"shard_id": sh.shard_id})
+            self._last = None
+
+    def release(self) -> None:
+        """Leave: the last chunk handed out counts as consumed."""
+        if self._last is not None:
+            self.client.post("/shard/progress", {"shard_id": self._last[0], "offset": self._last[1]})
+            self._last = None
+        self.client.post("/shard/release", {"worker_id": self.worker_id})

@@ -156,7 +156,11 @@ def run_job(
 def scale_job(job: str, workers: int, timeout_s: float = 120.0, wait: bool = True, out: Callable[[str], None] = print) -> int:
     """Ask ``job``'s master for ``workers`` workers (retrying while another
     change is in progress) and optionally wait until they run."""
-    c = MasterClient(resolve_master(job))
+    try:
+        c = MasterClient(resolve_master(job))
+    except FileNotFoundError as e:
+        out(f"tidal scale: {e}")
+        return 2
     ans = c.scale_to(workers, timeout_s=timeout_s)
     out(f"tidal scale: {ans.status}: {ans.message}")
     if ans.status != "accepted":

@@ -107,6 +107,13 @@ class JobMaster:
             if snap:
                 self._restore(snap)
 
+    @classmethod
+    def from_snapshot(cls, snap: dict[str, Any], **kw: Any) -> "JobMaster":
+        """A master that continues from another's snapshot (restart or handover)."""
+        m = cls(snap["job"], snap["initial_workers"], **kw)
+        m._restore(snap)
+        return m
+
     # ------------------------------------------------------------------ persistence
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -136,6 +143,8 @@ class JobMaster:
         self.changes = s["changes"]
         self.finished = s["finished"]
         self.spawned = s.get("spawned", 0)
+        if s.get("shards"):
+            self.shards = ShardManager.from_snapshot(s["shards"])
         log.info("master resumed at gen %s step %s", self.gen and self.gen.gen, self.progress.get("step"))
 
     def _save(self) -> None:
@@ -400,6 +409,8 @@ class JobMaster:
             return {"status": "error", "message": "shard mode not enabled"}
         if op == "next":
             sh = self.shards.next(body["worker_id"])
+            with self._lock:
+                self._save()
             return {"status": "ok", "shard": sh.to_json() if sh else None}
         if op == "progress":
             self.shards.progress(int(body["shard_id"]), int(body["offset"]))
@@ -409,6 +420,8 @@ class JobMaster:
             self.shards.release(body["worker_id"])
         else:
             return {"status": "error", "message": f"unknown shard op {op}"}
+        with self._lock:
+            self._save()  # shard offsets survive a master restart
         return {"status": "ok"}
 
 

@@ -321,7 +321,9 @@ class Job:
         t0 = time.perf_counter()
         wall0 = time.time()
         if plan is None:  # only rank 0 holds the plan object; the others read it from the store
-            raw = self._store(*self._store_addr).get(f"tidal/plan/{gen}")
+            assert self.gen is not None
+            host, port = self.gen.store_host, self.gen.store_port
+            raw = self._store(host, port).get(f"tidal/plan/{gen}")
             plan = Plan.from_json(json.loads(raw))
         self._agreed = None
         old_world = self.world_size
@@ -447,7 +449,7 @@ class Job:
                 seen = self._seen_plan
                 if plan.target.gen > self.gen.gen and (seen is None or seen.target.gen != plan.target.gen):
                     # make the plan readable by the other ranks before it is piggy-backed
-                    self._store(*self._store_addr).set(f"tidal/plan/{plan.target.gen}", json.dumps(p))
+                    self._store(self.gen.store_host, self.gen.store_port).set(f"tidal/plan/{plan.target.gen}", json.dumps(p))
                     self._seen_plan = plan
 
 

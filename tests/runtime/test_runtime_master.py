@@ -1,0 +1,154 @@
+"""The job master alone (no training processes): serialised scaling with a
+retry answer during a change, plans with the switch step t_cur + k, the HTTP
+protocol and its client, resume from saved state, and handover."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tidal.runtime.client import MasterClient
+from tidal.runtime.data import ShardManager, ShardReader
+from tidal.runtime.master import JobMaster, MasterServer
+from tidal.runtime.messages import Plan
+from tidal.runtime.persistence import open_backend
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def formed(n: int = 2, **kw: object) -> JobMaster:
+    m = JobMaster("j", n, **kw)  # type: ignore[arg-type]
+    for i in range(n):
+        m.register(f"w{i}")
+    m.spawned = n
+    return m
+
+
+def test_forming_then_running() -> None:
+    m = JobMaster("j", 2)
+    m.register("w0")
+    assert m.status().state == "forming" and m.assignment("w0")["status"] == "wait"
+    assert m.scale_out(1).status == "retry"
+    m.register("w1")
+    st = m.status()
+    assert st.state == "running" and st.world_size == 2 and st.members == ("w0", "w1")
+    assert m.store.get(m.gen.prefix + "go") == b"go"  # type: ignore[union-attr]
+
+
+def test_scale_out_plan_uses_k_from_step_time_and_requests_are_serialised() -> None:
+    spawned: list[list[str]] = []
+    m = formed(2, spawner=lambda ids, hosts: spawned.append(ids), switch_lead_s=0.5)
+    m.heartbeat({"gen": 1, "step": 40, "cursor": 40 * 32, "epoch": 0, "step_time_s": 0.12, "world_size": 2})
+    ans = m.scale_out(2)
+    assert ans.accepted and ans.target_size == 4 and spawned == [["w2", "w3"]]
+    # a second request while the newcomers start gets "retry" (EDL §3.1)
+    assert m.scale_in(1).status == "retry" and m.scale_out(1).status == "retry"
+    assert m.heartbeat({"gen": 1, "step": 41, "cursor": 0, "epoch": 0, "step_time_s": 0.12})["plan"] is None
+    m.register("w2")
+    assert m.assignment("w2")["status"] == "wait"  # not published until every joiner is ready
+    m.register("w3")
+    plan = Plan.from_json(m.heartbeat({"gen": 1, "step": 41, "cursor": 0, "epoch": 0, "step_time_s": 0.12})["plan"])
+    assert plan.k == 5 and plan.switch_step == 41 + 5  # k = ceil(0.5 / 0.12)
+    assert plan.target.members == ("w0", "w1", "w2", "w3") and plan.joiners == ("w2", "w3")
+    assert m.assignment("w3")["joining"] is True
+    assert m.scale_in(1).status == "retry"
+    m.switched(2, 46, 0.01)
+    st = m.status()
+    assert st.state == "running" and st.world_size == 4 and st.gen == 2
+    assert st.changes[0]["from_size"] == 2 and st.changes[0]["to_size"] == 4
+
+
+def test_scale_in_by_ranks_keeps_an_existing_rank_0() -> None:
+    m = formed(3)
+    assert m.scale_in(ranks=[0]).accepted
+    plan = m.plan
+    assert plan is not None and plan.leavers == ("w0",) and plan.target.members == ("w1", "w2")
+    assert m.status().changing
+    m.switched(2, 10)
+    assert m.scale_in(2).status == "error"  # cannot remove every worker
+    assert m.scale_in(ranks=[5]).status == "error"
+    assert m.scale_in(1).accepted and m.plan is not None and m.plan.leavers == ("w2",)
+
+
+def test_max_workers_and_join_timeout() -> None:
+    m = formed(2, max_workers=3, join_timeout_s=0.0)
+    assert m.scale_out(2).status == "error"
+    assert m.scale_out(1).accepted
+    assert m.status().state == "running"  # nobody registered in time: the change is abandoned
+    assert m.scale_out(1).accepted
+
+
+def test_done_cancels_a_pending_switch() -> None:
+    m = formed(2)
+    m.scale_out(1)
+    m.register("w2")
+    assert m.plan is not None
+    prefix = m.plan.target.prefix
+    m.done(100, 3200)
+    assert m.status().state == "finished" and m.assignment("w2")["status"] == "finished"
+    assert m.store.get(prefix + "go") == b"cancel"
+    assert m.scale_out(1).status == "error"
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite"])
+def test_restarted_master_resumes(tmp_path: Path, kind: str) -> None:
+    url = f"{kind}://{tmp_path / 'master'}"
+    m = formed(2, backend=open_backend(url), shard_manager=ShardManager(100, 25))
+    m.heartbeat({"gen": 1, "step": 7, "cursor": 224, "epoch": 0, "step_time_s": 0.1})
+    m.scale_in(1)
+    m.switched(2, 9)
+    m.shard_call("next", {"worker_id": "w0"})
+    before = m.status()
+    m2 = JobMaster("j", 2, backend=open_backend(url), resume=True)
+    after = m2.status()
+    assert (after.gen, after.members, after.step, after.state, after.changes) == (
+        before.gen, before.members, before.step, before.state, before.changes)
+    assert m2.shards is not None and m2.shards.snapshot() == m.shards.snapshot()  # type: ignore[union-attr]
+    assert m2.scale_out(1).accepted and m2.spawned == 3  # worker ids are not reused
+
+
+def test_http_protocol_client_retry_and_handover() -> None:
+    m1 = formed(2)
+    s1 = MasterServer(m1).start()
+    try:
+        c = MasterClient(s1.url, patience_s=5)
+        st = c.status()
+        assert st.world_size == 2 and st.master_url == s1.url
+        assert c.scale_out(1).accepted
+        code, body = c.request("POST", "/scale_in", {"n": 1})
+        assert code == 409 and body["status"] == "retry"
+        assert c.request("GET", "/nope")[0] == 404
+        # the master's host leaves: hand the state to a new master, clients follow
+        m2 = JobMaster.from_snapshot(c.post("/handover", {"url": "http://placeholder"}))
+        s2 = MasterServer(m2).start()
+        try:
+            m1.moved_to = s2.url
+            st2 = c.status()
+            assert c.url == s2.url and st2.master_url == s2.url
+            assert (st2.gen, st2.members, st2.changing) == (st.gen, st.members, True)
+            m2.register("w2")  # the pending scale-out completes on the new master
+            assert m2.plan is not None and m2.plan.target.store_port == m2.store_port
+        finally:
+            s2.stop()
+    finally:
+        s1.stop()
+
+
+def test_shard_mode_over_http_exactly_once() -> None:
+    m = formed(2, shard_manager=ShardManager(n=200, shard_size=50))
+    s = MasterServer(m).start()
+    try:
+        c = MasterClient(s.url, patience_s=5)
+        a, b = ShardReader(c, "w0", chunk=20), ShardReader(c, "w1", chunk=20)
+        got: list[int] = []
+        ita = iter(a)
+        for _ in range(2):  # w0 reads two chunks of its shard, then leaves
+            _, lo, hi = next(ita)
+            got += range(lo, hi)
+        a.release()
+        for _, lo, hi in b:
+            got += range(lo, hi)
+        assert sorted(got) == list(range(200))
+    finally:
+        s.stop()
