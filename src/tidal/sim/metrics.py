@@ -181,21 +181,25 @@ def _matplotlib():
 
 
 def plot_utilization(results: Iterable[SimResult], path: Path) -> None:
-    """GPUs allocated over time (fraction of the cluster), one line per policy."""
+    """GPUs allocated over time (fraction of the cluster): one panel per policy,
+    sharing the time axis, so overlapping curves stay readable."""
     plt = _matplotlib()
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for r in results:
-        if not r.timeline:
-            continue
+    results = [r for r in results if r.timeline]
+    if not results:
+        return
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 1.3 + 1.2 * len(results)), sharex=True, squeeze=False)
+    for ax, r in zip(axes[:, 0], results):
         ts = [(t - r.start) / 3600 for t, _ in r.timeline] + [(r.end - r.start) / 3600]
         us = [u / r.cluster.num_gpus for _, u in r.timeline]
         us.append(us[-1])
-        ax.step(ts, us, where="post", label=r.policy, linewidth=0.8)
-    ax.set_xlabel("hours since first submission")
-    ax.set_ylabel("GPUs allocated (fraction)")
-    ax.set_ylim(0, 1.05)
-    ax.set_title("Cluster utilisation over time")
-    ax.legend(loc="upper right", fontsize="small")
+        ax.fill_between(ts, us, step="post", alpha=0.35)
+        ax.step(ts, us, where="post", linewidth=0.7)
+        avg = r.busy_gpu_s / (r.cluster.num_gpus * max(r.end - r.start, 1e-9))
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel(r.policy, rotation=0, ha="right", va="center")
+        ax.text(0.995, 0.9, f"mean {100 * avg:.1f}%", transform=ax.transAxes, ha="right", va="top", fontsize="small")
+    axes[-1, 0].set_xlabel("hours since first submission")
+    fig.suptitle(f"GPUs allocated (fraction of {results[0].cluster.num_gpus})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
