@@ -176,3 +176,28 @@ def test_drop_job_larger_than_cluster(toy_profiles):
     assert by["big"].state is JobState.DROPPED and "16" in by["big"].drop_reason
     assert by["ok"].state is JobState.COMPLETED
     assert summarize(r)["dropped"] == 1
+
+
+def test_batch_change_counts_progress_in_spec_iterations(toy_profiles):
+    """A policy that doubles a job's global batch (Elan's hybrid scaling) makes
+    it progress twice the spec's iterations per step at the same step rate."""
+    from tidal.scheduler.api import Plan, Policy
+
+    class DoubleBatchAt50(Policy):
+        name = "double"
+
+        def allocation(self, snap, plan: Plan) -> None:
+            for j in snap.jobs:
+                if j.admitted or j.job_id in plan.admit:
+                    plan.allocation[j.job_id] = 2
+                    if snap.now >= 50:
+                        plan.batch[j.job_id] = 64
+            plan.wake_at = 50 if snap.now < 50 else None
+
+    # 'lin' profile has batch 32 only: batch 64 runs at half the iterations/s
+    # of batch 32 (nearest-batch rule) -> the same samples/s -> same progress.
+    r = simulate([job("A", 0, 2, 200)], parse_cluster("n1g4"), DoubleBatchAt50(), profiles=toy_profiles,
+                 overheads=NO_OVERHEAD, slot=0)
+    a = r.jobs[0]
+    assert a.batch == 64 and a.rescales == 0
+    assert a.end_time == pytest.approx(100)

@@ -125,11 +125,11 @@ def philly_seed0() -> tuple[Trace, float]:
     return tr, time.perf_counter() - t0
 
 
-def test_philly_loads_fast_and_completely(philly_seed0: tuple[Trace, float]) -> None:
-    tr, elapsed = philly_seed0
+def test_philly_loads_completely(philly_seed0: tuple[Trace, float]) -> None:
+    # load speed is measured in benchmarks/sim_philly.py (load_s), not here
+    tr, _ = philly_seed0
     assert tr.fmt == "philly"
     assert len(tr.jobs) == 82_247
-    assert elapsed < 5.0, f"philly.csv took {elapsed:.2f}s"
     assert len({j.job_id for j in tr.jobs}) == 82_247
     assert all(j.deadline is None for j in tr.jobs)
     s = tr.summary()

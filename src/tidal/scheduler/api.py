@@ -39,6 +39,7 @@ class JobView(NamedTuple):
     waiting_since: float = 0.0  # when it last became pending
     admitted: bool = False
     tags: Mapping[str, Any] = EMPTY
+    batch: int = 0  # current global batch (0: the spec's); hybrid scaling changes it
 
     @property
     def job_id(self) -> str:
@@ -72,8 +73,17 @@ class Snapshot:
         return set(self.cluster.all_gpus) - used
 
     def throughput(self, job: JobView | JobSpec, n: float) -> float:
+        """Iterations/s at the job's submitted global batch on ``n`` GPUs."""
         spec = job.spec if isinstance(job, JobView) else job
         return self.profiles.throughput(spec.model, spec.batch_size, n)
+
+    def progress_rate(self, job: JobView | JobSpec, n: float, batch: int | None = None) -> float:
+        """Progress in the spec's iterations per second at global ``batch``
+        (default: the spec's): a batch twice as large does an iteration's
+        worth of samples twice per step (Elan §VI, hybrid scaling)."""
+        spec = job.spec if isinstance(job, JobView) else job
+        b = batch or spec.batch_size
+        return self.profiles.throughput(spec.model, b, n) * b / spec.batch_size
 
 
 @dataclass
@@ -81,7 +91,8 @@ class Plan:
     """What a policy wants. ``allocation`` lists every job that should hold GPUs
     after this plan (count); jobs left out are pending (preempted if running).
     ``placement`` gives the GPU ids for each allocated job. ``drop`` maps job id
-    to a reason. ``wake_at`` asks the executor to call again at that time even
+    to a reason. ``batch`` changes a job's global batch (progress is counted in
+    the spec's iterations, see :meth:`Snapshot.progress_rate`). ``wake_at`` asks the executor to call again at that time even
     if nothing happens (e.g. a Tiresias queue threshold is crossed)."""
 
     admit: set[str] = field(default_factory=set)
@@ -90,6 +101,7 @@ class Plan:
     placement: dict[str, tuple[int, ...]] = field(default_factory=dict)
     tags: dict[str, dict[str, Any]] = field(default_factory=dict)
     wake_at: float | None = None
+    batch: dict[str, int] = field(default_factory=dict)  # new global batch per job (hybrid scaling)
 
 
 class Policy(abc.ABC):

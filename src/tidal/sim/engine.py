@@ -59,6 +59,7 @@ class SimJob:
     gpu_seconds: float = 0.0
     version: int = 0
     single_rate: float = 0.0  # iterations/s on one GPU, for cluster efficiency
+    batch: int = 0  # current global batch
 
     def view(self) -> JobView:
         return JobView(
@@ -71,6 +72,7 @@ class SimJob:
             self.waiting_since,
             self.admitted,
             MappingProxyType(dict(self.tags)) if self.tags else EMPTY,
+            self.batch,
         )
 
 
@@ -118,6 +120,7 @@ class Simulator:
         self.jobs: dict[str, SimJob] = {s.job_id: SimJob(spec=s, last_t=s.submit_time) for s in specs}
         for j in self.jobs.values():
             j.single_rate = self.profiles.throughput(j.spec.model, j.spec.batch_size, 1) or 1.0
+            j.batch = j.spec.batch_size
         self.active: dict[str, SimJob] = {}
         self.running: dict[str, SimJob] = {}
         self.owner: dict[int, str] = {}
@@ -215,10 +218,12 @@ class Simulator:
         if t < math.inf:
             self._push(max(t, self.now), _COMPLETE, (job.spec.job_id, job.version))
 
-    def _rate(self, job: SimJob, gpus: tuple[int, ...]) -> float:
+    def _rate(self, job: SimJob, gpus: tuple[int, ...], batch: int | None = None) -> float:
+        """Progress rate in the spec's iterations/s (see Snapshot.progress_rate)."""
         n = len(gpus)
+        b = batch or job.batch
         spread = self.cluster.nodes_spanned(gpus) > self.cluster.min_nodes(n)
-        return self.profiles.throughput(job.spec.model, job.spec.batch_size, n, spread)
+        return self.profiles.throughput(job.spec.model, b, n, spread) * b / job.spec.batch_size
 
     # -- state changes ---------------------------------------------------------
     def _set_state(self, job: SimJob, state: JobState) -> None:
@@ -356,6 +361,9 @@ class Simulator:
                 self.active[jid].tags.update(tags)
         if self.validate:
             self._check(plan)
+        for jid, b in plan.batch.items():
+            if jid in self.active and not self.active[jid].gpus:
+                self.active[jid].batch = b
         # preempt first, so GPUs are free for the others
         for jid in list(self.running):
             if plan.allocation.get(jid, 0) == 0:
@@ -374,9 +382,18 @@ class Simulator:
                 continue
             job = jobs[jid]
             gpus = tuple(sorted(plan.placement[jid]))
-            if job.gpus == gpus:
+            new_batch = plan.batch.get(jid, job.batch)
+            if job.gpus == gpus and new_batch == job.batch:
                 continue
             self._advance(job, now)
+            if job.gpus == gpus:
+                # batch change only: applied at the next step boundary, no rescale
+                job.batch = new_batch
+                start, _, idle = job.segments[-1]
+                job.segments[-1] = (max(start, now), self._rate(job, gpus), idle)
+                self._schedule_completion(job)
+                continue
+            job.batch = new_batch
             changes.append((job, gpus, len(job.gpus), self._current_rate(job)))
             for g in job.gpus:
                 del self.owner[g]
@@ -418,6 +435,9 @@ class Simulator:
         it up in this plan, and no two changing jobs may take the same GPU."""
         taken: dict[int, str] = {}
         total = self.cluster.num_gpus
+        for jid, b in plan.batch.items():
+            if not isinstance(b, int) or b <= 0:
+                raise PolicyError(f"global batch {b!r} for {jid} must be a positive integer")
         keeps = {jid for jid, n in plan.allocation.items() if n > 0}
         for jid, n in plan.allocation.items():
             if n <= 0:
