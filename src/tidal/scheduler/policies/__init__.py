@@ -1,3 +1,9 @@
-"""Built-in policies; importing this package registers them by name."""
+"""Built-in policies, one module each; importing this package imports every
+module in it, and each registers itself with ``@register_policy``."""
 
-from tidal.scheduler.policies import backfill, edf, fifo, tiresias  # noqa: F401
+import importlib
+import pkgutil
+
+for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    if not _info.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_info.name}")
