@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import time
 from typing import Any
@@ -35,6 +36,8 @@ class MasterClient:
         if c is None or getattr(self._local, "url", None) != self.url:
             u = urlparse(self.url)
             c = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=self.timeout_s)
+            c.connect()
+            c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._local.conn, self._local.url = c, self.url
         return c
 

@@ -21,12 +21,15 @@ Worker-facing
   ``POST /register {"worker_id", "pid", "host"}`` -> store address
   ``GET  /assignment?worker_id=W``   -> wait | assigned(Generation) | finished
   ``POST /heartbeat Progress``       -> {"plan": Plan|null, "finished": bool}
+  (the same exchange also runs through the TCPStore keys ``tidal/<job>/progress``
+  and ``tidal/<job>/plan``, which is what workers use every step)
   ``POST /agreed {"gen", "switch_step"}``, ``POST /switched {"gen", "step",
   "pause_s"}``, ``POST /left {"worker_id"}``, ``POST /done {"step", "cursor"}``
   ``POST /shard/next|progress|complete|release`` (shard mode, EDL §4.3)
 
 Per-step traffic is one asynchronous heartbeat from rank 0 (a background
-thread), never on the training thread's critical path.
+thread) through the TCPStore (progress written, plan read), never on the
+training thread's critical path; HTTP carries only rare events.
 """
 
 from __future__ import annotations
@@ -89,6 +92,10 @@ class JobMaster:
             store_host, store_port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
         )
         self.store_host, self.store_port = store_host, int(self.store.port)
+        # per-step traffic goes through the store (C++), not HTTP: rank 0 writes
+        # its progress and reads the published plan (empty when none)
+        self.plan_key, self.progress_key = f"tidal/{job}/plan", f"tidal/{job}/progress"
+        self.store.set(self.plan_key, "")
         self.url = ""
         self.moved_to: str | None = None
         # membership and progress
@@ -145,6 +152,8 @@ class JobMaster:
         self.spawned = s.get("spawned", 0)
         if s.get("shards"):
             self.shards = ShardManager.from_snapshot(s["shards"])
+        if self.plan is not None:
+            self.store.set(self.plan_key, json.dumps(self.plan.to_json()))
         log.info("master resumed at gen %s step %s", self.gen and self.gen.gen, self.progress.get("step"))
 
     def _save(self) -> None:
@@ -161,12 +170,23 @@ class JobMaster:
         return max(1, math.ceil(self.switch_lead_s / st)) if st > 0 else 1
 
     def _publish(self, target: Generation, joiners: list[str], leavers: list[str], kind: str) -> None:
+        self._read_progress()
         k = self._k()
         self.plan = Plan(target, int(self.progress["step"]) + k, k, tuple(joiners), tuple(leavers), kind)
+        self.store.set(self.plan_key, json.dumps(self.plan.to_json()))
         assert self.change is not None
         self.change["status"] = "published"
         self.change["published_at"] = time.time()
         log.info("plan gen %d (%s) switch at step %d (k=%d)", target.gen, kind, self.plan.switch_step, k)
+
+    def _read_progress(self) -> None:
+        """Pick up the progress rank 0 wrote to the store."""
+        if self.gen is None or not self.store.check([self.progress_key]):
+            return
+        p = json.loads(self.store.get(self.progress_key))
+        if int(p.get("gen", -1)) == self.gen.gen and int(p["step"]) >= int(self.progress.get("step", 0)):
+            self.progress.update(step=int(p["step"]), cursor=int(p["cursor"]), epoch=int(p["epoch"]),
+                                 gen=int(p["gen"]), step_time_s=float(p["step_time_s"]))
 
     def _form_initial(self) -> None:
         members = self.queue[: self.initial_workers]
@@ -264,6 +284,8 @@ class JobMaster:
     def status(self) -> Status:
         with self._lock:
             self._check_timeout()
+            if not self.finished:
+                self._read_progress()
             if self.finished:
                 state = "finished"
             elif self.gen is None:
@@ -317,7 +339,8 @@ class JobMaster:
                     else:
                         self._start_queued_change()
             self._save()
-            return {"status": "ok", "job": self.job, "store_host": self.store_host, "store_port": self.store_port}
+            return {"status": "ok", "job": self.job, "store_host": self.store_host, "store_port": self.store_port,
+                    "plan_key": self.plan_key, "progress_key": self.progress_key}
 
     def assignment(self, worker_id: str) -> dict[str, Any]:
         with self._lock:
@@ -357,6 +380,7 @@ class JobMaster:
             old = self.gen
             plan = self.plan
             self.gen, self.plan = plan.target, None
+            self.store.set(self.plan_key, "")
             for w in plan.leavers:
                 self.workers[w]["state"] = "left"
                 if self.shards:
@@ -399,6 +423,7 @@ class JobMaster:
                 if self.plan is not None:  # the job ended before the switch step
                     self.store.set(self.plan.target.prefix + "go", "cancel")
                 self.plan, self.change = None, None
+                self.store.set(self.plan_key, "")
                 log.info("job finished at step %d", step)
                 self._save()
             return {"status": "ok"}
@@ -429,7 +454,8 @@ class JobMaster:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+    protocol_version = "HTTP/1.1"  # keep-alive: one connection per client thread
+    disable_nagle_algorithm = True  # headers and body are two writes: avoid the 40 ms delayed-ACK stall
     master: JobMaster  # set on a subclass
 
     def log_message(self, fmt: str, *args: Any) -> None:  # quiet

@@ -70,13 +70,14 @@ class Job:
         *,
         pg_timeout_s: float = 60.0,
         join_timeout_s: float = 300.0,
-        heartbeat_interval_s: float = 0.02,
+        heartbeat_interval_s: float | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.client = MasterClient(master_url) if master_url else None
         self.pg_timeout = datetime.timedelta(seconds=pg_timeout_s)
         self.join_timeout_s = join_timeout_s
-        self.heartbeat_interval_s = heartbeat_interval_s
+        # at most one heartbeat per interval (and per step): plans have T_a = 0.5 s of lead time
+        self.heartbeat_interval_s = float(os.environ.get("TIDAL_HEARTBEAT_S", 0.05)) if heartbeat_interval_s is None else heartbeat_interval_s
         self.state: ElasticState | None = None
         self.policy: BatchPolicy = make_policy("strong", 1)
         self.global_batch_size = 1
@@ -276,6 +277,7 @@ class Job:
         # is "ready" and the others have not waited for its imports (EDL §4.2).
         info = self.client.post("/register", {"worker_id": self.worker_id, "pid": os.getpid(), "host": socket.gethostname()})
         self._store_addr = (info["store_host"], int(info["store_port"]))
+        self._keys = {"plan": info["plan_key"], "progress": info["progress_key"]}
         log.debug("worker %s registered (ready)", self.worker_id)
         deadline = time.monotonic() + self.join_timeout_s
         while True:
@@ -416,40 +418,48 @@ class Job:
 
     # ------------------------------------------------------------------ heartbeat (off the critical path)
     def _heartbeat_loop(self) -> None:
+        """Rank 0 only, in a background thread, at most once per step and per
+        ``heartbeat_interval_s``: write progress to and read the published plan
+        from the master's TCPStore (two C++ store round trips, GIL released),
+        so the training thread never waits for the master."""
         assert self.client is not None
         last = 0.0
+        seen_raw = b""
         while not self._hb_stop.is_set():
             self._hb_event.wait(timeout=0.5)
             self._hb_event.clear()
             if self._hb_stop.is_set():
                 break
-            if self.rank != 0 or self.gen is None:
+            g = self.gen
+            if self.rank != 0 or g is None:
                 continue
             wait = self.heartbeat_interval_s - (time.perf_counter() - last)
             if wait > 0:
                 time.sleep(wait)
             try:
                 if self._report_agreed is not None:
-                    gen, s = self._report_agreed
+                    gen, sw = self._report_agreed
                     self._report_agreed = None
-                    self.client.post("/agreed", {"gen": gen, "switch_step": s})
-                t = time.perf_counter()
-                resp = self.client.post("/heartbeat", {
-                    "gen": self.gen.gen, "step": self.step_count, "cursor": self.cursor,
-                    "epoch": self.epoch, "step_time_s": self.step_time_s, "world_size": self.world_size,
+                    self.client.post("/agreed", {"gen": gen, "switch_step": sw})
+                store = self._store(g.store_host, g.store_port)
+                progress = json.dumps({
+                    "gen": g.gen, "step": self.step_count, "cursor": self.cursor, "epoch": self.epoch,
+                    "step_time_s": self.step_time_s, "world_size": self.world_size,
                 })
+                t = time.perf_counter()
+                store.set(self._keys["progress"], progress)
+                raw = store.get(self._keys["plan"])
                 last = time.perf_counter()
                 self.rtts_ms.append(1e3 * (last - t))
             except Exception as e:  # noqa: BLE001
                 log.warning("heartbeat failed: %s", e)
                 continue
-            p = resp.get("plan")
-            if p is not None:
-                plan = Plan.from_json(p)
-                seen = self._seen_plan
-                if plan.target.gen > self.gen.gen and (seen is None or seen.target.gen != plan.target.gen):
+            if raw and raw != seen_raw:
+                seen_raw = raw
+                plan = Plan.from_json(json.loads(raw))
+                if plan.target.gen > g.gen:
                     # make the plan readable by the other ranks before it is piggy-backed
-                    self._store(self.gen.store_host, self.gen.store_port).set(f"tidal/plan/{plan.target.gen}", json.dumps(p))
+                    store.set(f"tidal/plan/{plan.target.gen}", raw)
                     self._seen_plan = plan
 
 
