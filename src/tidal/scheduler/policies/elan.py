@@ -1,0 +1,292 @@
+"""E-FIFO and E-Backfill, Elan's elastic scheduling policies, with hybrid scaling.
+
+Xie et al., "Elan: Towards Generic and Efficient Elastic Training for Deep
+Learning", ICDCS 2020: §VI-C (elastic scheduling) and Algorithm 1 (hybrid
+scaling, ``GetTotalBatchSize``). Every job has a range [min_res, max_res].
+
+* **Admission rule.** Jobs are considered in submission order. A job starts if
+  its min_res fits in the idle GPUs (GPUs no running job holds), or if adding
+  it does not raise the average JCT (:func:`adds_no_jct`): the running jobs
+  would be squeezed towards their min_res to make room. E-FIFO stops at the
+  first job that may not start (head-of-line blocking). E-Backfill gives that
+  head job an EASY reservation (as :mod:`tidal.scheduler.policies.backfill`):
+  later jobs that pass the admission rule start only if they end before the
+  head's shadow time or fit in the GPUs the head will not need then.
+* **Allocation rule** (:func:`elan_allocation`). Every started job gets its
+  min_res; then, one GPU at a time, the job with the largest marginal gain
+  gets one more, until it reaches max_res, a GPU brings no gain, or no GPU is
+  left. Started jobs are never preempted.
+* **Hybrid scaling** (:func:`total_batch`). When strong scaling at global
+  batch B saturates (doubling the GPUs raises throughput by less than
+  ``saturation`` = 20 %), the global batch doubles, if the profile measured
+  2B and it trains faster; the gain of a GPU is then counted at the batch the
+  job would use. Progress is counted in the spec's iterations
+  (:meth:`Snapshot.progress_rate`). Per job with ``meta`` ``hybrid=1``, or
+  for every elastic job with the policy option ``hybrid=True``.
+
+Ranges: a job's own ``min_gpus`` / ``max_gpus`` / ``allowed_gpus`` when set;
+otherwise (trace jobs carry only a requested count P) min_res = ⌈P/2⌉ and
+max_res = 2P — our choice, see docs/policies/elan.md. Inelastic jobs run at
+their requested count.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, register_policy, schedulable
+from tidal.scheduler.estimate import rigid_count
+
+_EPS = 1e-12
+
+
+def hybrid_enabled(job: JobView) -> bool:
+    """Per-job opt-in to hybrid scaling: ``meta`` entry ``hybrid`` = 1/true/yes."""
+    return any(k == "hybrid" and v.strip().lower() in ("1", "true", "yes") for k, v in job.spec.meta)
+
+
+@dataclass
+class Rates:
+    """Per-round cache of each job's range, batch and progress rate by count."""
+
+    snap: Snapshot
+    hybrid_all: bool = False
+    saturation: float = 0.2
+    min_factor: float = 0.5
+    max_factor: float = 2.0
+    _rate: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
+    _counts: dict[str, list[int]] = field(default_factory=dict)
+
+    def counts(self, job: JobView) -> list[int]:
+        """The counts a job may run at within [min_res, max_res], ascending."""
+        hit = self._counts.get(job.job_id)
+        if hit is None:
+            spec, cap = job.spec, self.snap.cluster.num_gpus
+            if not spec.elastic:
+                hit = [rigid_count(spec, cap)]
+            else:
+                explicit = spec.min_gpus is not None or spec.max_gpus is not None or spec.allowed_gpus is not None
+                p = max(1, spec.requested_gpus)
+                top = spec.hi(cap)
+                lo = spec.lo if explicit else min(top, max(spec.lo, math.ceil(p * self.min_factor)))
+                hi = top if explicit else min(top, max(lo, int(p * self.max_factor)))
+                hit = [c for c in spec.counts(hi) if c >= lo and self.rate(job, c) > 0]
+                if not hit:  # the range holds no count that runs: the smallest one that does
+                    hit = [c for c in spec.counts(cap) if self.rate(job, c) > 0][:1] or [spec.lo]
+            self._counts[job.job_id] = hit
+        return hit
+
+    def hybrid(self, job: JobView) -> bool:
+        return job.spec.elastic and (self.hybrid_all or hybrid_enabled(job))
+
+    def batch(self, job: JobView, n: int) -> int:
+        return self._lookup(job, n)[1]
+
+    def rate(self, job: JobView, n: int) -> float:
+        """Progress in spec iterations/s on ``n`` GPUs at the batch the job would use."""
+        return self._lookup(job, n)[0]
+
+    def one(self, job: JobView) -> float:
+        return self.snap.throughput(job, 1) or 1.0
+
+    def _lookup(self, job: JobView, n: int) -> tuple[float, int]:
+        key = (job.job_id, n)
+        hit = self._rate.get(key)
+        if hit is None:
+            b = total_batch(self.snap, job, n, self.saturation) if self.hybrid(job) else job.spec.batch_size
+            hit = (self.snap.progress_rate(job, n, b), b)
+            self._rate[key] = hit
+        return hit
+
+
+def total_batch(snap: Snapshot, job: JobView, n: int, saturation: float = 0.2) -> int:
+    """Elan Algorithm 1, ``GetTotalBatchSize``: start from the submitted global
+    batch B; while strong scaling at B has saturated at ``n`` GPUs
+    (S_B(n) < (1 + saturation) · S_B(n/2)) and the profile measured 2B and 2B
+    progresses faster, double B."""
+    spec = job.spec
+    measured = set(snap.profiles.batch_sizes(spec.model))
+    b = spec.batch_size
+    while n >= 2 and 2 * b in measured:
+        tp = snap.profiles.throughput
+        if tp(spec.model, b, n) >= (1 + saturation) * tp(spec.model, b, n / 2):
+            break  # strong scaling still pays
+        if snap.progress_rate(job, n, 2 * b) <= snap.progress_rate(job, n, b):
+            break
+        b *= 2
+    return b
+
+
+def elan_allocation(rates: Rates, jobs: list[JobView], total: int, lookahead: int = 8) -> dict[str, int]:
+    """Allocation rule: min_res to each job, then one GPU at a time to the job
+    with the largest marginal gain (progress rate gained, over the job's
+    one-GPU rate) until max_res, no gain, or no GPU. Where a job's curve is
+    flat before hybrid scaling pays, the step spans to the next count that
+    gains (at most ``lookahead`` GPUs): on concave curves it is one GPU."""
+    alloc: dict[str, int] = {}
+    free = total
+    for j in jobs:
+        alloc[j.job_id] = rates.counts(j)[0]
+        free -= alloc[j.job_id]
+    if free < 0:
+        raise ValueError("min_res of the started jobs exceed the cluster")
+    by_id = {j.job_id: j for j in jobs}
+    heap: list[tuple[float, int, str, int]] = []
+
+    def push(j: JobView, cap: int) -> None:
+        n = alloc[j.job_id]
+        r0, one = rates.rate(j, n), rates.one(j)
+        best, target = 0.0, 0
+        for c in rates.counts(j):
+            if c <= n:
+                continue
+            if c > cap or c - n > lookahead:
+                break
+            g = (rates.rate(j, c) - r0) / one / (c - n)
+            if g > best + _EPS:
+                best, target = g, c
+        if target:
+            heapq.heappush(heap, (-best, j.spec.submit_time, j.job_id, target))
+
+    for j in jobs:
+        push(j, alloc[j.job_id] + free)
+    while heap and free > 0:
+        _, _, jid, target = heapq.heappop(heap)
+        need = target - alloc[jid]
+        if need > free:
+            push(by_id[jid], alloc[jid] + free)
+            continue
+        alloc[jid] = target
+        free -= need
+        push(by_id[jid], alloc[jid] + free)
+    return alloc
+
+
+def _finish_times(rates: Rates, jobs: list[JobView], alloc: dict[str, int], shrink_cost: float) -> dict[str, float]:
+    """Seconds until each job ends at a fixed allocation; a running job whose
+    count changes pays ``shrink_cost``."""
+    out = {}
+    for j in jobs:
+        n = alloc[j.job_id]
+        r = rates.rate(j, n)
+        t = j.remaining / r if r > 0 else math.inf
+        if j.running and n != j.n:
+            t += shrink_cost
+        out[j.job_id] = t
+    return out
+
+
+def adds_no_jct(rates: Rates, active: list[JobView], w: JobView, total: int, idle: int) -> bool:
+    """Elan's admission test: does starting ``w`` now (squeezing the others)
+    keep the average JCT of ``active`` + ``w`` at or below letting ``w`` wait
+    until enough GPUs are idle? Estimated at fixed allocations."""
+    lo = rates.counts(w)[0]
+    if sum(rates.counts(j)[0] for j in active) + lo > total:
+        return False
+    ov = rates.snap.overheads
+    cost = ov.stop_resume_s if ov.mode == "stop-resume" else ov.pause_s
+    base = elan_allocation(rates, active, total)
+    t_wait = _finish_times(rates, active, base, cost)
+    # w waits until running jobs free lo GPUs, then runs on what they freed
+    avail, start, n_w = idle, math.inf, lo
+    for jid, t in sorted(t_wait.items(), key=lambda x: (x[1], x[0])):
+        avail += base[jid]
+        if avail >= lo:
+            start = t
+            n_w = max(c for c in rates.counts(w) if c <= max(avail, lo))
+            break
+    r = rates.rate(w, n_w)
+    without = sum(t_wait.values()) + start + (w.remaining / r if r > 0 else math.inf)
+    both = active + [w]
+    alloc = elan_allocation(rates, both, total)
+    with_w = sum(_finish_times(rates, both, alloc, cost).values())
+    return with_w <= without * (1 + 1e-9)
+
+
+def elastic_admission(
+    rates: Rates, snap: Snapshot, plan: Plan, backfill: bool
+) -> list[JobView]:
+    """E-FIFO's admission, or E-Backfill's with an EASY reservation for the
+    blocked head job. Returns the jobs to run (running ones first)."""
+    total = snap.cluster.num_gpus
+    jobs = schedulable(snap, plan)
+    active = [j for j in jobs if j.running]
+    queue = sorted((j for j in jobs if not j.running), key=lambda j: (j.spec.submit_time, j.job_id))
+    idle = total - sum(j.n for j in active)
+
+    def admissible(w: JobView) -> bool:
+        lo = rates.counts(w)[0]
+        return lo <= idle or adds_no_jct(rates, active, w, total, idle)
+
+    head = None
+    for i, w in enumerate(queue):
+        if not admissible(w):
+            head = i
+            break
+        active.append(w)
+        idle = max(0, idle - rates.counts(w)[0])
+    if head is None or not backfill:
+        return active
+    # EASY: reserve the head's min_res at the shadow time (backfill.py's rule)
+    h = queue[head]
+    need = rates.counts(h)[0]
+    alloc = elan_allocation(rates, active, total)
+    ends = sorted(
+        (t, alloc[jid]) for jid, t in _finish_times(rates, active, alloc, 0.0).items()
+    )
+    shadow, extra, avail = math.inf, 0, idle
+    for t, n in ends:
+        avail += n
+        if avail >= need:
+            shadow, extra = t, avail - need
+            break
+    for w in queue[head + 1:]:
+        lo = rates.counts(w)[0]
+        r = rates.rate(w, lo)
+        ends_before = r > 0 and w.remaining / r <= shadow
+        if not (ends_before or lo <= extra) or not admissible(w):
+            continue
+        if not ends_before:
+            extra -= lo
+        active.append(w)
+        idle = max(0, idle - lo)
+    return active
+
+
+class _Elan(Policy):
+    backfill = False
+
+    def __init__(
+        self,
+        hybrid: bool = False,
+        saturation: float = 0.2,
+        min_factor: float = 0.5,
+        max_factor: float = 2.0,
+    ) -> None:
+        self.hybrid = hybrid
+        self.saturation = saturation
+        self.min_factor = min_factor
+        self.max_factor = max_factor
+
+    def allocation(self, snap: Snapshot, plan: Plan) -> None:
+        rates = Rates(snap, self.hybrid, self.saturation, self.min_factor, self.max_factor)
+        active = elastic_admission(rates, snap, plan, self.backfill)
+        plan.allocation.update(elan_allocation(rates, active, snap.cluster.num_gpus))
+        for j in active:
+            b = rates.batch(j, plan.allocation[j.job_id])
+            if b != (j.batch or j.spec.batch_size):
+                plan.batch[j.job_id] = b
+
+
+@register_policy("e-fifo")
+class EFIFO(_Elan):
+    """Elan §VI-C E-FIFO: FIFO admission by the Elan rule, elastic allocation."""
+
+
+@register_policy("e-backfill")
+class EBackfill(_Elan):
+    """Elan §VI-C E-Backfill: E-FIFO's allocation with EASY backfill's admission."""
+
+    backfill = True

@@ -1,0 +1,241 @@
+"""Elastic-Tiresias: Tiresias plus compaction and expansion.
+
+Wu et al., "Elastic Deep Learning in Multi-Tenant GPU Clusters" (EDL, TPDS
+2021), §5.1, Algorithm 1. Every round:
+
+1. **Tiresias** (:func:`tidal.scheduler.policies.tiresias.tiresias_allocation`):
+   discretised 2D-LAS over queues G_0, G_1, G_2 (quanta 500 and 10,000 GPU·s);
+   running jobs keep their current count, waiting jobs ask for their
+   requested count P_j.
+2. **Compaction**, when more than ``max_waiting`` (N = 10) jobs still wait:
+   for each waiting job in Tiresias order, find P_j GPUs on at most
+   ⌈P_j/m⌉ machines (m GPUs per machine; the locality rule) made of free GPUs
+   and GPUs released by scaling in the elastic jobs of G_i, i ≠ 0 that this
+   round runs (a job of G_i about to resume counts too: it resumes smaller), each
+   keeping p_j − r_j ≥ min_j. The r_j are chosen to maximise the gain in GPU
+   efficiency: GPUs are released one at a time from the job whose throughput
+   (normalised by its one-GPU throughput) drops least, and the compaction is
+   done only if the waiting job's normalised throughput exceeds the total
+   loss. Compaction stops once at most N jobs wait.
+3. **Expansion**, when no job waits: each free GPU goes to the running
+   elastic job with the largest relative throughput gain
+   (S(p_j+1) − S(p_j)) / S(p_j) > 0, up to its max count; by the locality
+   rule a job takes a GPU on a machine it already uses unless its new count
+   needs one more machine.
+
+Jobs marked inelastic (``JobSpec.elastic`` False) are neither compacted nor
+expanded. The policy places GPUs itself (it needs machine-level free lists).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import defaultdict
+
+from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, register_policy
+from tidal.scheduler.estimate import rigid_count
+from tidal.scheduler.placement import place_consolidated
+from tidal.scheduler.policies.tiresias import queue_of, tiresias_allocation
+
+
+def _speed(snap: Snapshot, job: JobView, n: int) -> float:
+    """Throughput normalised by the one-GPU throughput (a job's speedup)."""
+    one = snap.throughput(job, 1)
+    return snap.throughput(job, n) / one if one > 0 else 0.0
+
+
+def _next_down(job: JobView, n: int) -> int:
+    """The next smaller count the job may run at (0 if none)."""
+    lower = [c for c in job.spec.counts(n - 1)] if n > 1 else []
+    return lower[-1] if lower else 0
+
+
+def _next_up(job: JobView, n: int, cap: int) -> int:
+    """The next larger count the job may run at, at most ``cap`` (0 if none)."""
+    for c in job.spec.counts(cap):
+        if c > n:
+            return c
+    return 0
+
+
+class _State:
+    """GPU ids per job and free GPUs per machine while the plan is edited."""
+
+    def __init__(self, snap: Snapshot, placement: dict[str, tuple[int, ...]]) -> None:
+        c = snap.cluster
+        self.m = c.gpus_per_node
+        self.node_of = c.node_of
+        self.gpus: dict[str, list[int]] = {jid: sorted(g) for jid, g in placement.items()}
+        used = {g for gs in placement.values() for g in gs}
+        self.free: dict[int, list[int]] = defaultdict(list)
+        for g in range(c.num_gpus):
+            if g not in used:
+                self.free[g // self.m].append(g)
+
+    def on_node(self, jid: str) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = defaultdict(list)
+        for g in self.gpus[jid]:
+            out[self.node_of(g)].append(g)
+        return out
+
+
+def _releases(snap: Snapshot, st: _State, donors: dict[str, JobView], nodes: set[int] | None) -> dict[int, list[tuple[float, str]]]:
+    """Per machine, the GPUs donors could release there, each with the drop in
+    the donor's normalised throughput; a donor releases one GPU at a time,
+    down to its min count, counting its releases over all ``nodes`` together."""
+    out: dict[int, list[tuple[float, str]]] = defaultdict(list)
+    for jid, d in donors.items():
+        cur = len(st.gpus[jid])
+        for node, gs in sorted(st.on_node(jid).items(), key=lambda x: (len(x[1]), x[0])):
+            if nodes is not None and node not in nodes:
+                continue
+            for _ in gs:
+                down = _next_down(d, cur)
+                if down != cur - 1 or down < d.spec.lo:
+                    break
+                out[node].append((_speed(snap, d, cur) - _speed(snap, d, down), jid))
+                cur = down
+            if nodes is None:
+                cur = len(st.gpus[jid])  # machines are alternatives: count each from p_j
+    for v in out.values():
+        v.sort()
+    return out
+
+
+def compaction(
+    snap: Snapshot, plan: Plan, st: _State, waiting: list[JobView], donors: dict[str, JobView], max_waiting: int
+) -> None:
+    """EDL Algorithm 1, compaction: start waiting jobs on GPUs released by
+    scaling in ``donors`` (running elastic jobs of G_i, i != 0)."""
+    m = st.m
+    left = len(waiting)
+    for w in waiting:
+        if left <= max_waiting:
+            break
+        p = rigid_count(w.spec, snap.cluster.num_gpus)
+        k = math.ceil(p / m)
+        per_node = _releases(snap, st, donors, None)
+        options = []
+        for node in set(st.free) | set(per_node):
+            free = len(st.free.get(node, ()))
+            avail = min(m, free + len(per_node.get(node, ())))
+            if avail:
+                options.append((avail, free, node))
+        if k == 1:
+            # the machine that gives p GPUs with the least loss
+            fits = [
+                (sum(x[0] for x in per_node.get(node, [])[: max(0, p - free)]), -free, node)
+                for avail, free, node in options
+                if avail >= p
+            ]
+            chosen = [min(fits)[2]] if fits else []
+        else:
+            options.sort(key=lambda o: (-o[0], -o[1], o[2]))
+            top = options[:k]
+            chosen = [o[2] for o in top] if sum(o[0] for o in top) >= p else []
+        if not chosen:
+            continue
+        # free GPUs first, then the cheapest releases over the chosen machines
+        take: list[int] = []
+        for node in chosen:
+            take += st.free.get(node, [])[: p - len(take)]
+        need = p - len(take)
+        releases = sorted(
+            (loss, node, jid) for node, v in _releases(snap, st, donors, set(chosen)).items() for loss, jid in v
+        )[:need]
+        cost = sum(x[0] for x in releases)
+        if len(releases) < need or _speed(snap, w, p) <= cost:
+            continue
+        taken = set(take)
+        for node in chosen:
+            st.free[node] = [g for g in st.free.get(node, []) if g not in taken]
+        picked: dict[tuple[str, int], int] = defaultdict(int)
+        for _, node, jid in releases:
+            picked[(jid, node)] += 1
+        for (jid, node), r in sorted(picked.items()):
+            give = st.on_node(jid)[node][-r:]
+            take += give
+            gone = set(give)
+            st.gpus[jid] = [g for g in st.gpus[jid] if g not in gone]
+            plan.allocation[jid] = len(st.gpus[jid])
+        st.gpus[w.job_id] = sorted(take)
+        plan.allocation[w.job_id] = p
+        left -= 1
+
+
+def expansion(snap: Snapshot, plan: Plan, st: _State, jobs: list[JobView]) -> None:
+    """EDL Algorithm 1, expansion: each free GPU to the running job with the
+    largest relative throughput gain, under the locality rule."""
+    m = st.m
+    cap = snap.cluster.num_gpus
+    heap: list[tuple[float, str, int]] = []
+    by_id = {j.job_id: j for j in jobs}
+
+    def push(j: JobView) -> None:
+        n = len(st.gpus[j.job_id])
+        up = _next_up(j, n, cap)
+        if not up:
+            return
+        s = snap.throughput(j, n)
+        gain = (snap.throughput(j, up) - s) / s / (up - n) if s > 0 else 0.0
+        if gain > 1e-12:
+            heapq.heappush(heap, (-gain, j.job_id, up))
+
+    for j in jobs:
+        push(j)
+    while heap and any(st.free.values()):
+        _, jid, up = heapq.heappop(heap)
+        n = len(st.gpus[jid])
+        need = up - n
+        mine = st.on_node(jid)
+        got: list[int] = []
+        for node in sorted(mine, key=lambda x: (-len(st.free.get(x, ())), x)):
+            got += st.free.get(node, [])[: need - len(got)]
+        if len(got) < need:
+            # a new machine only when the new count needs one more (locality)
+            new_nodes = math.ceil(up / m) - len(mine)
+            others = sorted((node for node, f in st.free.items() if f and node not in mine),
+                            key=lambda x: (-len(st.free[x]), x))
+            for node in others[: max(0, new_nodes)]:
+                got += st.free[node][: need - len(got)]
+        if len(got) < need:
+            continue  # free GPUs only shrink: this job cannot grow any more
+        taken = set(got)
+        for node in {st.node_of(g) for g in got}:
+            st.free[node] = [g for g in st.free[node] if g not in taken]
+        st.gpus[jid] = sorted(st.gpus[jid] + got)
+        plan.allocation[jid] = up
+        push(by_id[jid])
+
+
+@register_policy("elastic-tiresias")
+class ElasticTiresias(Policy):
+    def __init__(
+        self,
+        thresholds: tuple[float, ...] = (500.0, 10_000.0),
+        promote_knob: float = 8.0,
+        max_waiting: int = 10,
+    ) -> None:
+        self.thresholds = tuple(thresholds)
+        self.promote_knob = promote_knob
+        self.max_waiting = max_waiting
+
+    def allocation(self, snap: Snapshot, plan: Plan) -> None:
+        order = tiresias_allocation(snap, plan, self.thresholds, self.promote_knob)
+        st = _State(snap, place_consolidated(snap, plan.allocation))
+        waiting = [j for j in order if j.job_id not in plan.allocation]
+        if len(waiting) > self.max_waiting:
+            donors = {
+                j.job_id: j
+                for j in order
+                if j.job_id in plan.allocation and j.spec.elastic and queue_of(j, self.thresholds) > 0
+            }
+            compaction(snap, plan, st, waiting, donors, self.max_waiting)
+        elif not waiting:
+            elastic = [j for j in order if j.job_id in plan.allocation and j.spec.elastic]
+            expansion(snap, plan, st, elastic)
+        plan.placement = {jid: tuple(st.gpus[jid]) for jid, n in plan.allocation.items() if n > 0}
+
+    def placement(self, snap: Snapshot, plan: Plan) -> None:
+        """Placed in :meth:`allocation` (compaction and expansion are machine-aware)."""

@@ -1,0 +1,326 @@
+"""Reshaping: the SideCar paper's adaptive GPU scheduler.
+
+Wang et al., "An Efficient and Non-Intrusive GPU Scheduling Framework for
+Deep Learning Training Systems", SC'20, §III-C: Algorithm 1 (incoming-job
+scheduling with *reshaping down*) and Algorithm 2 (running-job scheduling
+with *reshaping up*). Each job lists its optional GPU counts
+(``JobSpec.allowed_gpus``; otherwise its profiled counts, see
+:func:`options`). Every round:
+
+1. **Incoming jobs** (Algorithm 1), in submission order: for each optional
+   count g of the job, either g GPUs are idle, or the missing ones come from
+   *one* running job whose remaining count is still one of its options. Of
+   these (job, g, donor) triples the one with the smallest predicted makespan
+   wins (ties: the smaller sum of the two jobs' predicted completion times). A
+   job with no feasible triple waits; later jobs are still tried.
+2. **Running jobs** (Algorithm 2): when GPUs are idle and no job waits, the
+   running job whose growth to a larger optional count lowers the predicted
+   makespan most (ties: its own completion time) gets the GPUs, repeatedly,
+   while a growth still shortens that job.
+
+Completion times are predicted with the overheads the executor charges
+(:class:`tidal.core.overhead.OverheadModel` segments: initialisation of a new
+job; checkpoint, termination and re-initialisation of a reshaped one), see
+:func:`finish_in`. **Early initialisation**: the incoming job initialises
+while the donor still trains and checkpoints, so its start-up overlaps the
+donor's stop instead of following it (``early_init=False`` predicts the
+serial hand-over instead).
+
+**Target accuracy.** A job may give a target accuracy instead of a known
+iteration count (:func:`accuracy_job`). The policy then predicts the epochs
+left from an online non-negative least-squares fit (Optimus-style,
+:func:`fit_error_curve`) of the accuracy it has *observed* so far
+(:func:`observed_accuracy`: one point per completed epoch, up to the job's
+current progress). The ground-truth curve lives in ``JobSpec.meta`` for the
+simulator and is read only through :func:`observed_accuracy`; the policy
+never looks at ``spec.iterations`` of such a job.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Sequence
+
+import numpy as np
+from scipy.optimize import nnls
+
+from tidal.core.job import JobSpec
+from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, register_policy, schedulable
+from tidal.scheduler.estimate import rigid_count, useful_counts
+
+# -- optional GPU counts -----------------------------------------------------
+
+
+def options(snap: Snapshot, job: JobView | JobSpec) -> list[int]:
+    """The GPU counts a job may run at, ascending: its ``allowed_gpus`` (the
+    paper's "optional numbers of GPUs"); for an elastic job without them, its
+    profiled counts (powers of two); for a rigid job, its requested count.
+    Counts at which the model does not run are left out."""
+    spec = job.spec if isinstance(job, JobView) else job
+    cap = snap.cluster.num_gpus
+    if not spec.elastic:
+        out = [rigid_count(spec, cap)]
+    elif spec.allowed_gpus is not None:
+        out = spec.counts(cap)
+    else:
+        out = useful_counts(snap, spec, cap) or spec.counts(cap)[:1]
+    return [c for c in out if snap.throughput(spec, c) > 0]
+
+
+# -- target accuracy: ground truth (simulator side) and observations ----------
+
+_CURVE_KEYS = ("acc_b0", "acc_b1", "acc_b2", "target_accuracy", "iters_per_epoch", "max_epochs")
+
+
+def error_at(epoch: float, b0: float, b1: float, b2: float) -> float:
+    """Optimus' convergence model applied to the error 1 - accuracy:
+    err(e) = 1 / (b0·e + b1) + b2."""
+    return 1.0 / (b0 * epoch + b1) + b2
+
+
+def epochs_to_target(target: float, b0: float, b1: float, b2: float, max_epochs: float) -> float:
+    """Epochs until err(e) <= 1 - target (at most ``max_epochs``)."""
+    err = 1.0 - target
+    if err <= b2 or b0 <= 0:
+        return max_epochs
+    return min(max_epochs, max(1.0, math.ceil((1.0 / (err - b2) - b1) / b0)))
+
+
+def accuracy_job(
+    job_id: str,
+    submit_time: float,
+    model: str,
+    batch_size: int,
+    target_accuracy: float,
+    curve: tuple[float, float, float],
+    iters_per_epoch: float,
+    max_epochs: float = 200.0,
+    noise: float = 0.0,
+    **kw,
+) -> JobSpec:
+    """A job that trains until ``target_accuracy`` (simulator side). The
+    ground-truth curve ``curve`` = (b0, b1, b2) of :func:`error_at` sets the
+    iterations the simulator runs; the policy sees only observed points."""
+    b0, b1, b2 = curve
+    epochs = epochs_to_target(target_accuracy, b0, b1, b2, max_epochs)
+    meta = dict(kw.pop("meta", ()))
+    meta.update({
+        "acc_b0": repr(b0), "acc_b1": repr(b1), "acc_b2": repr(b2),
+        "target_accuracy": repr(target_accuracy), "iters_per_epoch": repr(iters_per_epoch),
+        "max_epochs": repr(max_epochs), "acc_noise": repr(noise),
+    })
+    return JobSpec(job_id, submit_time, model, batch_size, epochs * iters_per_epoch,
+                   meta=tuple(sorted(meta.items())), **kw)
+
+
+def _meta(spec: JobSpec) -> dict[str, str]:
+    return dict(spec.meta)
+
+
+def has_target(spec: JobSpec) -> bool:
+    return "target_accuracy" in _meta(spec)
+
+
+def observed_accuracy(job: JobView) -> list[tuple[int, float]]:
+    """What a running job would have reported: its accuracy after each
+    completed epoch, 1 .. floor(done / iters_per_epoch), with deterministic
+    noise (seeded by job id and epoch). The only reader of the ground truth."""
+    m = _meta(job.spec)
+    ipe = float(m["iters_per_epoch"])
+    b0, b1, b2 = float(m["acc_b0"]), float(m["acc_b1"]), float(m["acc_b2"])
+    noise = float(m.get("acc_noise", "0"))
+    out = []
+    for e in range(1, int(job.done // ipe + 1e-9) + 1):
+        acc = 1.0 - error_at(e, b0, b1, b2)
+        if noise:
+            u = zlib.crc32(f"{job.job_id}:{e}".encode()) / 0xFFFFFFFF
+            acc += noise * (2 * u - 1)
+        out.append((e, acc))
+    return out
+
+
+def fit_error_curve(points: Sequence[tuple[float, float]]) -> tuple[float, float, float] | None:
+    """Fit err(e) = 1/(b0·e + b1) + b2 (b0, b1, b2 >= 0) to observed
+    (epoch, accuracy) points: for each candidate asymptote b2 below the
+    smallest observed error, 1/(err - b2) = b0·e + b1 is a non-negative least
+    squares problem (scipy.optimize.nnls); the b2 with the smallest residual
+    in error space wins. None with fewer than three points."""
+    if len(points) < 3:
+        return None
+    e = np.array([p[0] for p in points], dtype=float)
+    err = np.clip(1.0 - np.array([p[1] for p in points], dtype=float), 1e-6, None)
+    a = np.column_stack([e, np.ones_like(e)])
+    best = None
+    for b2 in np.linspace(0.0, err.min() * 0.98, 50):
+        coef, _ = nnls(a, 1.0 / (err - b2))
+        b0, b1 = float(coef[0]), float(coef[1])
+        if b0 <= 0:
+            continue
+        pred = 1.0 / np.maximum(b0 * e + b1, 1e-12) + b2
+        res = float(np.sum((pred - err) ** 2))
+        if best is None or res < best[0]:
+            best = (res, (b0, b1, float(b2)))
+    return best[1] if best else None
+
+
+def predicted_remaining(job: JobView) -> float:
+    """Iterations left: the spec's count, or for a target-accuracy job the
+    epochs the fitted curve still needs (before three epochs are observed:
+    up to ``max_epochs``)."""
+    if not has_target(job.spec):
+        return job.remaining
+    m = _meta(job.spec)
+    ipe, max_ep = float(m["iters_per_epoch"]), float(m["max_epochs"])
+    fit = fit_error_curve(observed_accuracy(job))
+    epochs = max_ep if fit is None else epochs_to_target(float(m["target_accuracy"]), *fit, max_ep)
+    left = epochs * ipe - job.done
+    # the fit says it is done, yet it runs: it can end at its next check at the earliest
+    return left if left > 0 else ipe - job.done % ipe
+
+
+# -- completion time with the executor's overhead segments ---------------------
+
+
+def finish_in(segments: Sequence[tuple[float, float]], now: float, work: float) -> float:
+    """Seconds from ``now`` until ``work`` iterations are done along progress
+    segments (start, rate)."""
+    left = work
+    for i, (start, rate) in enumerate(segments):
+        end = segments[i + 1][0] if i + 1 < len(segments) else math.inf
+        if rate > 0:
+            if start + left / rate <= end:
+                return start + left / rate - now
+            left -= rate * (end - start)
+    return math.inf
+
+
+class Predictor:
+    """Predicted completion times (seconds from now) under the overhead model."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        self.snap = snap
+        self._work: dict[str, float] = {}
+
+    def work(self, job: JobView) -> float:
+        w = self._work.get(job.job_id)
+        if w is None:
+            w = self._work[job.job_id] = predicted_remaining(job)
+        return w
+
+    def rate(self, job: JobView, n: int) -> float:
+        return self.snap.progress_rate(job, n, job.batch or None)
+
+    def keep(self, job: JobView) -> float:
+        """Running on at its current count."""
+        r = self.rate(job, job.n)
+        return self.work(job) / r if r > 0 else math.inf
+
+    def start(self, job: JobView, n: int, delay: float = 0.0) -> float:
+        now = self.snap.now
+        segs = self.snap.overheads.start(now + delay, self.rate(job, n), resumed=job.executed > 0)
+        return delay + finish_in(segs, now + delay, self.work(job))
+
+    def resize(self, job: JobView, n: int) -> float:
+        now = self.snap.now
+        segs = self.snap.overheads.resize(now, self.rate(job, job.n), self.rate(job, n), grow=n > job.n)
+        return finish_in(segs, now, self.work(job))
+
+    def downtime(self, job: JobView, n: int) -> float:
+        """Seconds a reshaped job makes no progress (checkpoint, stop, restart)."""
+        segs = self.snap.overheads.resize(self.snap.now, 1.0, 1.0, grow=n > job.n)
+        return sum(
+            (segs[i + 1][0] if i + 1 < len(segs) else s) - s for i, (s, r) in enumerate(segs) if r == 0
+        )
+
+
+def _top2(times: dict[str, float]) -> tuple[tuple[float, str], float]:
+    first, second = (-math.inf, ""), -math.inf
+    for jid, t in times.items():
+        if t > first[0]:
+            first, second = (t, jid), first[0]
+        elif t > second:
+            second = t
+    return first, second
+
+
+def reshaping_allocation(snap: Snapshot, plan: Plan, early_init: bool = True) -> None:
+    pred = Predictor(snap)
+    jobs = schedulable(snap, plan)
+    running = {j.job_id: j for j in jobs if j.running}
+    alloc = {jid: j.n for jid, j in running.items()}
+    done_at = {jid: pred.keep(j) for jid, j in running.items()}
+    free = snap.cluster.num_gpus - sum(alloc.values())
+    touched: set[str] = set()
+    waiting = 0
+    # Algorithm 1: incoming jobs, reshaping down at most one running job
+    for w in sorted((j for j in jobs if not j.running), key=lambda j: (j.spec.submit_time, j.job_id)):
+        (top_t, top_id), second = _top2(done_at)
+        best = None
+        for g in options(snap, w):
+            if g <= free:
+                t_w = pred.start(w, g)
+                cand = [(max(top_t, t_w), t_w, 0, g, None, 0, t_w, 0.0)]
+            else:
+                cand = []
+                need = g - free
+                for jid, d in running.items():
+                    left = alloc[jid] - need
+                    if jid in touched or left not in options(snap, d):
+                        continue
+                    delay = 0.0 if early_init else pred.downtime(d, left)
+                    t_w = pred.start(w, g, delay)
+                    t_d = pred.resize(d, left)
+                    others = second if jid == top_id else top_t
+                    cand.append((max(others, t_w, t_d), t_w + t_d, need, g, jid, left, t_w, t_d))
+            for c in cand:
+                if best is None or c[:4] < best[:4]:
+                    best = c
+        if best is None:
+            waiting += 1
+            continue
+        _, _, need, g, donor, left, t_w, t_d = best
+        alloc[w.job_id] = g
+        done_at[w.job_id] = t_w
+        touched.add(w.job_id)
+        if donor is None:
+            free -= g
+        else:
+            free -= g - need
+            alloc[donor] = left
+            done_at[donor] = t_d
+            touched.add(donor)
+    # Algorithm 2: reshaping up when GPUs are idle and nothing waits
+    while free > 0 and waiting == 0:
+        (top_t, top_id), second = _top2(done_at)
+        best = None
+        for jid, j in running.items():
+            if jid in touched:
+                continue
+            for c in options(snap, j):
+                if c <= alloc[jid] or c - alloc[jid] > free:
+                    continue
+                t = pred.resize(j, c)
+                if t >= done_at[jid]:
+                    continue
+                others = second if jid == top_id else top_t
+                key = (max(others, t), t - done_at[jid], jid, c, t)
+                if best is None or key < best:
+                    best = key
+        if best is None:
+            break
+        _, _, jid, c, t = best
+        free -= c - alloc[jid]
+        alloc[jid] = c
+        done_at[jid] = t
+        touched.add(jid)
+    plan.allocation.update({jid: n for jid, n in alloc.items() if n > 0})
+
+
+@register_policy("reshaping")
+class Reshaping(Policy):
+    def __init__(self, early_init: bool = True) -> None:
+        self.early_init = early_init
+
+    def allocation(self, snap: Snapshot, plan: Plan) -> None:
+        reshaping_allocation(snap, plan, self.early_init)
