@@ -1,0 +1,210 @@
+"""Buddy placement on the topology tree, with migration to defragment.
+
+ElasticFlow §4.3 (topology-aware placement with buddy allocation) and Elan
+§IV (placement that keeps jobs consolidated across resizes). GPUs are
+numbered in tree order (switch -> node -> GPU, :mod:`tidal.core.topology`),
+so an *aligned block* of ``s`` GPUs (offset a multiple of ``s``, ``s`` a
+power of two) is one buddy: half a node, a node, two neighbouring nodes...
+
+- **Buddy allocation**: a job of ``n = 2^k`` GPUs gets one aligned block of
+  size ``n``; a count that is not a power of two is split into its binary
+  pieces (8 + 2 for 10), each one an aligned block.
+- **Best-Fit subtree choice**: among the free aligned blocks of the wanted
+  size, take the one whose enclosing subtrees are the fullest: fewest free
+  GPUs in its buddy pair (the parent block), then in its node, then in its
+  switch. Small jobs fill split nodes first and whole nodes stay whole.
+- **Keep, then move**: a job whose count does not change keeps its GPUs; a
+  resized job keeps the part of its old block that is still aligned and
+  grows into its buddy when that is free. Placement goes largest first.
+- **Migration to defragment**: if a job cannot get an aligned block although
+  enough GPUs are free, every job is re-packed largest first, each keeping
+  its current block when that is still possible. With power-of-two sizes
+  placed in decreasing order on aligned blocks, the free space is always a
+  union of aligned blocks at least as large as the next request, so the
+  re-pack never fails. A job that keeps its count but gets other GPUs is a
+  migration; the simulator charges ``OverheadModel.migrate`` for it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from tidal.core.topology import Cluster
+from tidal.scheduler.api import Snapshot
+
+log = logging.getLogger(__name__)
+
+
+def pieces(n: int) -> list[int]:
+    """Power-of-two pieces of ``n``, largest first (10 -> [8, 2])."""
+    return [1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1]
+
+
+def is_aligned_block(gpus: tuple[int, ...] | list[int]) -> bool:
+    """True if ``gpus`` are exactly one aligned power-of-two block."""
+    n = len(gpus)
+    if n == 0 or n & (n - 1):
+        return False
+    lo = min(gpus)
+    return lo % n == 0 and max(gpus) == lo + n - 1 and len(set(gpus)) == n
+
+
+class BuddyAllocator:
+    """Free/used map of a cluster with aligned-block allocation."""
+
+    def __init__(self, cluster: Cluster, used: set[int] | None = None) -> None:
+        self.cluster = cluster
+        self.n = cluster.num_gpus
+        size = 1
+        while size < self.n:
+            size *= 2
+        self.size = size  # padded to a power of two; padding is "used"
+        self.used = np.ones(size, dtype=bool)
+        self.used[: self.n] = False
+        if used:
+            self.used[list(used)] = True
+
+    def free_count(self) -> int:
+        return int((~self.used[: self.n]).sum())
+
+    def release(self, gpus) -> None:
+        self.used[list(gpus)] = False
+
+    def take(self, gpus) -> None:
+        idx = list(gpus)
+        if self.used[idx].any():
+            raise ValueError(f"GPUs {sorted(g for g in idx if self.used[g])} are already used")
+        self.used[idx] = True
+
+    def free_blocks(self, s: int) -> np.ndarray:
+        """Offsets of free aligned blocks of size ``s``."""
+        blocks = ~self.used.reshape(-1, s).any(axis=1)
+        return np.flatnonzero(blocks) * s
+
+    def best_fit_block(self, s: int, prefer: tuple[int, ...] = ()) -> int | None:
+        """Offset of the best-fit free aligned block of size ``s`` (None if
+        none); a block containing one of ``prefer`` wins (grow in place)."""
+        offs = self.free_blocks(s)
+        if offs.size == 0:
+            return None
+        if prefer:
+            for g in prefer:
+                o = (g // s) * s
+                if o in offs:
+                    return int(o)
+        free = ~self.used
+        c = self.cluster
+        parent = min(2 * s, self.size)
+        par_free = free.reshape(-1, parent).sum(axis=1)[offs // parent]
+        node_sz = c.gpus_per_node
+        if s < node_sz:
+            node_free = free.reshape(-1, node_sz).sum(axis=1)[offs // node_sz]
+        else:
+            node_free = np.zeros(offs.size, dtype=np.int64)
+        sw_sz = node_sz * c.nodes_per_switch
+        if self.size % sw_sz == 0:
+            sw_free = free.reshape(-1, sw_sz).sum(axis=1)[offs // sw_sz]
+        else:
+            sw_free = np.zeros(offs.size, dtype=np.int64)
+        order = np.lexsort((offs, sw_free, node_free, par_free))
+        return int(offs[order[0]])
+
+    def alloc(self, n: int, prefer: tuple[int, ...] = ()) -> tuple[int, ...] | None:
+        """``n`` GPUs as aligned power-of-two blocks, or None (nothing taken)."""
+        got: list[int] = []
+        for s in pieces(n):
+            off = self.best_fit_block(s, prefer)
+            if off is None:
+                self.release(got)
+                return None
+            block = range(off, off + s)
+            self.used[off : off + s] = True
+            got.extend(block)
+        return tuple(got)
+
+
+def _keep_part(gpus: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """The aligned sub-blocks of a job's current GPUs that a shrink to ``n``
+    can keep (empty if none fit)."""
+    kept: list[int] = []
+    cur = sorted(gpus)
+    for s in pieces(n):
+        for g in cur:
+            if g % s == 0 and all(x in cur for x in range(g, g + s)) and g not in kept:
+                if not any(x in kept for x in range(g, g + s)):
+                    kept.extend(range(g, g + s))
+                    break
+        else:
+            return ()
+    return tuple(kept)
+
+
+def place_buddy(snap: Snapshot, allocation: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """GPU ids for every job of ``allocation`` (count > 0): keep, grow in
+    place, best-fit new blocks, and re-pack (migrations) only if needed."""
+    current = {j.job_id: j.gpus for j in snap.jobs if j.gpus}
+    want = {jid: n for jid, n in allocation.items() if n > 0}
+    placement = _place(snap.cluster, current, want)
+    if placement is None:
+        try:
+            placement = _repack(snap.cluster, current, want)
+        except ValueError:
+            # counts that are not powers of two can defeat the re-pack
+            from tidal.scheduler.placement import place_consolidated
+
+            placement = place_consolidated(snap, want)
+    return placement
+
+
+def _place(cluster: Cluster, current: dict[str, tuple[int, ...]], want: dict[str, int]):
+    """Phase 1: unchanged jobs keep their GPUs; resized and new jobs get
+    aligned blocks. None if some job cannot get one (fragmentation)."""
+    keep = {jid: g for jid, g in current.items() if want.get(jid, 0) == len(g)}
+    used: set[int] = set()
+    for g in keep.values():
+        used.update(g)
+    buddy = BuddyAllocator(cluster, used)
+    out = dict(keep)
+    todo = sorted((jid for jid in want if jid not in keep), key=lambda j: (-want[j], j))
+    for jid in todo:
+        n = want[jid]
+        have = current.get(jid, ())
+        gpus = None
+        if have and n < len(have):
+            part = _keep_part(have, n)
+            if part and not buddy.used[list(part)].any():
+                buddy.take(part)
+                gpus = part
+        if gpus is None:
+            gpus = buddy.alloc(n, prefer=tuple(sorted(have)))
+        if gpus is None:
+            return None
+        out[jid] = tuple(sorted(gpus))
+    return out
+
+
+def _repack(cluster: Cluster, current: dict[str, tuple[int, ...]], want: dict[str, int]):
+    """Phase 2: place every job largest first, keeping current aligned
+    blocks when free; jobs that move at the same count are migrations."""
+    buddy = BuddyAllocator(cluster)
+    out: dict[str, tuple[int, ...]] = {}
+    for jid in sorted(want, key=lambda j: (-want[j], j)):
+        n = want[jid]
+        have = current.get(jid, ())
+        gpus = None
+        if have:
+            part = have if len(have) == n else _keep_part(have, min(n, len(have)))
+            if part and len(part) == n and is_aligned_block(part) and not buddy.used[list(part)].any():
+                buddy.take(part)
+                gpus = part
+        if gpus is None:
+            gpus = buddy.alloc(n, prefer=tuple(sorted(have)))
+        if gpus is None:
+            raise ValueError(f"cannot place {n} GPUs for {jid}: {buddy.free_count()} free")
+        out[jid] = tuple(sorted(gpus))
+    moved = [j for j in out if j in current and len(current[j]) == want[j] and tuple(sorted(current[j])) != out[j]]
+    if moved:
+        log.debug("buddy re-pack migrates %d jobs: %s", len(moved), moved[:10])
+    return out

@@ -1,0 +1,514 @@
+"""ElasticFlow: deadline-guaranteed elastic scheduling of serverless DL jobs.
+
+Gu et al., "ElasticFlow: An Elastic Serverless Training Platform for
+Distributed Deep Learning", ASPLOS'23, §4:
+
+- **Serverless jobs** (§4.1): a job gives its model, global batch, iterations
+  and deadline; the GPU count is the scheduler's (a trace job's requested
+  count is ignored). Each worker trains ``global batch / GPUs`` samples per
+  step; the throughput profile is indexed by the global batch.
+- **Admission control by Minimum Satisfactory Share** (§4.2, Algorithm 1):
+  time is cut into slots; jobs are planned in deadline order on the future
+  free-GPU timeline by *progressive filling*: for a cap ``i`` in the buddy
+  sizes (powers of two among the profiled counts), the job gets
+  ``min(i, free(t))`` (rounded down to a buddy size) in every slot from now
+  on; its share is the smallest ``i`` with which it ends by its deadline.
+  A new job is admitted only if it and every already-admitted job still get
+  a satisfactory share; otherwise it is dropped with the reason.
+- **Resource allocation** (§4.2, Algorithm 2): each job first gets its
+  share for the current slot; the remaining GPUs go one step at a time, via
+  a priority queue, to the job with the highest marginal return (extra
+  normalised throughput per extra GPU), until no GPU is left or nobody gains.
+- **Best-effort jobs and soft deadlines** (§4.4): a job without a deadline
+  is admitted without a guarantee and competes for leftover GPUs in
+  Algorithm 2; a job with a soft deadline (``soft_deadlines=True``, or
+  ``("soft_deadline", "1")`` in its ``JobSpec.meta``) that cannot be
+  guaranteed is admitted as best-effort instead of dropped.
+- **Placement** (§4.3): buddy allocation with Best-Fit on the topology tree
+  and migration to defragment (:mod:`tidal.scheduler.buddy`).
+
+Rescale overheads are part of the plan (see docs/policies/elasticflow.md):
+every change of a job's count in the plan (and the change from what it holds
+now) costs the progress the :class:`OverheadModel` says it loses, GPUs are
+released only at the slot boundary after a job ends, and ``reserve_rescales``
+rescales' worth of time is kept back before each deadline for changes the
+plan cannot foresee (extra GPUs given and taken back, migrations). Algorithm
+2 only grows a job if the gain over one slot beats the rescale cost of
+growing and shrinking back. Per-job memory in ``Plan.tags``: ``ef_class``
+(``guaranteed``, ``best-effort`` or ``late``) and ``ef_share`` (the share cap).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from tidal.core.job import JobState
+from tidal.core.overhead import OverheadModel
+from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, register_policy, schedulable
+from tidal.scheduler.buddy import place_buddy
+from tidal.scheduler.estimate import rigid_count
+
+_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Levels:
+    """A job's buddy sizes and progress rates, with 0 GPUs at index 0."""
+
+    counts: np.ndarray  # [0, c1, c2, ...] ascending, rate strictly rising
+    rates: np.ndarray  # iterations/s at each count (spec iterations)
+    count_list: tuple[int, ...] = ()
+    rate_list: tuple[float, ...] = ()
+
+    def rate_of(self, n: int) -> float:
+        """Rate at a count among the levels (0.0 otherwise)."""
+        try:
+            return self.rate_list[self.count_list.index(n)]
+        except ValueError:
+            return 0.0
+
+
+def job_levels(snap: Snapshot, job: JobView, cache: dict | None = None) -> Levels:
+    """Powers of two among the profiled counts that fit the cluster, kept
+    only while they raise throughput (never more GPUs than help); a rigid job
+    has its one count. ``cache`` memoises by what the result depends on."""
+    spec = job.spec
+    cap = snap.cluster.num_gpus
+    batch = job.batch or spec.batch_size
+    key = (spec.model, batch, spec.batch_size, spec.elastic, spec.min_gpus, spec.max_gpus, spec.allowed_gpus,
+           None if spec.elastic else spec.requested_gpus)
+    if cache is not None and key in cache:
+        return cache[key]
+    if not spec.elastic:
+        n = rigid_count(spec, cap)
+        counts = [n] if n <= cap else []
+    else:
+        profiled = set(snap.profiles.profiled_counts(spec.model, batch))
+        counts = [c for c in spec.counts(cap) if c in profiled and c & (c - 1) == 0]
+    cs, rs = [0], [0.0]
+    for c in counts:
+        r = snap.progress_rate(job, c, batch)
+        if r > rs[-1] * (1 + 1e-9):
+            cs.append(c)
+            rs.append(r)
+    lv = Levels(np.array(cs, dtype=np.int64), np.array(rs, dtype=float), tuple(cs), tuple(rs))
+    if cache is not None:
+        cache[key] = lv
+    return lv
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds of lost progress per change of count, from the overhead model."""
+
+    start: float  # first launch
+    resume: float  # restart after a preemption
+    grow: float  # pause after the warm-up (stop-free) or the restart (stop-resume)
+    warmup: float  # stop-free warm-up, while the old workers keep training
+    shrink: float
+    migrate: float
+
+    @classmethod
+    def of(cls, ov: OverheadModel) -> "Costs":
+        mig = ov.migrate_s if ov.migrate_s is not None else (
+            ov.stop_resume_s if ov.mode == "stop-resume" else ov.warmup_s + ov.pause_s
+        )
+        if ov.mode == "stop-resume":
+            return cls(ov.launch_s, ov.stop_resume_s, ov.stop_resume_s, 0.0, ov.stop_resume_s, mig)
+        return cls(ov.launch_s, ov.stop_resume_s, ov.pause_s, ov.warmup_s, ov.pause_s, mig)
+
+    @property
+    def worst_change(self) -> float:
+        return max(self.grow + self.warmup, self.shrink, self.migrate, self.resume)
+
+
+class Timeline:
+    """Free GPUs over future time: interval ``k`` starts at ``t[k]`` and has
+    ``free[k]`` GPUs; the last interval never ends. Releases are aligned to
+    slot boundaries, where the executor re-plans."""
+
+    def __init__(self, now: float, gpus: int, slot: float) -> None:
+        self.t = np.array([now], dtype=float)
+        self.free = np.array([gpus], dtype=np.int64)
+        self.slot = slot
+
+    def copy(self) -> "Timeline":
+        other = Timeline.__new__(Timeline)
+        other.t, other.free, other.slot = self.t.copy(), self.free.copy(), self.slot
+        return other
+
+    def align(self, t: float) -> float:
+        return math.ceil(t / self.slot - 1e-9) * self.slot if self.slot > 0 else t
+
+
+@dataclass
+class Share:
+    """A job's planned allocation: count per timeline interval, up to ``end``."""
+
+    cap: int  # the minimum satisfactory share (0: none found)
+    alloc: np.ndarray  # GPUs in intervals 0..k
+    finish: float
+    now_count: int
+
+
+def fill(
+    tl: Timeline,
+    lv: Levels,
+    remaining: float,
+    horizon: float,
+    held: int,
+    started: bool,
+    costs: Costs,
+    extra_dead: float = 0.0,
+) -> Share | None:
+    """Progressive filling (Algorithm 1): the smallest cap ``i`` whose
+    filling ``min(i, free(t))`` (rounded down to a buddy size) finishes
+    ``remaining`` iterations by ``horizon``, net of the rescale cost of every
+    change of count; None if no cap does.
+
+    Fast path: the smallest cap that would finish in time at a constant
+    count, if the timeline has that many GPUs free all along. Otherwise all
+    caps are evaluated at once as rows of one array."""
+    t, free = tl.t, tl.free
+    now = float(t[0])
+    rem = remaining * (1 + 1e-9) + _EPS
+    r_held = lv.rate_of(held)
+    for c, r in zip(lv.count_list[1:], lv.rate_list[1:]):
+        loss = first_loss(c, r, held, r_held, started, costs) + extra_dead * r
+        finish = now + (rem + loss) / r
+        if finish > horizon:
+            continue
+        release = tl.align(finish)
+        p = max(int(np.searchsorted(t, release, side="left")), 1)
+        if free[:p].min() >= c:
+            k = max(int(np.searchsorted(t, finish, side="right")) - 1, 0)
+            return Share(c, np.full(k + 1, c, dtype=np.int64), finish, c)
+        break  # contention: fill every cap
+    return _fill_all(tl, lv, remaining, horizon, held, r_held, started, costs, extra_dead)
+
+
+def first_loss(c: int, r: float, held: int, r_held: float, started: bool, costs: Costs) -> float:
+    """Iterations lost when a job holding ``held`` GPUs moves to ``c``."""
+    if c == held or c == 0:
+        return 0.0
+    if held == 0:
+        return r * (costs.resume if started else costs.start)
+    if c > held:
+        return r * costs.grow + costs.warmup * max(r - r_held, 0.0)
+    return r * costs.shrink
+
+
+def _fill_all(
+    tl: Timeline,
+    lv: Levels,
+    remaining: float,
+    horizon: float,
+    held: int,
+    r_held: float,
+    started: bool,
+    costs: Costs,
+    extra_dead: float,
+) -> Share | None:
+    t, free = tl.t, tl.free
+    m = int(np.searchsorted(t, horizon, side="left"))
+    if m == 0 or len(lv.counts) < 2:
+        return None
+    ends = np.empty(m)
+    ends[:-1] = t[1:m]
+    ends[-1] = horizon
+    dt = ends - t[:m]
+    caps = lv.counts[1:, None]  # (L, 1)
+    idx = np.searchsorted(lv.counts, np.minimum(free[None, :m], caps), side="right") - 1  # (L, m)
+    alloc = lv.counts[idx]
+    rate = lv.rates[idx]
+    prev_a = np.empty_like(alloc)
+    prev_a[:, 0] = held
+    prev_a[:, 1:] = alloc[:, :-1]
+    prev_r = np.empty_like(rate)
+    prev_r[:, 0] = r_held
+    prev_r[:, 1:] = rate[:, :-1]
+    changed = (alloc != prev_a) & (alloc > 0)
+    ran = np.cumsum(alloc > 0, axis=1) - (alloc > 0) > 0  # ran in an earlier interval
+    restart = np.where(ran | started, costs.resume, costs.start)
+    grow_loss = costs.grow * rate + costs.warmup * np.maximum(rate - prev_r, 0.0)
+    loss = np.where(prev_a == 0, restart * rate, np.where(alloc > prev_a, grow_loss, costs.shrink * rate))
+    loss = np.where(changed, loss, 0.0)
+    loss[:, 0] += extra_dead * rate[:, 0]
+    prog = np.maximum(rate * dt - loss, 0.0)
+    cum = np.cumsum(prog, axis=1)
+    rem = remaining * (1 + 1e-9) + _EPS
+    ok = cum[:, -1] >= rem
+    if not ok.any():
+        return None
+    row = int(np.argmax(ok))
+    c = cum[row]
+    k = min(int(np.searchsorted(c, rem, side="left")), m - 1)
+    r = rate[row, k]
+    finish = ends[k] - (c[k] - remaining) / r if r > 0 else ends[k]
+    return Share(int(lv.counts[row + 1]), alloc[row, : k + 1].copy(), max(finish, float(t[0])), int(alloc[row, 0]))
+
+
+def commit(tl: Timeline, share: Share) -> None:
+    """Reserve ``share`` on the timeline until the slot boundary after it ends."""
+    k = len(share.alloc) - 1
+    release = tl.align(share.finish)
+    t, free = tl.t, tl.free
+    p = int(np.searchsorted(t, release, side="left"))
+    if p == len(t) or t[p] != release:
+        p = max(p, k + 1)
+        if p == len(t) or t[p] != release:
+            t = np.concatenate((t[:p], (release,), t[p:]))
+            free = np.concatenate((free[:p], free[p - 1 : p], free[p:]))
+    free[:k] -= share.alloc[:k]
+    free[k:p] -= share.alloc[k]
+    tl.t, tl.free = t, free
+
+
+def is_soft(job: JobView, all_soft: bool) -> bool:
+    return all_soft or any(k == "soft_deadline" and v not in ("", "0", "false") for k, v in job.spec.meta)
+
+
+@register_policy("elasticflow")
+class ElasticFlow(Policy):
+    """ElasticFlow (ASPLOS'23 §4): MSS admission, greedy marginal-return
+    allocation, buddy placement.
+
+    ``slot``: planning slot (s), the simulator's ``--slot``. ``assumed_overheads``:
+    plan with these overheads instead of the snapshot's (to test what an
+    untold overhead does). ``reserve_rescales``: rescales' worth of time kept
+    before each deadline. ``soft_deadlines``: never drop, admit the
+    unsatisfiable as best-effort."""
+
+    def __init__(
+        self,
+        slot: float = 60.0,
+        assumed_overheads: OverheadModel | None = None,
+        reserve_rescales: float = 1.0,
+        soft_deadlines: bool = False,
+    ) -> None:
+        self.slot = float(slot)
+        self.assumed_overheads = assumed_overheads
+        self.reserve_rescales = float(reserve_rescales)
+        self.soft_deadlines = soft_deadlines
+
+    # -- helpers ------------------------------------------------------------
+    def _costs(self, snap: Snapshot) -> Costs:
+        return Costs.of(self.assumed_overheads or snap.overheads)
+
+    @staticmethod
+    def _order(j: JobView) -> tuple:
+        return (j.spec.deadline, j.spec.submit_time, j.job_id)
+
+    def _share(self, snap: Snapshot, tl: Timeline, j: JobView, lv: Levels, costs: Costs) -> Share | None:
+        reserve = self.reserve_rescales * costs.migrate
+        horizon = j.spec.deadline - reserve
+        if horizon <= snap.now or j.remaining <= 0:
+            return None
+        extra = costs.worst_change if j.state is JobState.RESIZING else 0.0
+        return fill(tl, lv, j.remaining, horizon, j.n, j.executed > 0, costs, extra)
+
+    def _plan(
+        self,
+        snap: Snapshot,
+        jobs: list[JobView],
+        levels: dict[str, Levels],
+        costs: Costs,
+        tl: Timeline,
+        stop_if_first_fails: bool = False,
+    ) -> tuple[dict[str, Share], list[str], list[Timeline]]:
+        """Plan ``jobs`` (deadline order) on ``tl``; return shares, the ids that
+        got none, and the timeline before each job (for re-planning)."""
+        shares: dict[str, Share] = {}
+        failed: list[str] = []
+        before: list[Timeline] = []
+        for i, j in enumerate(jobs):
+            before.append(tl.copy())
+            s = self._share(snap, tl, j, levels[j.job_id], costs)
+            if s is None:
+                failed.append(j.job_id)
+                if i == 0 and stop_if_first_fails:
+                    break
+            else:
+                shares[j.job_id] = s
+                commit(tl, s)
+        return shares, failed, before
+
+    # -- the three steps ------------------------------------------------------
+    def schedule(self, snap: Snapshot) -> Plan:
+        plan = Plan()
+        ctx = self.admit(snap, plan)
+        self.allocate(snap, plan, ctx)
+        self.placement(snap, plan)
+        return plan
+
+    def admission(self, snap: Snapshot, plan: Plan) -> None:
+        self.admit(snap, plan)
+
+    def allocation(self, snap: Snapshot, plan: Plan) -> None:
+        self.allocate(snap, plan, self.admit(snap, Plan()))
+
+    def placement(self, snap: Snapshot, plan: Plan) -> None:
+        plan.placement = place_buddy(snap, plan.allocation)
+
+    # -- Algorithm 1: admission control by minimum satisfactory share --------
+    def admit(self, snap: Snapshot, plan: Plan) -> "_Context":
+        """Plan every guaranteed job's share in deadline order; admit a new
+        deadline job only if it and all guaranteed jobs still get one."""
+        costs = self._costs(snap)
+        total = snap.cluster.num_gpus
+        cache: dict = {}
+        levels: dict[str, Levels] = {}
+        guaranteed: list[JobView] = []
+        new_ddl: list[JobView] = []
+        for j in snap.jobs:
+            lv = job_levels(snap, j, cache)
+            levels[j.job_id] = lv
+            if j.state is JobState.SUBMITTED:
+                if len(lv.counts) < 2:
+                    plan.drop[j.job_id] = f"model {j.spec.model} cannot run on this cluster ({total} GPUs)"
+                elif j.spec.deadline is None:
+                    plan.admit.add(j.job_id)
+                    plan.tags[j.job_id] = {"ef_class": "best-effort"}
+                else:
+                    new_ddl.append(j)
+            elif j.admitted and j.spec.deadline is not None and j.tags.get("ef_class", "guaranteed") == "guaranteed":
+                guaranteed.append(j)
+        guaranteed.sort(key=self._order)
+        tl = Timeline(snap.now, total, self.slot)
+        shares, failed, before = self._plan(snap, guaranteed, levels, costs, tl)
+        late = set(failed)
+        for jid in late:
+            plan.tags[jid] = {"ef_class": "late"}
+        extras: list[JobView] = []  # admitted this round on what the others leave
+        for x in sorted(new_ddl, key=self._order):
+            lv = levels[x.job_id]
+            # 1. x fits in what every guaranteed job leaves: no share changes
+            s = self._share(snap, tl, x, lv, costs)
+            if s is not None:
+                plan.admit.add(x.job_id)
+                plan.tags[x.job_id] = {"ef_class": "guaranteed", "ef_share": s.cap}
+                shares[x.job_id] = s
+                commit(tl, s)
+                extras.append(x)
+                continue
+            # 2. Algorithm 1's deadline order: plan x before the later-deadline
+            # jobs and re-plan them; admit x only if nobody loses its share
+            keys = [self._order(g) for g in guaranteed]
+            pos = bisect.bisect_right(keys, self._order(x))
+            trial_tl = before[pos].copy() if pos < len(before) else tl.copy()
+            rest = guaranteed[pos:]
+            trial, trial_failed, trial_before = self._plan(
+                snap, [x, *rest, *extras], levels, costs, trial_tl, stop_if_first_fails=True
+            )
+            broken = [jid for jid in trial_failed if jid not in late]
+            if not broken:
+                plan.admit.add(x.job_id)
+                plan.tags[x.job_id] = {"ef_class": "guaranteed", "ef_share": trial[x.job_id].cap}
+                guaranteed.insert(pos, x)
+                shares.update(trial)
+                before = before[:pos] + trial_before[: len(rest) + 1]
+                tl = trial_tl
+            elif is_soft(x, self.soft_deadlines):
+                plan.admit.add(x.job_id)
+                plan.tags[x.job_id] = {"ef_class": "best-effort"}
+            elif x.job_id in broken:
+                alone = self._share(snap, Timeline(snap.now, total, self.slot), x, levels[x.job_id], costs)
+                plan.drop[x.job_id] = (
+                    "cannot meet its deadline even with the whole cluster"
+                    if alone is None
+                    else "cannot meet its deadline on top of the admitted jobs' guaranteed shares"
+                )
+            else:
+                plan.drop[x.job_id] = f"admitting it would make {len(broken)} admitted job(s) miss their deadline"
+        for j in guaranteed:
+            s = shares.get(j.job_id)
+            if s is not None and j.job_id not in plan.tags and j.tags.get("ef_share") != s.cap:
+                plan.tags[j.job_id] = {"ef_class": "guaranteed", "ef_share": s.cap}
+        return _Context(levels, shares, costs, tl)
+
+    # -- Algorithm 2: greedy allocation of the remaining GPUs ----------------
+    def allocate(self, snap: Snapshot, plan: Plan, ctx: "_Context") -> None:
+        """Shares for the current slot first; then one step at a time the job
+        with the highest marginal return (extra progress over one slot, net of
+        rescale costs, per extra GPU, in single-GPU units) gets more GPUs."""
+        levels, shares, costs = ctx.levels, ctx.shares, ctx.costs
+        jobs = [j for j in schedulable(snap, plan) if len(levels[j.job_id].counts) > 1]
+        base = {j.job_id: (shares[j.job_id].now_count if j.job_id in shares else 0) for j in jobs}
+        free = snap.cluster.num_gpus - sum(base.values())
+        hold = self.slot if self.slot > 0 else 60.0
+
+        def progress(j: JobView, lv: Levels, k: int) -> float:
+            """Iterations over one slot at level k, net of the cost of getting
+            there and (for guaranteed jobs) of shrinking back to the share."""
+            c, r = lv.count_list[k], lv.rate_list[k]
+            if c == 0:
+                return 0.0
+            if c == j.n:
+                lost = 0.0
+            elif j.n == 0:
+                lost = r * (costs.resume if j.executed > 0 else costs.start)
+            elif c > j.n:
+                r_old = lv.rate_of(j.n) or snap.progress_rate(j, j.n, j.batch or None)
+                lost = r * costs.grow + costs.warmup * max(r - r_old, 0.0)
+            else:
+                lost = r * costs.shrink
+            if j.job_id in shares and c != base[j.job_id]:
+                lost += r * costs.shrink
+            return max(r * hold - lost, 0.0)
+
+        cur: dict[str, int] = {}
+        info: dict[str, tuple[JobView, Levels, float, list[float]]] = {}
+        heap: list[tuple[float, float, str, int]] = []
+
+        def push(jid: str) -> None:
+            j, lv, one, vals = info[jid]
+            i = cur[jid]
+            best, best_k = 0.0, -1
+            for k in range(i + 1, len(lv.counts)):
+                extra = int(lv.counts[k] - lv.counts[i])
+                if extra > free:
+                    break
+                gain = (vals[k] - vals[i]) / extra / one
+                if gain > best + 1e-12:
+                    best, best_k = gain, k
+            if best_k > 0:
+                ddl = j.spec.deadline if j.spec.deadline is not None else math.inf
+                heapq.heappush(heap, (-best, ddl, jid, best_k))
+
+        for j in jobs:
+            lv = levels[j.job_id]
+            cur[j.job_id] = int(np.searchsorted(lv.counts, base[j.job_id]))
+            one = float(lv.rates[1]) / int(lv.counts[1]) * hold
+            info[j.job_id] = (j, lv, one, [progress(j, lv, k) for k in range(len(lv.counts))])
+            push(j.job_id)
+        while heap and free > 0:
+            _, _, jid, k = heapq.heappop(heap)
+            lv = info[jid][1]
+            extra = int(lv.counts[k] - lv.counts[cur[jid]])
+            if extra > free:
+                push(jid)  # fewer GPUs left than when queued: look again
+                continue
+            free -= extra
+            cur[jid] = k
+            push(jid)
+        for jid, i in cur.items():
+            n = int(levels[jid].counts[i])
+            if n > 0:
+                plan.allocation[jid] = n
+        # re-plan at the next change of the timeline (a share may grow then)
+        plan.wake_at = float(ctx.timeline.t[1]) if len(ctx.timeline.t) > 1 else None
+
+
+@dataclass
+class _Context:
+    """What admission hands to allocation within one scheduling call."""
+
+    levels: dict[str, Levels]
+    shares: dict[str, Share]
+    costs: Costs
+    timeline: Timeline
