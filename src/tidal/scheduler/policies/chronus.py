@@ -1,12 +1,12 @@
 """Chronus: deadline-aware lease-based scheduling of rigid jobs, solved as a MILP.
 
 Gao et al., "Chronus: A Novel Deadline-aware Scheduler for Deep Learning
-Training Jobs", SoCC'21. §3 (overview): jobs are SLO jobs (with a deadline)
-or best-effort; GPUs are granted in leases and re-decided when they expire.
-§4.1 (admission): an SLO job is accepted only if a schedule exists in which it
-and every accepted SLO job still meet their deadlines. §4.2 (lease
-allocation): a MILP picks which jobs hold GPUs in the coming leases so that
-accepted jobs meet their deadlines; best-effort jobs use what is left.
+Training Jobs", SoCC'21 (system design: SLO jobs with a deadline and
+best-effort jobs; GPUs are granted in leases and jobs are re-selected when the
+leases expire; an SLO job is admitted only if a schedule exists in which it
+and every admitted SLO job still meet their deadlines; the lease-level job
+selection is a MILP, solved with Gurobi in the original). Section numbers are
+not cited: we could not check them against the paper's text.
 
 As run here (the original solved the MILP with Gurobi; we use
 ``scipy.optimize.milp`` / HiGHS):
@@ -28,7 +28,9 @@ As run here (the original solved the MILP with Gurobi; we use
     mid-lease: nobody is preempted; freed GPUs go by the same order
 
 ``T_j`` is the remaining iterations at the profiled speed on g_j GPUs plus the
-restart cost of a job that is not running. If HiGHS stops at ``time_limit``
+restart cost of a job that is not running. No solve is needed when a new job
+cannot finish by its deadline even if started now (rejected), or when every
+job fits at once and finishes in time (accepted / all run). If HiGHS stops at ``time_limit``
 without a solution, allocation falls back to greedy least-slack-first (and the
 admission check to "reject"); with the default sizes it solves in milliseconds,
 so results do not depend on machine speed in practice (see
@@ -190,7 +192,7 @@ class Chronus(Policy):
         horizon = max((j.deadline for j in jobs), default=snap.now)
         return slot_bounds(snap.now, lease_end(snap.now, self.lease), self.lease, horizon, self.max_slots)
 
-    # -- admission (Chronus §4.1) -------------------------------------------------
+    # -- admission (Chronus: SLO admission control) -------------------------------------------------
     def admission(self, snap: Snapshot, plan: Plan) -> None:
         super().admission(snap, plan)
         G = snap.cluster.num_gpus
@@ -229,7 +231,7 @@ class Chronus(Policy):
         res = lease_plan(jobs, bounds, capacity0, snap.cluster.num_gpus, True, self.time_limit, locked)
         return res is not None
 
-    # -- allocation (Chronus §4.2) -------------------------------------------------
+    # -- allocation (Chronus: lease-based job selection) -------------------------------------------------
     def allocation(self, snap: Snapshot, plan: Plan) -> None:
         jobs = schedulable(snap, plan)
         if not jobs:

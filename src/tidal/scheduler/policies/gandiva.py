@@ -1,10 +1,11 @@
 """Gandiva: introspective packing and migration for rigid DL jobs.
 
 Xiao et al., "Gandiva: Introspective Cluster Scheduling for Deep Learning",
-OSDI'18. §3.3 (mechanisms: suspend-resume, packing, migration) and §4.2 (the
-scheduling policy): nodes take an *affinity* for the job size they host; a new
-job goes to a node of its own affinity, else to a free node, else affinity is
-relaxed; when fragmentation keeps a job from getting GPUs on one node, running
+OSDI'18. §4.1 (mechanisms: suspend-resume / time-slicing, packing,
+migration) and §4.2 (scheduling policy): in the reactive mode nodes take an
+*affinity* for the job size they host; a new job goes to a node of its own
+affinity, else to a free node, else affinity is relaxed; in the introspective
+mode, when fragmentation keeps a job from getting GPUs on one node, running
 jobs are *migrated* to make room (defragmentation), and a job that had to be
 spread is migrated back onto one node once that is possible (locality).
 
@@ -264,7 +265,7 @@ def gandiva_placement(snap: Snapshot, allocation: dict[str, int], migrate: bool 
 
 @register_policy("gandiva")
 class Gandiva(Policy):
-    """Rigid FIFO-with-skip, affinity packing and migration (Gandiva, OSDI'18 §3.3, §4.2)."""
+    """Rigid FIFO-with-skip, affinity packing and migration (Gandiva, OSDI'18 §4.1-4.2)."""
 
     def __init__(self, migrate: bool = True) -> None:
         self.migrate = migrate

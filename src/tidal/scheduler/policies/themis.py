@@ -4,8 +4,8 @@ Mahajan et al., "Themis: Fair and Efficient GPU Cluster Scheduling", NSDI'20.
 §3.2 defines finish-time fairness ρ = T_sh / T_id; §3.3 the partial allocation
 auction, in which the arbiter offers GPUs to the 1 − f fraction of jobs with
 the worst ρ (f is the fairness knob) and hands the leftover to the others;
-§4 runs it in rounds of leases: GPUs are granted for one lease and may be
-taken back (preemption) when the lease ends.
+§4 (system design) runs it in rounds of leases: GPUs are granted for one
+lease and may be taken back (preemption) when the lease ends.
 
 As run here (ElasticFlow §6.1 uses Themis as a rigid baseline):
 
