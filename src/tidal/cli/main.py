@@ -26,6 +26,7 @@ def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug log
 def _register() -> None:
     from tidal.cli import simulate as _simulate  # noqa: F401  (registers commands)
     from tidal.cli import demo as _demo  # noqa: F401
+    from tidal.cli import cluster as _cluster  # noqa: F401  (live-cluster commands)
 
     try:
         from tidal.cli import run as _run  # noqa: F401  (runtime commands)

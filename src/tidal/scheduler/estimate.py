@@ -28,8 +28,11 @@ def remaining_time(snap: Snapshot, job: JobView, n: int) -> float:
 
 def useful_counts(snap: Snapshot, job: JobView | JobSpec, cap: int) -> list[int]:
     """Counts a job may take that were profiled (powers of two for the A100
-    profiles, the buddy sizes of ElasticFlow §4.3), ascending, at most ``cap``."""
+    profiles, the buddy sizes of ElasticFlow §4.3), ascending, at most ``cap``;
+    a job with its own ``allowed_gpus`` may take any of those."""
     spec = job.spec if isinstance(job, JobView) else job
+    if spec.allowed_gpus is not None:
+        return spec.counts(cap)  # the user's own list of counts wins
     profiled = set(snap.profiles.profiled_counts(spec.model, spec.batch_size))
     return [c for c in spec.counts(cap) if c in profiled]
 

@@ -1,0 +1,14 @@
+"""``tidal agent``: one per GPU node (the SideCar of the SideCar paper, §III-B).
+
+It registers its node and GPUs (NVML through nvidia-ml-py when present,
+``--virtual-gpus N`` otherwise), heart-beats to the server, and reconciles
+the processes the server wants on this node (job masters and workers) with
+the ones it runs: it launches them with ``CUDA_VISIBLE_DEVICES`` and the job's
+environment, stops the ones no longer wanted, and ships their output and
+exit codes back. When the server is unreachable it keeps every process
+running and keeps retrying; a restarted server finds them again.
+"""
+
+from tidal.agent.agent import Agent, detect_gpus
+
+__all__ = ["Agent", "detect_gpus"]

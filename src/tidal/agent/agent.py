@@ -1,0 +1,202 @@
+"""The node agent's reconcile loop (see the package docstring)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("tidal.agent")
+
+
+def detect_gpus() -> int:
+    """Number of NVIDIA GPUs through NVML, 0 when there is none (or no NVML)."""
+    try:
+        import pynvml  # from nvidia-ml-py
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no library: no GPUs
+        return 0
+
+
+@dataclass
+class Proc:
+    id: int
+    job: str
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    offset: int = 0
+    reported: str = ""
+    stop_sent: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Agent:
+    def __init__(
+        self,
+        server: str,
+        token: str,
+        name: str,
+        num_gpus: int,
+        *,
+        virtual: bool = False,
+        interval_s: float = 0.5,
+        workdir: Path | None = None,
+    ) -> None:
+        self.server = server.rstrip("/")
+        self.token = token
+        self.name = name
+        self.num_gpus = num_gpus
+        self.virtual = virtual
+        self.interval_s = interval_s
+        self.workdir = Path(workdir or Path(os.environ.get("TIDAL_HOME", Path.home() / ".tidal")) / "agents" / name)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[int, Proc] = {}
+        self.finished: dict[int, dict[str, Any]] = {}  # exit reports not yet acknowledged by the server
+        self.acked: set[int] = set()  # exited processes the server knows about (never relaunched)
+        self._stop = threading.Event()
+        self.registered = False
+
+    # -- transport ----------------------------------------------------------------
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(
+            self.server + path, data=json.dumps(body).encode(), method="POST",
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read() or b"{}")
+
+    # -- loop ------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        log.info("agent %s: %d %s GPU(s), server %s", self.name, self.num_gpus,
+                 "virtual" if self.virtual else "NVIDIA", self.server)
+        while not self._stop.is_set():
+            try:
+                if not self.registered:
+                    self._post("/internal/agents/register", {"name": self.name, "num_gpus": self.num_gpus,
+                                                             "virtual": self.virtual})
+                    self.registered = True
+                self.tick()
+            except urllib.error.HTTPError as e:
+                if e.code == 404:  # the server lost us (new store): register again
+                    self.registered = False
+                log.warning("server answered %s; retrying", e.code)
+            except (urllib.error.URLError, OSError, TimeoutError) as e:
+                log.warning("server unreachable (%s); processes keep running", e)
+            self._stop.wait(self.interval_s)
+        self.shutdown()
+
+    def tick(self) -> None:
+        reports = self._collect()
+        ans = self._post(f"/internal/agents/{self.name}/heartbeat", {"procs": reports, "utils": self._utils()})
+        # acknowledged: exit reports are delivered, log chunks too
+        for r in reports:
+            r["log"] = ""
+            if r["state"] in ("exited", "failed"):
+                self.finished.pop(r["id"], None)
+                self.acked.add(r["id"])
+        self._reconcile(ans.get("workers", []))
+
+    def _collect(self) -> list[dict[str, Any]]:
+        """Reports for every live process, plus unacknowledged exits (kept until
+        a heartbeat gets through, so an exit is never lost)."""
+        out = []
+        for p in list(self.procs.values()):
+            code = p.popen.poll()
+            text = self._read_log(p)
+            state = "running" if code is None else ("exited" if code == 0 else "failed")
+            rep = {"id": p.id, "state": state, "pid": p.popen.pid, "exit_code": code, "log": text}
+            if code is not None:
+                del self.procs[p.id]
+                self.finished[p.id] = rep
+            else:
+                out.append(rep)
+        out.extend(self.finished.values())
+        return out
+
+    def _read_log(self, p: Proc) -> str:
+        try:
+            with p.log_path.open("rb") as fh:
+                fh.seek(p.offset)
+                data = fh.read(256 * 1024)
+        except FileNotFoundError:
+            return ""
+        p.offset += len(data)
+        return data.decode(errors="replace")
+
+    def _utils(self) -> dict[int, float]:
+        if self.virtual:
+            busy = {int(p.extra.get("gpu", -1)) for p in self.procs.values()}
+            return {i: (1.0 if i in busy else 0.0) for i in range(self.num_gpus)}
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                return {i: float(pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(i)).gpu) / 100
+                        for i in range(self.num_gpus)}
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            return {}
+
+    def _reconcile(self, wanted: list[dict[str, Any]]) -> None:
+        now = time.time()
+        for w in wanted:
+            wid = int(w["id"])
+            p = self.procs.get(wid)
+            if w["desired"] == "stop":
+                if p is not None:
+                    if not p.stop_sent:
+                        p.popen.send_signal(signal.SIGTERM)
+                        p.stop_sent = now
+                    elif now - p.stop_sent > 10:
+                        p.popen.kill()
+                continue
+            if p is None and wid not in self.acked and wid not in self.finished:
+                self._launch(w)
+
+    def _launch(self, w: dict[str, Any]) -> None:
+        d = self.workdir / "logs" / w["job"]
+        d.mkdir(parents=True, exist_ok=True)
+        log_path = d / f"{w['name']}.log"
+        start = log_path.stat().st_size if log_path.exists() else 0
+        env = dict(os.environ)
+        env.update({k: str(v) for k, v in (w.get("env") or {}).items()})
+        env["TIDAL_NODE"] = self.name
+        cwd = w.get("cwd") or None
+        with log_path.open("ab") as fh:
+            popen = subprocess.Popen(w["argv"], env=env, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.procs[int(w["id"])] = Proc(int(w["id"]), w["job"], w["name"], popen, log_path,
+                                        offset=start,
+                                        extra={"gpu": env.get("CUDA_VISIBLE_DEVICES", "-1")})
+        log.info("launched %s/%s pid %d (CUDA_VISIBLE_DEVICES=%s)", w["job"], w["name"], popen.pid,
+                 env.get("CUDA_VISIBLE_DEVICES", ""))
+
+    def shutdown(self) -> None:
+        for p in self.procs.values():
+            if p.popen.poll() is None:
+                p.popen.terminate()
+        for p in self.procs.values():
+            try:
+                p.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()

@@ -1,0 +1,301 @@
+"""Live-cluster commands: ``tidal server``, ``agent``, ``up``, ``submit``,
+``jobs``, ``job``, ``logs``, ``cancel``, ``cluster``, ``user``."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tidal.cli.main import app
+
+console = Console()
+err = Console(stderr=True)
+
+
+def _api(server: Optional[str], token: Optional[str]):
+    from tidal.control.client import Api
+
+    return Api(server, token)
+
+
+def _fail(e: Exception) -> None:
+    from tidal.control.client import ApiError
+
+    if isinstance(e, ApiError):
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2 if e.status in (400, 422) else 1)
+    err.print(f"[red]error:[/] cannot reach the server: {e}")
+    raise typer.Exit(1)
+
+
+ServerOpt = typer.Option(None, "--server", help="Server URL (default: $TIDAL_SERVER or $TIDAL_HOME/server.json).")
+TokenOpt = typer.Option(None, "--token", help="API token (default: $TIDAL_TOKEN or $TIDAL_HOME/token).")
+
+
+@app.command()
+def server(
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8470, "--port"),
+    db: Optional[str] = typer.Option(None, "--db", help="SQLAlchemy URL (default: SQLite in $TIDAL_HOME)."),
+    policy: str = typer.Option("edf", "--policy", help="Scheduling policy (same names as `tidal simulate`)."),
+    tick: float = typer.Option(2.0, "--tick", help="Scheduling round period in seconds."),
+    token: Optional[str] = typer.Option(None, "--token", help="Admin token (default: $TIDAL_HOME/admin.token or new)."),
+) -> None:
+    """Run the control plane (REST API + scheduler loop)."""
+    from tidal.control.server import serve
+    from tidal.scheduler.api import policy_names
+
+    if policy not in policy_names():
+        err.print(f"[red]error:[/] unknown policy {policy!r}; known: {', '.join(policy_names())}")
+        raise typer.Exit(2)
+    serve(host=host, port=port, db_url=db, policy=policy, admin_token=token, tick_s=tick)
+
+
+@app.command()
+def agent(
+    server_url: Optional[str] = ServerOpt,
+    token: Optional[str] = TokenOpt,
+    name: Optional[str] = typer.Option(None, "--name", help="Node name (default: host name)."),
+    virtual_gpus: Optional[int] = typer.Option(None, "--virtual-gpus", help="Pretend to have N GPUs (no GPU needed)."),
+    interval: float = typer.Option(0.5, "--interval", help="Heartbeat period in seconds."),
+) -> None:
+    """Run the node agent: register GPUs, launch and watch workers."""
+    import logging
+
+    from tidal.agent import Agent, detect_gpus
+    from tidal.control.client import find_server, find_token
+
+    logging.getLogger("tidal").setLevel(logging.INFO)
+    n = virtual_gpus if virtual_gpus is not None else detect_gpus()
+    if n < 1:
+        err.print("[red]error:[/] no GPU found; pass --virtual-gpus N to run without GPUs")
+        raise typer.Exit(2)
+    a = Agent(find_server(server_url), find_token(token), name or socket.gethostname(), n,
+              virtual=virtual_gpus is not None, interval_s=interval)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: a.stop())
+    try:
+        a.run()
+    except KeyboardInterrupt:
+        a.stop()
+        a.shutdown()
+
+
+@app.command()
+def up(
+    gpus: int = typer.Option(8, "--gpus", help="Virtual GPUs in all."),
+    nodes: int = typer.Option(2, "--nodes", help="Agents (nodes)."),
+    policy: str = typer.Option("edf", "--policy"),
+    port: int = typer.Option(8470, "--port"),
+    home: Optional[Path] = typer.Option(None, "--home", help="State directory (default $TIDAL_HOME)."),
+) -> None:
+    """Start an embedded cluster (server + local agents with virtual GPUs) and
+    keep it running until Ctrl-C."""
+    from tidal.control.client import home as tidal_home
+    from tidal.control.local import LocalCluster
+
+    if gpus % nodes:
+        err.print(f"[red]error:[/] --gpus {gpus} does not divide into {nodes} nodes")
+        raise typer.Exit(2)
+    h = home or tidal_home()
+    c = LocalCluster(h, nodes=nodes, gpus_per_node=gpus // nodes, policy=policy, port=port, tick_s=1.0)
+    c.start()
+    user_token = c.api().add_user("user")
+    (Path(h) / "token").write_text(user_token)
+    console.print(f"Tidal cluster up: {c.url} — {nodes} node(s) × {gpus // nodes} virtual GPU(s), policy {policy}")
+    console.print(f"state in {h}; user token in {Path(h) / 'token'}; admin token in {Path(h) / 'admin.token'}")
+    console.print("submit with: tidal submit job.yaml   (Ctrl-C stops the cluster)")
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        console.print("stopping…")
+    finally:
+        c.stop()
+
+
+@app.command()
+def submit(
+    spec: Optional[Path] = typer.Argument(None, help="YAML job spec (or use the flags)."),
+    name: Optional[str] = typer.Option(None, "--name"),
+    script: Optional[str] = typer.Option(None, "--script"),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="N, LOW-HIGH, or a,b,c"),
+    iterations: Optional[int] = typer.Option(None, "--iterations"),
+    deadline: Optional[float] = typer.Option(None, "--deadline", help="Seconds after submission."),
+    batch: Optional[int] = typer.Option(None, "--batch-size"),
+    rigid: bool = typer.Option(False, "--rigid"),
+    arg: list[str] = typer.Option([], "--arg", help="Argument for the script (repeat)."),
+    server_url: Optional[str] = ServerOpt,
+    token: Optional[str] = TokenOpt,
+) -> None:
+    """Submit a job from a YAML spec or flags."""
+    from pydantic import ValidationError
+
+    from tidal.control.spec import JobSubmission, load_spec_file
+    from tidal.core.errors import InputError
+
+    try:
+        body = load_spec_file(spec).model_dump() if spec else {}
+    except InputError as e:
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2)
+    flags = {"name": name, "script": script, "iterations": iterations, "deadline": deadline,
+             "global_batch_size": batch}
+    body.update({k: v for k, v in flags.items() if v is not None})
+    if arg:
+        body["args"] = list(arg)
+    if rigid:
+        body["elastic"] = False
+    if gpus is not None:
+        g: object = gpus
+        if "," in gpus:
+            g = [int(x) for x in gpus.split(",")]
+        elif gpus.isdigit():
+            g = int(gpus)
+        body["gpus"] = g
+    try:
+        JobSubmission(**body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        err.print(f"[red]error:[/] field '{'.'.join(str(x) for x in first['loc'])}': {first['msg']}")
+        raise typer.Exit(2)
+    try:
+        ans = _api(server_url, token).submit(body)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+    console.print(f"submitted {ans['id']}")
+
+
+def _fmt_t(t: Optional[float]) -> str:
+    return "-" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def jobs_table(jobs: list[dict]) -> Table:
+    t = Table(title="jobs")
+    for c in ("id", "user", "state", "GPUs", "step", "rescales", "submitted", "JCT s"):
+        t.add_column(c)
+    for j in jobs:
+        jct = (j["end_time"] - j["submit_time"]) if j.get("end_time") and j["state"] == "completed" else None
+        t.add_row(j["id"], j["user"], j["state"], str(len(j["gpus"])),
+                  f"{j['step']}/{j['iterations']}", str(j["rescales"]), _fmt_t(j["submit_time"]),
+                  f"{jct:.1f}" if jct else "-")
+    return t
+
+
+@app.command("jobs")
+def jobs_cmd(server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt,
+             as_json: bool = typer.Option(False, "--json")) -> None:
+    """List your jobs (all jobs with the admin token)."""
+    try:
+        jobs = _api(server_url, token).jobs()
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+    if as_json:
+        print(json.dumps(jobs))
+    else:
+        console.print(jobs_table(jobs))
+
+
+@app.command("job")
+def job_cmd(job_id: str, server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt,
+            as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show one job with its event history."""
+    try:
+        j = _api(server_url, token).job(job_id)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+    if as_json:
+        print(json.dumps(j))
+        return
+    console.print(jobs_table([j]))
+    t = Table(title="events")
+    for c in ("time", "event", "detail"):
+        t.add_column(c)
+    for e in j["events"]:
+        detail = {k: v for k, v in e.items() if k not in ("time", "kind") and v is not None}
+        t.add_row(_fmt_t(e["time"]), e["kind"], json.dumps(detail)[:100])
+    console.print(t)
+
+
+@app.command()
+def logs(job_id: str, follow: bool = typer.Option(False, "--follow", "-f"),
+         worker: Optional[str] = typer.Option(None, "--worker"),
+         server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Print a job's logs (all workers, or one); -f follows until it ends."""
+    api = _api(server_url, token)
+    offset = 0
+    try:
+        while True:
+            text = api.logs(job_id, offset=offset, worker=worker)
+            if text:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+                offset += len(text)
+            if not follow or api.job(job_id)["state"] in ("completed", "failed", "cancelled", "dropped"):
+                if follow:
+                    sys.stdout.write(api.logs(job_id, offset=offset, worker=worker))
+                break
+            time.sleep(1)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+
+
+@app.command()
+def cancel(job_id: str, server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Cancel a job (its workers are stopped, its GPUs freed)."""
+    try:
+        ans = _api(server_url, token).cancel(job_id)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+    console.print(f"{ans['id']}: {ans['state']}")
+
+
+@app.command("cluster")
+def cluster_cmd(server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt,
+                as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show nodes, GPUs and who holds them."""
+    try:
+        c = _api(server_url, token).cluster()
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+    if as_json:
+        print(json.dumps(c))
+        return
+    console.print(cluster_table(c))
+
+
+def cluster_table(c: dict) -> Table:
+    t = Table(title=f"cluster (policy {c['policy']})")
+    for col in ("node", "state", "GPU", "job"):
+        t.add_column(col)
+    for n in c["nodes"]:
+        for g in n["gpus"]:
+            t.add_row(n["name"], n["state"], f"{g['index']} (#{g['gid']})", g["job"] or "-")
+    return t
+
+
+@app.command()
+def user(name: str, server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Create a user (admin token) and print its API token."""
+    try:
+        print(_api(server_url, token).add_user(name))
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+
+
+def cluster_scale(job_id: str, gpus: int, server_url: Optional[str], token: Optional[str]) -> None:
+    """``tidal scale ID N`` for a job of the live cluster: pin it at N GPUs."""
+    try:
+        ans = _api(server_url, token).scale(job_id, gpus)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+    console.print(f"{ans['id']}: pinned at {ans['pinned']} GPU(s)")

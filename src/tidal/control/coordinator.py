@@ -1,0 +1,337 @@
+"""The scheduler loop and the GPU coordinator of the live cluster.
+
+Every round (a periodic tick, or sooner when woken by a submission, a finish,
+a node joining or leaving) the loop builds a Snapshot from the store, calls
+the configured policy — the same code the simulator runs — diffs the plan
+against reality and executes the difference as one *wave* (SideCar §III-B):
+
+1. scale-ins first (donors shrink, "reshaping down"): the job master removes
+   the workers on the GPUs to give back; they leave after the agreed step;
+   only when their processes have exited are the GPUs released;
+2. then scale-outs and starts on GPUs that are free: GPUs are taken with a
+   conditional update (a GPU never serves two jobs), the job master is asked
+   for new workers, agents launch them, newcomers warm up while the others
+   keep training (stop-free).
+
+A job master that answers "retry" (a change already in progress, EDL §3.1)
+is asked again. Waves are serialised: the next round starts after the last
+wave finished, so a plan never races an unfinished one.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+
+from tidal.core.overhead import OverheadModel
+from tidal.control.db import GPU, Job, Store, Worker
+from tidal.control.snapshot import ACTIVE, build_snapshot
+from tidal.scheduler.api import Policy, get_policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Wave:
+    drops: dict[str, str] = field(default_factory=dict)
+    admits: set[str] = field(default_factory=set)
+    shrink: dict[str, list[int]] = field(default_factory=dict)  # job -> gids to give back
+    grow: dict[str, list[int]] = field(default_factory=dict)  # job -> gids to add
+    start: dict[str, list[int]] = field(default_factory=dict)  # job -> gids
+    tags: dict[str, dict] = field(default_factory=dict)
+
+    def empty(self) -> bool:
+        return not (self.drops or self.admits or self.shrink or self.grow or self.start or self.tags)
+
+
+class Coordinator:
+    def __init__(
+        self,
+        store: Store,
+        policy: str | Policy = "edf",
+        *,
+        server_url: str = "",
+        agent_token: str = "",
+        tick_s: float = 2.0,
+        overheads: OverheadModel | None = None,
+        change_timeout_s: float = 120.0,
+    ) -> None:
+        self.store = store
+        self.policy = get_policy(policy) if isinstance(policy, str) else policy
+        self.server_url = server_url
+        self.agent_token = agent_token
+        self.tick_s = tick_s
+        self.overheads = overheads or OverheadModel(mode="stop-free", pause_s=0.5, warmup_s=3.0)
+        self.change_timeout_s = change_timeout_s
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.rounds = 0
+        self.decision_latencies: list[float] = []  # submit -> placement decision, seconds
+        self._last_account = time.time()
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self) -> "Coordinator":
+        self._thread = threading.Thread(target=self._run, name="tidal-coordinator", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.tick_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.round()
+            except Exception:  # noqa: BLE001 - the loop must survive any bad round
+                log.exception("scheduling round failed")
+
+    # -- one round ----------------------------------------------------------------
+    def round(self) -> Wave:
+        now = time.time()
+        self.rounds += 1
+        self._account(now)
+        self._reap(now)
+        with self.store.session() as s:
+            snap, gmap, jobs = build_snapshot(s, now, self.overheads)
+            snap = self._apply_pins(snap, jobs)
+        if not snap.jobs:
+            return Wave()
+        plan = self.policy.schedule(snap)
+        wave = Wave(drops=dict(plan.drop), admits=set(plan.admit), tags=dict(plan.tags))
+        current = {v.job_id: {gmap.gid(i) for i in v.gpus} for v in snap.jobs}
+        for v in snap.jobs:
+            jid = v.job_id
+            want = {gmap.gid(i) for i in plan.placement.get(jid, ())} if plan.allocation.get(jid, 0) > 0 else set()
+            have = current[jid]
+            if not have and want:
+                wave.start[jid] = sorted(want)
+            elif have and not want:
+                # preemption needs checkpoint/restore of the whole job (issue 5);
+                # until then a running elastic job keeps its GPUs
+                log.info("policy would suspend %s; suspension is not supported yet, keeping it", jid)
+            elif have != want:
+                if have - want:
+                    wave.shrink[jid] = sorted(have - want)
+                if want - have:
+                    wave.grow[jid] = sorted(want - have)
+        self.execute(wave, now)
+        return wave
+
+    def _apply_pins(self, snap, jobs):
+        """A user's ``tidal scale ID N`` pins the job at N GPUs."""
+        from dataclasses import replace
+
+        views = []
+        changed = False
+        for v in snap.jobs:
+            pin = (jobs[v.job_id].spec or {}).get("pinned")
+            if pin:
+                views.append(v._replace(spec=replace(v.spec, elastic=True, allowed_gpus=(int(pin),),
+                                                     min_gpus=None, max_gpus=None, requested_gpus=int(pin))))
+                changed = True
+            else:
+                views.append(v)
+        return replace(snap, jobs=tuple(views)) if changed else snap
+
+    def _account(self, now: float) -> None:
+        dt = max(0.0, now - self._last_account)
+        self._last_account = now
+        with self.store.session() as s:
+            held: dict[str, int] = {}
+            for g in s.scalars(select(GPU).where(GPU.job_id.is_not(None))):
+                held[g.job_id] = held.get(g.job_id, 0) + 1
+            for j in s.scalars(select(Job).where(Job.state.in_(("running", "resizing")))):
+                n = held.get(j.id, 0)
+                j.executed += dt
+                j.attained += n * dt
+                j.done = float((j.progress or {}).get("step", j.done))
+
+    def _reap(self, now: float) -> None:
+        """Finish jobs whose master process exited; free GPUs of exited workers
+        of finished or cancelled jobs."""
+        with self.store.session() as s:
+            for j in s.scalars(select(Job).where(Job.state.in_(ACTIVE + ("cancelling",)))):
+                procs = s.scalars(select(Worker).where(Worker.job_id == j.id)).all()
+                master = next((p for p in procs if p.kind == "master"), None)
+                live = [p for p in procs if p.state in ("pending", "running")]
+                if j.state == "cancelling":
+                    for p in live:
+                        p.desired = "stop"
+                    if not live:
+                        self.store.release_gpus(s, j.id, self.store.job_gpus(s, j.id))
+                        j.state, j.end_time = "cancelled", now
+                        self.store.log(s, "job.cancelled", j.id)
+                    continue
+                if master is None or master.state not in ("exited", "failed"):
+                    continue
+                workers_live = [p for p in live if p.kind == "worker"]
+                ok = master.exit_code == 0 and (j.progress or {}).get("state") == "finished"
+                if workers_live and ok:
+                    continue  # wait for the last workers to exit
+                for p in workers_live:
+                    p.desired = "stop"
+                if workers_live:
+                    continue
+                self.store.release_gpus(s, j.id, self.store.job_gpus(s, j.id))
+                j.state = "completed" if ok else "failed"
+                j.end_time = now
+                if not ok:
+                    j.exit_info = f"master exit code {master.exit_code}"
+                self.store.log(s, f"job.{j.state}", j.id, exit_code=master.exit_code)
+
+    # -- executing a wave -------------------------------------------------------
+    def execute(self, wave: Wave, now: float) -> None:
+        with self.store.session() as s:
+            for jid, reason in wave.drops.items():
+                j = s.get(Job, jid)
+                if j and j.state in ("submitted", "pending"):
+                    j.state, j.drop_reason, j.end_time = "dropped", reason, now
+                    self.store.log(s, "job.dropped", jid, reason=reason)
+            for jid in wave.admits:
+                j = s.get(Job, jid)
+                if j and j.state == "submitted":
+                    j.state, j.admitted, j.waiting_since = "pending", True, now
+                    self.store.log(s, "job.admitted", jid)
+            for jid, tags in wave.tags.items():
+                j = s.get(Job, jid)
+                if j:
+                    j.tags = {**(j.tags or {}), **tags}
+        # 1. reshaping down: shrink donors and wait until their GPUs are free
+        threads = [threading.Thread(target=self._guard, args=(self._shrink, jid, gids)) for jid, gids in wave.shrink.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        # 2. starts and scale-outs on free GPUs
+        for jid, gids in wave.start.items():
+            self._guard(self._start, jid, gids)
+        threads = [threading.Thread(target=self._guard, args=(self._grow, jid, gids)) for jid, gids in wave.grow.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def _guard(self, fn, jid: str, gids: list[int]) -> None:
+        try:
+            fn(jid, gids)
+        except Exception as e:  # noqa: BLE001
+            log.exception("action %s on %s failed", fn.__name__, jid)
+            with self.store.session() as s:
+                self.store.log(s, "action.failed", jid, action=fn.__name__, error=str(e))
+
+    def _client(self, jid: str):
+        from tidal.runtime.client import MasterClient
+
+        deadline = time.time() + 60
+        while True:
+            with self.store.session() as s:
+                j = s.get(Job, jid)
+                url = j.master_url if j else ""
+                formed = bool(j and (j.progress or {}).get("state") in ("running", "changing"))
+            if url and formed:
+                return MasterClient(url, timeout_s=10, patience_s=20)
+            if time.time() > deadline:
+                raise TimeoutError(f"job {jid} master not ready")
+            time.sleep(0.1)
+
+    def _start(self, jid: str, gids: list[int]) -> None:
+        with self.store.session() as s:
+            j = s.get(Job, jid)
+            if j is None or j.state not in ("pending", "submitted"):
+                return
+            self.store.assign_gpus(s, jid, gids)
+            first = s.get(GPU, gids[0])
+            spec = j.spec
+            argv = [sys.executable, "-m", "tidal.control.jobproc", "--job", jid, "--server", self.server_url,
+                    "--workers", str(len(gids)), "--hosts", ",".join(str(g) for g in gids)]
+            s.add(Worker(job_id=jid, name="master", kind="master", node=first.node, gpu=None, argv=argv,
+                         env={"TIDAL_AGENT_TOKEN": self.agent_token, **spec.get("submission", {}).get("env", {})},
+                         cwd=spec.get("submission", {}).get("workdir", ""), created=time.time()))
+            j.state = "running"
+            if j.start_time is None:
+                j.start_time = time.time()
+                self.decision_latencies.append(j.start_time - j.submit_time)
+            j.target = len(gids)
+            self.store.log(s, "job.start", jid, gpus=gids, node=first.node)
+
+    def _grow(self, jid: str, gids: list[int]) -> None:
+        c = self._client(jid)
+        with self.store.session() as s:
+            self.store.assign_gpus(s, jid, gids)
+            j = s.get(Job, jid)
+            j.state = "resizing"
+            before = len(self.store.job_gpus(s, jid)) - len(gids)
+            j.target = before + len(gids)
+            self.store.log(s, "job.scale_out", jid, add=gids, size_from=before, size_to=j.target)
+        ans = self._retry(lambda: c.scale_out(hosts=[str(g) for g in gids]))
+        if ans.status != "accepted":
+            with self.store.session() as s:
+                self.store.release_gpus(s, jid, gids)
+                self.store.log(s, "job.scale_out_failed", jid, answer=ans.message)
+            return
+        try:
+            c.wait_for(before + len(gids), timeout_s=self.change_timeout_s)
+        finally:
+            with self.store.session() as s:
+                j = s.get(Job, jid)
+                if j.state == "resizing":
+                    j.state = "running"
+                j.rescales += 1
+
+    def _shrink(self, jid: str, gids: list[int]) -> None:
+        c = self._client(jid)
+        with self.store.session() as s:
+            procs = s.scalars(select(Worker).where(Worker.job_id == jid, Worker.kind == "worker",
+                                                   Worker.gpu.in_(gids), Worker.state.in_(("pending", "running")))).all()
+            names = {p.name: p.id for p in procs}
+            j = s.get(Job, jid)
+            j.state = "resizing"
+            size_from = len(self.store.job_gpus(s, jid))
+            self.store.log(s, "job.scale_in", jid, remove=gids, size_from=size_from, size_to=size_from - len(gids))
+        st = c.status()
+        ranks = [st.members.index(n) for n in names if n in st.members]
+        if ranks:
+            ans = self._retry(lambda: c.scale_in(ranks=ranks))
+            if ans.status != "accepted":
+                raise RuntimeError(f"scale_in refused: {ans.message}")
+        # wait until the leaving processes have exited, then free their GPUs
+        deadline = time.time() + self.change_timeout_s
+        while True:
+            with self.store.session() as s:
+                left = s.scalars(select(Worker).where(Worker.id.in_(list(names.values())),
+                                                      Worker.state.in_(("pending", "running")))).all()
+                if not left:
+                    self.store.release_gpus(s, jid, gids)
+                    j = s.get(Job, jid)
+                    j.state = "running" if j.state == "resizing" else j.state
+                    j.rescales += 1
+                    j.target = size_from - len(gids)
+                    return
+                if time.time() > deadline:
+                    for p in left:
+                        p.desired = "stop"
+            time.sleep(0.1)
+
+    def _retry(self, call):
+        deadline = time.time() + self.change_timeout_s
+        while True:
+            ans = call()
+            if ans.status != "retry" or time.time() > deadline:
+                return ans
+            time.sleep(max(0.05, ans.retry_after_s))

@@ -1,0 +1,257 @@
+"""The control plane's persistent store (SQLAlchemy 2).
+
+SQLite file by default, PostgreSQL by URL. Tables follow the SideCar paper's
+in-memory database (nodes, GPUs, jobs, throughput/accuracy profiles — its
+Tables II–V) plus an audit trail of events and the desired worker set that
+agents reconcile against (DLRover/Elan: the master's state machine lives in a
+store, so a restarted server resumes).
+
+Invariant: a GPU row has at most one ``job_id``; :meth:`Store.assign_gpus`
+takes GPUs with a conditional UPDATE (``WHERE job_id IS NULL``) inside one
+transaction and writes ``gpu.assign`` / ``gpu.release`` audit events.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    create_engine,
+    event,
+    select,
+    update,
+)
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class User(Base):
+    __tablename__ = "users"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    ordinal: Mapped[int] = mapped_column(Integer, unique=True)  # position in the topology
+    address: Mapped[str] = mapped_column(String(256), default="127.0.0.1")
+    num_gpus: Mapped[int] = mapped_column(Integer)
+    virtual: Mapped[bool] = mapped_column(Boolean, default=False)
+    state: Mapped[str] = mapped_column(String(16), default="up")  # up | down
+    last_heartbeat: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class GPU(Base):
+    __tablename__ = "gpus"
+    gid: Mapped[int] = mapped_column(Integer, primary_key=True)  # cluster-wide index
+    node: Mapped[str] = mapped_column(ForeignKey("nodes.name"), index=True)
+    index: Mapped[int] = mapped_column(Integer)  # index on its node (CUDA_VISIBLE_DEVICES)
+    state: Mapped[str] = mapped_column(String(16), default="free")  # free | reserved | in_use
+    job_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    worker: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    util: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user: Mapped[str] = mapped_column(String(64), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    submit_time: Mapped[float] = mapped_column(Float)
+    start_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+    end_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+    admitted: Mapped[bool] = mapped_column(Boolean, default=False)
+    drop_reason: Mapped[str] = mapped_column(Text, default="")
+    target: Mapped[int] = mapped_column(Integer, default=0)  # GPUs the policy wants
+    master_url: Mapped[str] = mapped_column(String(256), default="")
+    master_node: Mapped[str] = mapped_column(String(128), default="")
+    progress: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    done: Mapped[float] = mapped_column(Float, default=0.0)
+    attained: Mapped[float] = mapped_column(Float, default=0.0)
+    executed: Mapped[float] = mapped_column(Float, default=0.0)
+    waiting_since: Mapped[float] = mapped_column(Float, default=0.0)
+    tags: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    rescales: Mapped[int] = mapped_column(Integer, default=0)
+    busy: Mapped[bool] = mapped_column(Boolean, default=False)  # a coordinator action is in flight
+    exit_info: Mapped[str] = mapped_column(Text, default="")
+
+
+class Worker(Base):
+    """Desired and observed worker processes; agents reconcile against it."""
+
+    __tablename__ = "workers"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(64), index=True)
+    name: Mapped[str] = mapped_column(String(64))  # runtime worker id (w0, w1, ...) or "master"
+    kind: Mapped[str] = mapped_column(String(16), default="worker")  # worker | master
+    node: Mapped[str] = mapped_column(String(128), index=True)
+    gpu: Mapped[int | None] = mapped_column(Integer, nullable=True)  # cluster-wide gid
+    desired: Mapped[str] = mapped_column(String(16), default="run")  # run | stop
+    state: Mapped[str] = mapped_column(String(16), default="pending")  # pending | running | exited | failed
+    pid: Mapped[int] = mapped_column(Integer, default=0)
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    env: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+    argv: Mapped[list[str]] = mapped_column(JSON, default=list)
+    cwd: Mapped[str] = mapped_column(Text, default="")
+    created: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class Event(Base):
+    """Audit trail: every state change, in order."""
+
+    __tablename__ = "events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    time: Mapped[float] = mapped_column(Float, index=True)
+    kind: Mapped[str] = mapped_column(String(32), index=True)
+    job_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    node: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    gpu: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class ThroughputRow(Base):
+    """Measured throughput (SideCar Tables II-III): iterations/s."""
+
+    __tablename__ = "throughput"
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    batch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    gpus: Mapped[int] = mapped_column(Integer, primary_key=True)
+    value: Mapped[float] = mapped_column(Float)
+    source: Mapped[str] = mapped_column(String(256), default="")
+
+
+class AccuracyRow(Base):
+    """Observed accuracy per epoch (SideCar Tables IV-V), for target-accuracy jobs."""
+
+    __tablename__ = "accuracy"
+    job_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    value: Mapped[float] = mapped_column(Float)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def default_url() -> str:
+    import os
+
+    home = Path(os.environ.get("TIDAL_HOME", Path.home() / ".tidal"))
+    home.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{home / 'tidal.db'}"
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        eng = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(eng, "connect")
+        def _pragmas(dbapi_conn, _rec) -> None:  # pragma: no cover - trivial
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        return eng
+    return create_engine(url, pool_pre_ping=True)
+
+
+def migrate(url: str) -> None:
+    """Bring the schema to the newest revision (alembic ``upgrade head``)."""
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(__file__).with_name("migrations")))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    command.upgrade(cfg, "head")
+
+
+class Store:
+    """Transactions and the few multi-row operations that must be atomic."""
+
+    def __init__(self, url: str | None = None, *, run_migrations: bool = True) -> None:
+        self.url = url or default_url()
+        if run_migrations:
+            migrate(self.url)
+        self.engine = make_engine(self.url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        with self._sessions() as s:
+            try:
+                yield s
+                s.commit()
+            except BaseException:
+                s.rollback()
+                raise
+
+    # -- users -----------------------------------------------------------------
+    def add_user(self, name: str, admin: bool = False, token: str | None = None) -> str:
+        token = token or secrets.token_urlsafe(24)
+        with self.session() as s:
+            u = s.get(User, name)
+            if u is None:
+                s.add(User(name=name, token_hash=hash_token(token), is_admin=admin))
+            else:
+                u.token_hash, u.is_admin = hash_token(token), admin
+        return token
+
+    def user_for_token(self, token: str) -> User | None:
+        with self.session() as s:
+            return s.scalar(select(User).where(User.token_hash == hash_token(token)))
+
+    # -- events ------------------------------------------------------------------
+    @staticmethod
+    def log(s: Session, kind: str, job_id: str | None = None, node: str | None = None,
+            gpu: int | None = None, **detail: Any) -> None:
+        s.add(Event(time=time.time(), kind=kind, job_id=job_id, node=node, gpu=gpu,
+                    detail=json.loads(json.dumps(detail, default=str))))
+
+    # -- GPUs ----------------------------------------------------------------------
+    def assign_gpus(self, s: Session, job_id: str, gids: list[int], worker_names: list[str] | None = None) -> None:
+        """Give free GPUs to a job; raises if any is held (nothing changes then)."""
+        for k, g in enumerate(gids):
+            res = s.execute(
+                update(GPU)
+                .where(GPU.gid == g, GPU.job_id.is_(None))
+                .values(job_id=job_id, state="in_use", worker=(worker_names[k] if worker_names else None))
+            )
+            if res.rowcount != 1:
+                holder = s.get(GPU, g)
+                raise RuntimeError(f"GPU {g} is not free (held by {holder.job_id if holder else '?'})")
+            self.log(s, "gpu.assign", job_id, gpu=g)
+
+    def release_gpus(self, s: Session, job_id: str, gids: list[int]) -> None:
+        for g in gids:
+            res = s.execute(
+                update(GPU).where(GPU.gid == g, GPU.job_id == job_id).values(job_id=None, state="free", worker=None)
+            )
+            if res.rowcount == 1:
+                self.log(s, "gpu.release", job_id, gpu=g)
+
+    def job_gpus(self, s: Session, job_id: str) -> list[int]:
+        return sorted(s.scalars(select(GPU.gid).where(GPU.job_id == job_id)))

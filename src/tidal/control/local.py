@@ -1,0 +1,115 @@
+"""An embedded cluster on this machine: one server and N agents with virtual
+GPUs, as processes (``tidal up``, ``tidal demo`` and the end-to-end tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tidal.control.client import Api
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        home: Path,
+        *,
+        nodes: int = 2,
+        gpus_per_node: int = 4,
+        policy: str = "edf",
+        tick_s: float = 1.0,
+        port: int | None = None,
+        db_url: str | None = None,
+        quiet: bool = True,
+    ) -> None:
+        self.home = Path(home)
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.nodes, self.gpus_per_node = nodes, gpus_per_node
+        self.policy, self.tick_s = policy, tick_s
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.db_url = db_url
+        self.admin_token = secrets.token_urlsafe(24)
+        self.quiet = quiet
+        self.server: subprocess.Popen | None = None
+        self.agents: list[subprocess.Popen] = []
+        self.env = dict(os.environ, TIDAL_HOME=str(self.home), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+
+    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+        log = open(self.home / f"{log_name}.log", "ab")
+        return subprocess.Popen([sys.executable, "-m", "tidal", *args], env=self.env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start_server(self, timeout_s: float = 60.0) -> None:
+        args = ["server", "--port", str(self.port), "--policy", self.policy, "--tick", str(self.tick_s),
+                "--token", self.admin_token]
+        if self.db_url:
+            args += ["--db", self.db_url]
+        self.server = self._spawn(args, "server")
+        api = Api(self.url, self.admin_token)
+        deadline = time.time() + timeout_s
+        while not api.healthy():
+            if self.server.poll() is not None:
+                raise RuntimeError(f"server exited with {self.server.returncode}; see {self.home / 'server.log'}")
+            if time.time() > deadline:
+                raise TimeoutError("server did not come up")
+            time.sleep(0.2)
+        (self.home / "server.json").write_text(json.dumps({"url": self.url}))
+
+    def start(self, timeout_s: float = 60.0) -> "LocalCluster":
+        self.start_server(timeout_s)
+        for i in range(self.nodes):
+            self.agents.append(self._spawn(
+                ["agent", "--server", self.url, "--token", self.admin_token, "--name", f"node-{i}",
+                 "--virtual-gpus", str(self.gpus_per_node), "--interval", "0.3"], f"agent-{i}"))
+        api = Api(self.url, self.admin_token)
+        deadline = time.time() + timeout_s
+        while len([n for n in api.cluster()["nodes"] if n["state"] == "up"]) < self.nodes:
+            if time.time() > deadline:
+                raise TimeoutError("agents did not register")
+            time.sleep(0.2)
+        return self
+
+    def api(self, token: str | None = None) -> Api:
+        return Api(self.url, token or self.admin_token)
+
+    def stop_server(self) -> None:
+        if self.server and self.server.poll() is None:
+            self.server.terminate()
+            try:
+                self.server.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+
+    def restart_server(self) -> None:
+        self.stop_server()
+        self.start_server()
+
+    def stop(self) -> None:
+        for p in self.agents:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.agents:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.stop_server()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,97 @@
+"""Build the policy's Snapshot from the store, and map plans back to GPU ids.
+
+The live cluster calls exactly the policies the simulator runs. Up nodes, in
+registration order, form a one-switch topology; policy GPU index ``i`` maps to
+the store's cluster-wide GPU id through :class:`GpuMap`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from tidal.core.job import JobSpec, JobState
+from tidal.core.overhead import OverheadModel
+from tidal.core.profile import ModelCurve, ThroughputProfile, load_profiles
+from tidal.core.topology import Cluster
+from tidal.control.db import GPU, Job, Node, ThroughputRow
+from tidal.scheduler.api import JobView, Snapshot
+
+ACTIVE = ("submitted", "pending", "running", "resizing")
+
+#: Used for jobs whose model has no measured profile: near-linear to 8 GPUs.
+GENERIC = ModelCurve(counts=(1, 2, 4, 8, 16), values=(1.0, 1.95, 3.8, 7.2, 12.0))
+
+
+@dataclass(frozen=True)
+class GpuMap:
+    to_gid: tuple[int, ...]  # policy index -> store gid
+
+    def gid(self, i: int) -> int:
+        return self.to_gid[i]
+
+    def index(self) -> dict[int, int]:
+        return {g: i for i, g in enumerate(self.to_gid)}
+
+
+def profiles_from_store(s: Session) -> ThroughputProfile:
+    base = load_profiles()
+    curves = {m: dict(c) for m, c in base.curves.items()}
+    rows = s.scalars(select(ThroughputRow)).all()
+    by: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for r in rows:
+        by.setdefault((r.model, r.batch), []).append((r.gpus, r.value))
+    for (model, batch), pts in by.items():
+        pts.sort()
+        curves.setdefault(model, {})[batch] = ModelCurve(tuple(p[0] for p in pts), tuple(p[1] for p in pts))
+    return ThroughputProfile(curves, base.cross_node_penalty, source="store")
+
+
+def job_spec(j: Job) -> JobSpec:
+    d = dict(j.spec["jobspec"])
+    if d.get("allowed_gpus") is not None:
+        d["allowed_gpus"] = tuple(d["allowed_gpus"])
+    return JobSpec(**d)
+
+
+def profile_model(spec: JobSpec, profiles: ThroughputProfile) -> JobSpec:
+    """Schedule a job whose model has no profile with the generic curve."""
+    if spec.model in profiles.curves:
+        return spec
+    from dataclasses import replace
+
+    return replace(spec, model="generic")
+
+
+def build_snapshot(s: Session, now: float, overheads: OverheadModel) -> tuple[Snapshot, GpuMap, dict[str, Job]]:
+    nodes = s.scalars(select(Node).where(Node.state == "up").order_by(Node.ordinal)).all()
+    per = min((n.num_gpus for n in nodes), default=1)
+    gids: list[int] = []
+    for n in nodes:
+        node_gpus = s.scalars(select(GPU.gid).where(GPU.node == n.name).order_by(GPU.index)).all()
+        gids.extend(node_gpus[:per])
+    cluster = Cluster(1, max(1, len(nodes)), per, name=f"live-n{len(nodes)}g{per}")
+    gmap = GpuMap(tuple(gids))
+    index = gmap.index()
+    profiles = profiles_from_store(s)
+    profiles.curves.setdefault("generic", {})
+    jobs = s.scalars(select(Job).where(Job.state.in_(ACTIVE)).order_by(Job.submit_time, Job.id)).all()
+    holders: dict[str, list[int]] = {}
+    for g in s.scalars(select(GPU).where(GPU.job_id.is_not(None))).all():
+        holders.setdefault(g.job_id, []).append(g.gid)
+    views = []
+    by_id = {}
+    for j in jobs:
+        spec = profile_model(job_spec(j), profiles)
+        for b in (spec.batch_size,):
+            if spec.model == "generic" and b not in profiles.curves["generic"]:
+                profiles.curves["generic"][b] = GENERIC
+        held = tuple(sorted(index[g] for g in holders.get(j.id, []) if g in index))
+        state = JobState(j.state)
+        views.append(JobView(spec, state, held, j.done, j.attained, j.executed, j.waiting_since, j.admitted,
+                             dict(j.tags or {})))
+        by_id[j.id] = j
+    snap = Snapshot(now=now, cluster=cluster, jobs=tuple(views), profiles=profiles, overheads=overheads)
+    return snap, gmap, by_id
