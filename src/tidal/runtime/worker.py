@@ -46,6 +46,7 @@ from tidal.runtime.data import ElasticBatchIterator, StepSlice, default_collate
 from tidal.runtime.messages import Generation, Plan
 from tidal.runtime.scaling import BatchPolicy, make_policy
 from tidal.runtime.state import ElasticState, RescaleHook
+from tidal.runtime.transfer import broadcast_state
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,7 @@ class Job:
     def _sync_state(self) -> None:
         """Broadcast the full state from the new rank 0 (an existing worker)."""
         assert self.state is not None
-        payload = [None]
+        payload: list[dict[str, Any] | None] = [None]
         if self.rank == 0:
             payload = [{
                 "state": self.state.state_dict(),
@@ -255,7 +256,7 @@ class Job:
                 "policy": self.policy.state_dict(),
                 "lr_applied": self._lr_applied,
             }]
-        dist.broadcast_object_list(payload, src=0)
+        payload = [broadcast_state(payload[0], src=0)]
         if self.rank != 0:
             p = payload[0]
             assert p is not None
@@ -340,16 +341,19 @@ class Job:
         if g.rank_of(self.worker_id) == 0:
             self._store(g.store_host, g.store_port).set(g.prefix + "go", "go")
         dist.destroy_process_group()
-        log.debug("worker %s: destroyed old group", self.worker_id)
+        t1 = time.perf_counter()
         self._init_group(g)
-        log.debug("worker %s: new group formed", self.worker_id)
+        t2 = time.perf_counter()
         self.global_batch_size = self.policy.rescale(self.step_count, old_world, self.world_size)
         if plan.joiners:
             self._sync_state()
+        t3 = time.perf_counter()
         for h in self.hooks:
             h(old_world, self.world_size)
         pause = time.perf_counter() - t0
-        self.pauses.append({"gen": g.gen, "step": self.step_count, "from": old_world, "to": self.world_size, "pause_s": pause, "wall_start": wall0})
+        self.pauses.append({"gen": g.gen, "step": self.step_count, "from": old_world, "to": self.world_size,
+                            "pause_s": pause, "wall_start": wall0, "destroy_s": t1 - t0, "rendezvous_s": t2 - t1,
+                            "state_sync_s": t3 - t2})
         self._last_step_end = None  # do not count the switch in step-time statistics
         if self.rank == 0:
             self.client.post("/switched", {"gen": g.gen, "step": self.step_count, "pause_s": pause})

@@ -1,0 +1,86 @@
+"""Sending the full elastic state to newcomers (EDL §4.2: "each newcomer
+receives the full state from an existing worker").
+
+Pickling a large state dict through ``broadcast_object_list`` is slow; here
+only the structure (with tensors replaced by references) is pickled, and the
+tensors travel as one flat buffer per dtype with ``dist.broadcast``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class _Ref:
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _strip(obj: Any, out: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj.detach())
+        return _Ref(len(out) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _strip(v, out) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strip(v, out) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_strip(v, out) for v in obj)
+    return obj
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _Ref):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fill(v, tensors) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def _refs(obj: Any, acc: list[_Ref]) -> list[_Ref]:
+    if isinstance(obj, _Ref):
+        acc.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _refs(v, acc)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _refs(v, acc)
+    return acc
+
+
+def broadcast_state(obj: Any, src: int = 0) -> Any:
+    """Broadcast a nested dict/list of tensors and picklable values from
+    ``src``; returns the received object on every rank (``obj`` itself on src)."""
+    rank = dist.get_rank()
+    tensors: list[torch.Tensor] = []
+    meta = [_strip(obj, tensors) if rank == src else None]
+    dist.broadcast_object_list(meta, src=src)
+    refs = sorted(_refs(meta[0], []), key=lambda r: r.index)
+    received: list[torch.Tensor | None] = [None] * len(refs)
+    for dtype in sorted({r.dtype for r in refs}, key=str):
+        group = [r for r in refs if r.dtype == dtype]
+        if rank == src:
+            buf = torch.cat([tensors[r.index].reshape(-1) for r in group]) if group else torch.zeros(0, dtype=dtype)
+        else:
+            buf = torch.empty(sum(int(torch.Size(r.shape).numel()) for r in group), dtype=dtype)
+        dist.broadcast(buf, src=src)
+        if rank != src:
+            off = 0
+            for r in group:
+                n = int(torch.Size(r.shape).numel())
+                received[r.index] = buf[off : off + n].view(r.shape).clone()
+                off += n
+    if rank == src:
+        return obj
+    return _fill(meta[0], received)  # type: ignore[arg-type]
