@@ -167,6 +167,9 @@ def test_chronus_milp_maximises_deadlines_met():
     bounds = [0.0, 100.0, 200.0]
     run_now, met = lease_plan(jobs, bounds, 4, 4)
     assert run_now == {"B", "C"} and met == {"B", "C"}
+    # the LP relaxation used for crowded clusters picks the same jobs here
+    # (running a fraction a of A meets a + 2(1 - a) deadlines: best at a = 0)
+    assert lease_plan(jobs, bounds, 4, 4, max_binary_jobs=0)[0] == {"B", "C"}
     # all three cannot be guaranteed together
     assert lease_plan(jobs, bounds, 4, 4, require_all=True) is None
     # A's deadline moved to 200: A runs in the second slot, all three are met

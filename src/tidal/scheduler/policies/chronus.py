@@ -28,7 +28,8 @@ As run here (the original solved the MILP with Gurobi; we use
     mid-lease: nobody is preempted; freed GPUs go by the same order
 
 ``T_j`` is the remaining iterations at the profiled speed on g_j GPUs plus the
-restart cost of a job that is not running. No solve is needed when a new job
+restart cost of a job that is not running. With more than ``max_milp_jobs``
+(64) SLO jobs the problem is solved as its LP relaxation. No solve is needed when a new job
 cannot finish by its deadline even if started now (rejected), or when every
 job fits at once and finishes in time (accepted / all run). If HiGHS stops at ``time_limit``
 without a solution, allocation falls back to greedy least-slack-first (and the
@@ -98,10 +99,15 @@ def lease_plan(
     require_all: bool = False,
     time_limit: float = 5.0,
     locked: set[str] | frozenset[str] = frozenset(),
+    max_binary_jobs: int = 64,
 ) -> tuple[set[str], set[str]] | None:
     """Solve the lease MILP. Returns (jobs to run in slot 0, jobs planned to
     meet their deadline), or None if infeasible (``require_all``) or unsolved.
-    ``locked`` jobs hold their GPUs for all of slot 0 (their lease runs on)."""
+    ``locked`` jobs hold their GPUs for all of slot 0 (their lease runs on).
+    With more than ``max_binary_jobs`` jobs the problem is solved as its LP
+    relaxation (x_j0, s_j in [0, 1]; x_j0 > 0.5 means "run now"), which bounds
+    the solver's work on crowded clusters: 400 jobs x 16 slots solve in
+    ~0.1 s as an LP but ~0.7 s as a MILP."""
     if not jobs:
         return set(), set()
     nj, ns = len(jobs), len(bounds) - 1
@@ -111,8 +117,9 @@ def lease_plan(
     c = np.zeros(nv)
     rows, cols, vals = [], [], []
     for j, job in enumerate(jobs):
-        integrality[j * ns] = 1  # x_j0: a gang decision for this lease
-        integrality[nj * ns + j] = 1
+        if nj <= max_binary_jobs:
+            integrality[j * ns] = 1  # x_j0: a gang decision for this lease
+            integrality[nj * ns + j] = 1
         if require_all:
             lb[nj * ns + j] = 1
         if job.job_id in locked:
@@ -170,6 +177,7 @@ class Chronus(Policy):
         self,
         lease: float = 600.0,
         max_slots: int = 16,
+        max_milp_jobs: int = 64,
         time_limit: float = 5.0,
         rejected: str = BEST_EFFORT,
     ) -> None:
@@ -179,6 +187,7 @@ class Chronus(Policy):
             raise ValueError(f"rejected must be 'best-effort' or 'drop', got {rejected!r}")
         self.lease = lease
         self.max_slots = max(2, max_slots)
+        self.max_milp_jobs = max_milp_jobs
         self.time_limit = time_limit
         self.rejected = rejected
 
@@ -228,7 +237,9 @@ class Chronus(Policy):
     def _feasible(self, snap: Snapshot, jobs: list[SloJob], capacity0: int, lock_running: bool) -> bool:
         locked = {j.job_id for j in jobs if j.running} if lock_running else set()
         bounds = self._bounds(snap, jobs)
-        res = lease_plan(jobs, bounds, capacity0, snap.cluster.num_gpus, True, self.time_limit, locked)
+        res = lease_plan(
+            jobs, bounds, capacity0, snap.cluster.num_gpus, True, self.time_limit, locked, self.max_milp_jobs
+        )
         return res is not None
 
     # -- allocation (Chronus: lease-based job selection) -------------------------------------------------
@@ -264,7 +275,9 @@ class Chronus(Policy):
             if _trivially_feasible(infos, snap.now, G):
                 first = by_slack
             else:
-                res = lease_plan(infos, self._bounds(snap, infos), G, G, False, self.time_limit)
+                res = lease_plan(
+                    infos, self._bounds(snap, infos), G, G, False, self.time_limit, max_binary_jobs=self.max_milp_jobs
+                )
                 if res is None:  # fallback: greedy least slack first
                     first = by_slack
                 else:
