@@ -201,7 +201,7 @@ class Chronus(Policy):
         horizon = max((j.deadline for j in jobs), default=snap.now)
         return slot_bounds(snap.now, lease_end(snap.now, self.lease), self.lease, horizon, self.max_slots)
 
-    # -- admission (Chronus: SLO admission control) -------------------------------------------------
+    # -- admission (Chronus: SLO admission control) -------------------------------
     def admission(self, snap: Snapshot, plan: Plan) -> None:
         super().admission(snap, plan)
         G = snap.cluster.num_gpus
@@ -242,14 +242,16 @@ class Chronus(Policy):
         )
         return res is not None
 
-    # -- allocation (Chronus: lease-based job selection) -------------------------------------------------
+    # -- allocation (Chronus: lease-based job selection) ---------------------------
     def allocation(self, snap: Snapshot, plan: Plan) -> None:
         jobs = schedulable(snap, plan)
         if not jobs:
             return
         G = snap.cluster.num_gpus
         end = lease_end(snap.now, self.lease)
-        klass = {j.job_id: plan.tags.get(j.job_id, {}).get(CLASS_TAG, j.tags.get(CLASS_TAG, BEST_EFFORT)) for j in jobs}
+        klass = {
+            j.job_id: plan.tags.get(j.job_id, {}).get(CLASS_TAG, j.tags.get(CLASS_TAG, BEST_EFFORT)) for j in jobs
+        }
         slo = [j for j in jobs if klass[j.job_id] == SLO]
         slo_info = {j.job_id: self._slo_job(snap, j) for j in slo}
         slack = {jid: s.deadline - snap.now - s.need_s for jid, s in slo_info.items()}
@@ -275,9 +277,8 @@ class Chronus(Policy):
             if _trivially_feasible(infos, snap.now, G):
                 first = by_slack
             else:
-                res = lease_plan(
-                    infos, self._bounds(snap, infos), G, G, False, self.time_limit, max_binary_jobs=self.max_milp_jobs
-                )
+                bounds = self._bounds(snap, infos)
+                res = lease_plan(infos, bounds, G, G, False, self.time_limit, max_binary_jobs=self.max_milp_jobs)
                 if res is None:  # fallback: greedy least slack first
                     first = by_slack
                 else:
