@@ -1,0 +1,114 @@
+"""REST API behaviour without workers: validation, auth, the GPU invariant,
+migrations. The FastAPI app runs in-process on a temporary SQLite store."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import inspect
+
+from tidal.control.db import Store
+from tidal.control.server import create_app
+from tidal.control.spec import load_spec_file
+from tidal.core.errors import InputError
+
+
+@pytest.fixture()
+def env(tmp_path):
+    store = Store(f"sqlite:///{tmp_path / 't.db'}")
+    app = create_app(store, admin_token="admin-tok", home=tmp_path, start_loop=False)
+    client = TestClient(app)
+    alice = store.add_user("alice", token="alice-tok")
+    bob = store.add_user("bob", token="bob-tok")
+    client.post("/internal/agents/register", json={"name": "n0", "num_gpus": 4, "virtual": True},
+                headers={"Authorization": "Bearer admin-tok"})
+    return client, store, {"admin": "admin-tok", "alice": alice, "bob": bob}
+
+
+def hdr(tok):
+    return {"Authorization": f"Bearer {tok}"}
+
+
+GOOD = {"name": "j", "script": "train.py", "gpus": "1-4", "iterations": 100}
+
+
+def test_schema_created_by_migrations(env):
+    _, store, _ = env
+    tables = set(inspect(store.engine).get_table_names())
+    assert {"users", "nodes", "gpus", "jobs", "workers", "events", "throughput", "accuracy", "alembic_version"} <= tables
+
+
+def test_bad_field_gets_422_naming_it(env):
+    client, _, t = env
+    r = client.post("/v1/jobs", json={**GOOD, "gpus": "8-2"}, headers=hdr(t["alice"]))
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "gpus"
+    r = client.post("/v1/jobs", json={**GOOD, "global_batch_size": 0}, headers=hdr(t["alice"]))
+    assert r.status_code == 422 and "global_batch_size" in r.json()["detail"][0]["loc"]
+    r = client.post("/v1/jobs", json={**GOOD, "colour": "red"}, headers=hdr(t["alice"]))
+    assert r.status_code == 422 and "colour" in r.json()["detail"][0]["loc"]
+    r = client.post("/v1/jobs", json={k: v for k, v in GOOD.items() if k != "iterations"}, headers=hdr(t["alice"]))
+    assert r.status_code == 422 and "iterations or epochs" in r.text
+    r = client.post("/v1/jobs", json={**GOOD, "gpus": 64, "elastic": False}, headers=hdr(t["alice"]))
+    assert r.status_code == 422 and "cluster has 4" in r.text
+    r = client.post("/v1/jobs", content=b"{not json", headers={**hdr(t["alice"]), "Content-Type": "application/json"})
+    assert r.status_code == 422
+
+
+def test_tokens_and_ownership(env):
+    client, _, t = env
+    assert client.get("/v1/jobs").status_code == 401
+    assert client.get("/v1/jobs", headers=hdr("nope")).status_code == 401
+    jid = client.post("/v1/jobs", json=GOOD, headers=hdr(t["alice"])).json()["id"]
+    assert client.get(f"/v1/jobs/{jid}", headers=hdr(t["alice"])).status_code == 200
+    # bob cannot see, scale, cancel or read logs of alice's job
+    assert client.get(f"/v1/jobs/{jid}", headers=hdr(t["bob"])).status_code == 404
+    assert client.post(f"/v1/jobs/{jid}/scale", json={"gpus": 2}, headers=hdr(t["bob"])).status_code == 404
+    assert client.post(f"/v1/jobs/{jid}/cancel", headers=hdr(t["bob"])).status_code == 404
+    assert client.get(f"/v1/jobs/{jid}/logs", headers=hdr(t["bob"])).status_code == 404
+    assert client.get("/v1/jobs", headers=hdr(t["bob"])).json() == []
+    # cluster operations need the admin token
+    assert client.post("/internal/agents/register", json={"name": "x", "num_gpus": 1},
+                       headers=hdr(t["bob"])).status_code == 403
+    assert client.get("/v1/events", headers=hdr(t["alice"])).status_code == 403
+    assert client.get(f"/v1/jobs/{jid}", headers=hdr(t["admin"])).status_code == 200
+    assert client.post(f"/v1/jobs/{jid}/cancel", headers=hdr(t["alice"])).json()["state"] == "cancelled"
+
+
+def test_gpu_never_assigned_twice(env):
+    _, store, _ = env
+    with store.session() as s:
+        store.assign_gpus(s, "a", [0, 1])
+    with pytest.raises(RuntimeError, match="GPU 1 is not free"):
+        with store.session() as s:
+            store.assign_gpus(s, "b", [2, 1])
+    with store.session() as s:
+        # the failed transaction changed nothing: GPU 2 is still free
+        assert store.job_gpus(s, "b") == [] and store.job_gpus(s, "a") == [0, 1]
+        store.release_gpus(s, "a", [1])
+        store.assign_gpus(s, "b", [1])
+        assert store.job_gpus(s, "b") == [1]
+
+
+def test_service_survives_bad_requests(env):
+    client, _, t = env
+    for body in ([], {"procs": [{"id": "x"}]}, {"procs": "no"}):
+        r = client.post("/internal/agents/n0/heartbeat", json=body, headers=hdr(t["admin"]))
+        assert r.status_code == 422
+    assert client.post("/internal/agents/ghost/heartbeat", json={}, headers=hdr(t["admin"])).status_code == 404
+    assert client.post("/internal/agents/register", json={"name": "n0", "num_gpus": 2},
+                       headers=hdr(t["admin"])).status_code == 409
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert "tidal_gpus" in client.get("/metrics").text
+
+
+def test_yaml_spec_errors_name_file_and_field(tmp_path):
+    f = tmp_path / "job.yaml"
+    f.write_text("name: j\nscript: t.py\ngpus: [0, 2]\niterations: 5\n")
+    with pytest.raises(InputError) as e:
+        load_spec_file(f)
+    assert "job.yaml" in str(e.value) and "gpus" in str(e.value)
+    f.write_text("name: j\nscript: t.py\ngpus: 2\nepochs: 3\ndataset_size: 640\nglobal_batch_size: 64\n")
+    assert load_spec_file(f).total_iterations() == 30
+    f.write_text("name: [unclosed\n")
+    with pytest.raises(InputError, match="YAML"):
+        load_spec_file(f)
