@@ -57,7 +57,7 @@ def test_simulate_bad_input_is_a_clear_error(tmp_path):
 
 
 def test_demo_runs(tmp_path):
-    res = runner.invoke(app, ["demo", "--jobs", "30", "--out", str(tmp_path)])
+    res = runner.invoke(app, ["demo", "--sim", "--jobs", "30", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert "simulation mode" in res.stdout
     assert (tmp_path / "summary.json").exists()

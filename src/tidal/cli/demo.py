@@ -1,40 +1,138 @@
 """``tidal demo``: the README's main job.
 
-Until the live cluster (control plane + agents) exists, the demo runs a short
-simulation comparison on an embedded synthetic workload and the shipped A100
-profiles, and says so.
+By default it starts an embedded cluster (a server and two agents with four
+virtual GPUs each, all on this machine), submits a small mixed workload of
+real elastic training jobs (PyTorch on CPU, gloo), shows the scheduler
+reshaping them live, and ends with a summary. ``--sim`` instead compares every
+built-in policy in the simulator on a synthetic workload.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Optional
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
 
 from tidal.cli.main import app
 
+DONE = ("completed", "failed", "cancelled", "dropped")
+COLORS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
 
-@app.command()
-def demo(
-    jobs: int = typer.Option(200, "--jobs", help="Synthetic jobs to submit."),
-    cluster: str = typer.Option("n4g8", "--cluster", help="Cluster spec."),
-    seed: int = typer.Option(1, "--seed"),
-    out: Path = typer.Option(Path("out/demo"), "--out"),
-) -> None:
-    """Compare the built-in policies on an embedded synthetic workload."""
+
+def _workload(script: str, rec: Path) -> list[tuple[float, dict]]:
+    """(delay after the previous submission, spec): a long elastic job first,
+    then two short jobs with tight deadlines that make the policy reshape it,
+    then a rigid job."""
+
+    def spec(name, samples, epochs, gpus, deadline, elastic=True, st=0.01):
+        return {"name": name, "script": script, "gpus": gpus, "iterations": samples * epochs // 64,
+                "deadline": deadline, "elastic": elastic,
+                "args": ["--samples", str(samples), "--epochs", str(epochs), "--sample-time", str(st),
+                         "--record", str(rec / name)]}
+
+    return [
+        (0.0, spec("resnet-ish", 4096, 5, "1-8", 3600)),
+        (25.0, spec("urgent-small", 1024, 1, "1-2", 300)),
+        (0.0, spec("urgent-medium", 1024, 2, "1-4", 600)),
+        (10.0, spec("rigid-pair", 1024, 1, 2, 1800, elastic=False)),
+    ]
+
+
+def _gpu_map(cluster: dict, colors: dict[str, str]) -> Table:
+    t = Table(title="GPUs", show_header=False, box=None)
+    for n in cluster["nodes"]:
+        cells = []
+        for g in n["gpus"]:
+            j = g["job"]
+            cells.append(f"[{colors.get(j, 'white')}]■[/]" if j else "[dim]□[/]")
+        t.add_row(n["name"], " ".join(cells))
+    return t
+
+
+def _jobs_table(jobs: list[dict], colors: dict[str, str], t0: float) -> Table:
+    t = Table(title=f"jobs (t = {time.time() - t0:5.1f} s)")
+    for c in ("job", "state", "GPUs", "progress", "rescales"):
+        t.add_column(c)
+    for j in jobs:
+        col = colors.get(j["id"], "white")
+        pct = 100 * j["step"] / max(1, j["iterations"] or 1)
+        t.add_row(f"[{col}]{j['id']}[/]", j["state"], str(len(j["gpus"])), f"{pct:5.1f}%", str(j["rescales"]))
+    return t
+
+
+def live_demo(con: Console, home: Optional[Path], policy: str, timeout_s: float) -> int:
+    import tidal.control.demo_job as demo_job
+    from tidal.control.local import LocalCluster
+
+    tmp = tempfile.TemporaryDirectory(prefix="tidal-demo-") if home is None else None
+    root = Path(tmp.name) if tmp else Path(home)
+    con.print("[bold]Tidal demo[/] — an embedded cluster on this machine: a server and 2 agents × 4 virtual GPUs;\n"
+              f"real elastic PyTorch jobs (CPU, gloo) scheduled by the [bold]{policy}[/] policy. State in {root}")
+    cluster = LocalCluster(root / "home", nodes=2, gpus_per_node=4, policy=policy, tick_s=1.0)
+    t0 = time.time()
+    with con.status("starting server and agents…"):
+        cluster.start()
+    api = cluster.api(cluster.api().add_user("demo"))
+    plan = _workload(demo_job.__file__, root / "records")
+    colors: dict[str, str] = {}
+    ids: list[str] = []
+    next_at = time.time()
+    rc = 0
+    try:
+        with Live(console=con, refresh_per_second=4, transient=False) as live:
+            while True:
+                if plan and time.time() >= next_at:
+                    _, spec = plan.pop(0)
+                    jid = api.submit(spec)["id"]
+                    ids.append(jid)
+                    colors[jid] = COLORS[len(colors) % len(COLORS)]
+                    next_at = time.time() + (plan[0][0] if plan else 0)
+                jobs = api.jobs()
+                live.update(Group(_gpu_map(api.cluster(), colors), _jobs_table(jobs, colors, t0)))
+                if not plan and jobs and all(j["state"] in DONE for j in jobs):
+                    break
+                if time.time() - t0 > timeout_s:
+                    con.print("[red]demo timed out[/]")
+                    rc = 1
+                    break
+                time.sleep(0.5)
+        summary = Table(title="summary")
+        for c in ("job", "state", "JCT s", "wait s", "rescales", "pauses (ms)"):
+            summary.add_column(c)
+        for jid in ids:
+            j = api.job(jid)
+            changes = (j.get("progress") or {}).get("changes", [])
+            pauses = ", ".join(f"{1e3 * ch.get('pause_s', 0):.0f}" for ch in changes) or "-"
+            jct = (j["end_time"] - j["submit_time"]) if j["end_time"] else None
+            wait = (j["start_time"] - j["submit_time"]) if j["start_time"] else None
+            summary.add_row(jid, j["state"], f"{jct:.1f}" if jct else "-", f"{wait:.1f}" if wait else "-",
+                            str(j["rescales"]), pauses)
+            if j["state"] != "completed":
+                rc = 1
+        con.print(summary)
+        con.print(f"demo finished in {time.time() - t0:.0f} s; logs: tidal logs <job> (while the cluster runs)")
+    finally:
+        cluster.stop()
+        if tmp:
+            tmp.cleanup()
+    return rc
+
+
+def sim_demo(con: Console, jobs: int, cluster: str, seed: int, out: Path) -> None:
     from tidal.cli.simulate import results_table, run_policies
     from tidal.core.topology import parse_cluster
     from tidal.scheduler.api import policy_names
     from tidal.sim.metrics import summarize, write_outputs
     from tidal.sim.traces import poisson_jobs
 
-    con = Console(width=None if sys.stdout.isatty() else 160)
-    con.print(
-        "[bold]Tidal demo[/] — simulation mode: the live cluster (server + agents) is not built yet,\n"
-        "so this runs every built-in policy on a synthetic Poisson workload in the simulator."
-    )
+    con.print("[bold]Tidal demo[/] — simulation mode: every built-in policy on a synthetic Poisson workload.")
     topo = parse_cluster(cluster)
     tr = poisson_jobs(jobs, rate_per_hour=12.0, seed=seed, deadline_factor=2.0)
     con.print(f"workload: {tr.describe()}")
@@ -43,3 +141,22 @@ def demo(
     con.print(results_table([summarize(r) for r in results], "policies on the demo workload"))
     write_outputs(results, out)
     con.print(f"plots and per-job CSVs in {out}/")
+
+
+@app.command()
+def demo(
+    sim: bool = typer.Option(False, "--sim", help="Simulation comparison instead of the live cluster."),
+    policy: str = typer.Option("edf", "--policy", help="Live mode: scheduling policy."),
+    home: Optional[Path] = typer.Option(None, "--home", help="Live mode: keep state here (default: a temp dir)."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Live mode: give up after this many seconds."),
+    jobs: int = typer.Option(200, "--jobs", help="Sim mode: synthetic jobs."),
+    cluster: str = typer.Option("n4g8", "--cluster", help="Sim mode: cluster spec."),
+    seed: int = typer.Option(1, "--seed"),
+    out: Path = typer.Option(Path("out/demo"), "--out", help="Sim mode: output directory."),
+) -> None:
+    """Run real elastic jobs on an embedded cluster and watch them reshape (or --sim)."""
+    con = Console(width=None if sys.stdout.isatty() else 160)
+    if sim:
+        sim_demo(con, jobs, cluster, seed, out)
+        return
+    raise typer.Exit(live_demo(con, home, policy, timeout))
