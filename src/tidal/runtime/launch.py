@@ -109,7 +109,7 @@ def run_job(
     master.spawned = workers
     spawner([f"w{i}" for i in range(workers)])
     t0 = time.time()
-    rc, last_print, failed = 0, 0.0, None
+    rc, last_print, failed, printed_finish = 0, 0.0, None, False
     try:
         while True:
             time.sleep(0.1)
@@ -130,7 +130,8 @@ def run_job(
             if time.time() - last_print >= progress_every_s:
                 last_print = time.time()
                 st = master.status()
-                if st.state != "forming":
+                if st.state != "forming" and not printed_finish:
+                    printed_finish = st.state == "finished"
                     out(
                         f"[{time.time() - t0:6.1f}s] step {st.step:5d} epoch {st.epoch} workers {st.world_size} "
                         f"gen {st.gen} step_time {1e3 * st.step_time_s:6.1f} ms {st.state}"
@@ -168,6 +169,8 @@ def scale_job(job: str, workers: int, timeout_s: float = 120.0, wait: bool = Tru
     if wait:
         st = c.wait_for(workers, timeout_s=timeout_s)
         out(f"tidal scale: job {st.job} at {st.world_size} workers, step {st.step} ({st.state})")
+        if st.world_size != workers:
+            return 1
     return 0
 
 

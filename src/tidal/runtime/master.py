@@ -415,11 +415,13 @@ class JobMaster:
             self._save()
             return {"status": "ok"}
 
-    def done(self, step: int, cursor: int) -> dict[str, Any]:
+    def done(self, step: int, cursor: int, epoch: int | None = None) -> dict[str, Any]:
         with self._lock:
             if not self.finished:
                 self.finished = True
                 self.progress.update(step=int(step), cursor=int(cursor))
+                if epoch is not None:
+                    self.progress["epoch"] = int(epoch)
                 if self.plan is not None:  # the job ended before the switch step
                     self.store.set(self.plan.target.prefix + "go", "cancel")
                 self.plan, self.change = None, None
@@ -512,7 +514,8 @@ class _Handler(BaseHTTPRequestHandler):
             if p == "/left":
                 return self._send(200, m.left(body["worker_id"]))
             if p == "/done":
-                return self._send(200, m.done(int(body["step"]), int(body["cursor"])))
+                ep = body.get("epoch")
+                return self._send(200, m.done(int(body["step"]), int(body["cursor"]), None if ep is None else int(ep)))
             if p.startswith("/shard/"):
                 return self._send(200, m.shard_call(p[len("/shard/") :], body))
             return self._send(404, {"status": "error", "message": f"no route {p}"})

@@ -84,7 +84,8 @@ class Job:
         self.global_batch_size = 1
         self.hooks: list[RescaleHook] = []
         self.gen: Generation | None = None
-        self.rank, self.world_size = 0, 1
+        # rank -1 until this worker has joined a generation (0 in local mode)
+        self.rank, self.world_size = (0 if master_url is None else -1), 1
         self.cursor = 0  # the data state: one integer (global sample position)
         self.step_count = 0
         self.end_cursor: int | None = None
@@ -102,9 +103,9 @@ class Job:
         # statistics
         self.step_times: deque[float] = deque(maxlen=200)
         self._last_step_end: float | None = None
-        self.step_ends: list[tuple[int, float, int]] = []  # (step, wall time at end, world size)
+        self.step_ends: deque[tuple[int, float, int]] = deque(maxlen=10_000)  # (step, wall time at end, world size)
         self.pauses: list[dict[str, Any]] = []
-        self.rtts_ms: list[float] = []
+        self.rtts_ms: deque[float] = deque(maxlen=100_000)
         self.joined_at_step = 0
         # heartbeat thread
         self._hb_event = threading.Event()
@@ -199,8 +200,8 @@ class Job:
             "left": self.left,
             "step_time_s": self.step_time_s,
             "pauses": self.pauses,
-            "coord_rtt_ms_p50": _pctl(self.rtts_ms, 0.5),
-            "coord_rtt_ms_p99": _pctl(self.rtts_ms, 0.99),
+            "coord_rtt_ms_p50": _pctl(list(self.rtts_ms), 0.5),
+            "coord_rtt_ms_p99": _pctl(list(self.rtts_ms), 0.99),
             "heartbeats": len(self.rtts_ms),
         }
 
@@ -362,7 +363,7 @@ class Job:
     def _finish(self) -> None:
         self.finished = True
         if self.client is not None and self.rank == 0:
-            self.client.post("/done", {"step": self.step_count, "cursor": self.cursor})
+            self.client.post("/done", {"step": self.step_count, "cursor": self.cursor, "epoch": self.epoch})
         self.close()
 
     # ------------------------------------------------------------------ gradients
