@@ -178,30 +178,57 @@ def _finish_times(rates: Rates, jobs: list[JobView], alloc: dict[str, int], shri
     return out
 
 
-def adds_no_jct(rates: Rates, active: list[JobView], w: JobView, total: int, idle: int) -> bool:
-    """Elan's admission test: does starting ``w`` now (squeezing the others)
-    keep the average JCT of ``active`` + ``w`` at or below letting ``w`` wait
-    until enough GPUs are idle? Estimated at fixed allocations."""
+def _fluid_sum(
+    rates: Rates, jobs: list[JobView], total: int, late: JobView | None, shrink_cost: float
+) -> float:
+    """Sum of the jobs' completion times (seconds from now) when the allocation
+    rule is applied again at every completion. ``late`` joins at the first
+    completion after which its min_res fits beside the others' (it is waiting).
+    A running job that starts with fewer GPUs than it holds pays ``shrink_cost``."""
+    rem = {j.job_id: j.remaining for j in jobs}
+    present = list(jobs)
+    t = acc = 0.0
+    first = True
+    while present:
+        alloc = elan_allocation(rates, present, total)
+        speed = {j.job_id: rates.rate(j, alloc[j.job_id]) for j in present}
+        if first:
+            for j in present:
+                if j.running and alloc[j.job_id] < j.n:
+                    rem[j.job_id] += shrink_cost * speed[j.job_id]
+            first = False
+        dt = min(rem[jid] / r if r > 0 else math.inf for jid, r in speed.items())
+        if dt == math.inf:
+            return math.inf
+        t += dt
+        left = []
+        for j in present:
+            rem[j.job_id] -= speed[j.job_id] * dt
+            if rem[j.job_id] <= 1e-9 * max(1.0, j.remaining):
+                acc += t
+            else:
+                left.append(j)
+        present = left
+        if late is not None and sum(rates.counts(j)[0] for j in present) + rates.counts(late)[0] <= total:
+            present.append(late)
+            rem[late.job_id] = late.remaining
+            late = None
+    return acc if late is None else math.inf
+
+
+def adds_no_jct(rates: Rates, active: list[JobView], w: JobView, total: int) -> bool:
+    """Elan's admission test: does starting ``w`` now (squeezing the others
+    towards their min_res) keep the average JCT of ``active`` + ``w`` at or
+    below letting ``w`` wait? Both are estimated by a fluid run of the
+    allocation rule (re-applied at each completion); waiting, ``w`` joins at
+    the first completion that leaves room for its min_res."""
     lo = rates.counts(w)[0]
     if sum(rates.counts(j)[0] for j in active) + lo > total:
         return False
     ov = rates.snap.overheads
     cost = ov.stop_resume_s if ov.mode == "stop-resume" else ov.pause_s
-    base = elan_allocation(rates, active, total)
-    t_wait = _finish_times(rates, active, base, cost)
-    # w waits until running jobs free lo GPUs, then runs on what they freed
-    avail, start, n_w = idle, math.inf, lo
-    for jid, t in sorted(t_wait.items(), key=lambda x: (x[1], x[0])):
-        avail += base[jid]
-        if avail >= lo:
-            start = t
-            n_w = max(c for c in rates.counts(w) if c <= max(avail, lo))
-            break
-    r = rates.rate(w, n_w)
-    without = sum(t_wait.values()) + start + (w.remaining / r if r > 0 else math.inf)
-    both = active + [w]
-    alloc = elan_allocation(rates, both, total)
-    with_w = sum(_finish_times(rates, both, alloc, cost).values())
+    with_w = _fluid_sum(rates, active + [w], total, None, cost)
+    without = _fluid_sum(rates, active, total, w, cost)
     return with_w <= without * (1 + 1e-9)
 
 
@@ -218,7 +245,7 @@ def elastic_admission(
 
     def admissible(w: JobView) -> bool:
         lo = rates.counts(w)[0]
-        return lo <= idle or adds_no_jct(rates, active, w, total, idle)
+        return lo <= idle or adds_no_jct(rates, active, w, total)
 
     head = None
     for i, w in enumerate(queue):

@@ -29,6 +29,7 @@ expanded. The policy places GPUs itself (it needs machine-level free lists).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import defaultdict
@@ -47,16 +48,20 @@ def _speed(snap: Snapshot, job: JobView, n: int) -> float:
 
 def _next_down(job: JobView, n: int) -> int:
     """The next smaller count the job may run at (0 if none)."""
-    lower = [c for c in job.spec.counts(n - 1)] if n > 1 else []
-    return lower[-1] if lower else 0
+    spec = job.spec
+    if spec.allowed_gpus is not None:
+        i = bisect.bisect_left(spec.allowed_gpus, n)
+        return spec.allowed_gpus[i - 1] if i > 0 else 0
+    return n - 1 if spec.elastic and n - 1 >= spec.lo else 0
 
 
 def _next_up(job: JobView, n: int, cap: int) -> int:
     """The next larger count the job may run at, at most ``cap`` (0 if none)."""
-    for c in job.spec.counts(cap):
-        if c > n:
-            return c
-    return 0
+    spec = job.spec
+    if spec.allowed_gpus is not None:
+        i = bisect.bisect_right(spec.allowed_gpus, n)
+        return spec.allowed_gpus[i] if i < len(spec.allowed_gpus) and spec.allowed_gpus[i] <= cap else 0
+    return n + 1 if spec.elastic and n + 1 <= spec.hi(cap) else 0
 
 
 class _State:
@@ -69,8 +74,8 @@ class _State:
         self.gpus: dict[str, list[int]] = {jid: sorted(g) for jid, g in placement.items()}
         used = {g for gs in placement.values() for g in gs}
         self.free: dict[int, list[int]] = defaultdict(list)
-        for g in range(c.num_gpus):
-            if g not in used:
+        if len(used) < c.num_gpus:
+            for g in sorted(c.all_gpus - used):
                 self.free[g // self.m].append(g)
 
     def on_node(self, jid: str) -> dict[int, list[int]]:
@@ -182,9 +187,12 @@ def expansion(snap: Snapshot, plan: Plan, st: _State, jobs: list[JobView]) -> No
         if gain > 1e-12:
             heapq.heappush(heap, (-gain, j.job_id, up))
 
+    free = sum(len(v) for v in st.free.values())
+    if not free:
+        return
     for j in jobs:
         push(j)
-    while heap and any(st.free.values()):
+    while heap and free > 0:
         _, jid, up = heapq.heappop(heap)
         n = len(st.gpus[jid])
         need = up - n
@@ -194,10 +202,12 @@ def expansion(snap: Snapshot, plan: Plan, st: _State, jobs: list[JobView]) -> No
             got += st.free.get(node, [])[: need - len(got)]
         if len(got) < need:
             # a new machine only when the new count needs one more (locality)
-            new_nodes = math.ceil(up / m) - len(mine)
-            others = sorted((node for node, f in st.free.items() if f and node not in mine),
-                            key=lambda x: (-len(st.free[x]), x))
-            for node in others[: max(0, new_nodes)]:
+            for _ in range(math.ceil(up / m) - len(mine)):
+                others = [(len(f), -node) for node, f in st.free.items() if f and node not in mine]
+                if not others or len(got) >= need:
+                    break
+                node = -max(others)[1]
+                mine[node] = []
                 got += st.free[node][: need - len(got)]
         if len(got) < need:
             continue  # free GPUs only shrink: this job cannot grow any more
@@ -205,6 +215,7 @@ def expansion(snap: Snapshot, plan: Plan, st: _State, jobs: list[JobView]) -> No
         for node in {st.node_of(g) for g in got}:
             st.free[node] = [g for g in st.free[node] if g not in taken]
         st.gpus[jid] = sorted(st.gpus[jid] + got)
+        free -= len(got)
         plan.allocation[jid] = up
         push(by_id[jid])
 

@@ -11,8 +11,10 @@ with *reshaping up*). Each job lists its optional GPU counts
    count g of the job, either g GPUs are idle, or the missing ones come from
    *one* running job whose remaining count is still one of its options. Of
    these (job, g, donor) triples the one with the smallest predicted makespan
-   wins (ties: the smaller sum of the two jobs' predicted completion times). A
-   job with no feasible triple waits; later jobs are still tried.
+   wins (ties: the smaller sum of predicted completion times). Waiting until
+   enough GPUs are idle is scored the same way and wins when it is predicted
+   better (e.g. under linear scaling); a job waits also when no triple is
+   feasible. Later jobs are still tried.
 2. **Running jobs** (Algorithm 2): when GPUs are idle and no job waits, the
    running job whose growth to a larger optional count lowers the predicted
    makespan most (ties: its own completion time) gets the GPUs, repeatedly,
@@ -256,13 +258,23 @@ def reshaping_allocation(snap: Snapshot, plan: Plan, early_init: bool = True) ->
     # Algorithm 1: incoming jobs, reshaping down at most one running job
     for w in sorted((j for j in jobs if not j.running), key=lambda j: (j.spec.submit_time, j.job_id)):
         (top_t, top_id), second = _top2(done_at)
-        best = None
+        total = sum(done_at.values())
+        ends = sorted((t, alloc[jid]) for jid, t in done_at.items())
+        best = None  # (makespan, sum of completion times, GPUs taken, g, donor, donor count, t_w, t_d)
         for g in options(snap, w):
             if g <= free:
                 t_w = pred.start(w, g)
-                cand = [(max(top_t, t_w), t_w, 0, g, None, 0, t_w, 0.0)]
+                cand = [(max(top_t, t_w), total + t_w, 0, g, None, 0, t_w, 0.0)]
             else:
-                cand = []
+                # waiting for idle GPUs is one of the choices
+                avail, t_free = free, math.inf
+                for t, n in ends:
+                    avail += n
+                    if avail >= g:
+                        t_free = t
+                        break
+                t_w = t_free + pred.start(w, g)
+                cand = [(max(top_t, t_w), total + t_w, 0, g, "", 0, t_w, 0.0)]
                 need = g - free
                 for jid, d in running.items():
                     left = alloc[jid] - need
@@ -272,21 +284,19 @@ def reshaping_allocation(snap: Snapshot, plan: Plan, early_init: bool = True) ->
                     t_w = pred.start(w, g, delay)
                     t_d = pred.resize(d, left)
                     others = second if jid == top_id else top_t
-                    cand.append((max(others, t_w, t_d), t_w + t_d, need, g, jid, left, t_w, t_d))
+                    cand.append((max(others, t_w, t_d), total - done_at[jid] + t_d + t_w, need, g, jid, left, t_w, t_d))
             for c in cand:
                 if best is None or c[:4] < best[:4]:
                     best = c
-        if best is None:
-            waiting += 1
+        if best is None or best[4] == "":
+            waiting += 1  # no feasible triple, or waiting is predicted best
             continue
         _, _, need, g, donor, left, t_w, t_d = best
         alloc[w.job_id] = g
         done_at[w.job_id] = t_w
         touched.add(w.job_id)
-        if donor is None:
-            free -= g
-        else:
-            free -= g - need
+        free -= g - need
+        if donor is not None:
             alloc[donor] = left
             done_at[donor] = t_d
             touched.add(donor)

@@ -1,0 +1,185 @@
+"""E-FIFO / E-Backfill (Elan §VI-C) and hybrid scaling (Elan Algorithm 1),
+worked by hand with the toy profiles: ``lin`` = n it/s on n GPUs; ``sat`` =
+1, 1.5, 2, 2 it/s on 1, 2, 4, 8 GPUs (1.75 on 3). Marginal gains are in
+units of the job's one-GPU rate. Slot 0, no rescale overhead unless stated.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.core.job import JobSpec, JobState
+from tidal.core.overhead import OverheadModel
+from tidal.core.profile import load_profiles
+from tidal.core.topology import parse_cluster
+from tidal.scheduler.api import JobView, Snapshot, get_policy
+from tidal.scheduler.policies.elan import Rates, elan_allocation, total_batch
+from tidal.sim.engine import simulate
+
+NO_OVERHEAD = OverheadModel(mode="stop-free", pause_s=0.0, warmup_s=0.0, stop_resume_s=0.0)
+
+
+def job(jid, t, iters, model="lin", lo=1, hi=8, **kw):
+    return JobSpec(jid, submit_time=t, model=model, batch_size=32, iterations=iters, requested_gpus=lo,
+                   elastic=True, min_gpus=lo, max_gpus=hi, **kw)
+
+
+def run(policy, jobs, profiles, cluster="n1g4", overheads=NO_OVERHEAD, **opts):
+    r = simulate(jobs, parse_cluster(cluster), get_policy(policy, **opts), profiles=profiles,
+                 overheads=overheads, slot=0)
+    assert all(j.state is JobState.COMPLETED for j in r.jobs)
+    return {j.spec.job_id: j for j in r.jobs}
+
+
+def rates_for(profiles, cluster="n1g8", **kw):
+    snap = Snapshot(now=0.0, cluster=parse_cluster(cluster), jobs=(), profiles=profiles, overheads=NO_OVERHEAD)
+    return Rates(snap, **kw)
+
+
+def view(spec):
+    return JobView(spec, JobState.PENDING, admitted=True)
+
+
+# -- allocation rule ---------------------------------------------------------------
+
+
+def test_allocation_min_then_largest_marginal_gain(toy_profiles):
+    rates = rates_for(toy_profiles)
+    a, b = view(job("A", 0, 100, "sat")), view(job("B", 0, 100))
+    # min 1 each, 6 left: lin gains 1 per GPU, sat at most 0.5 -> all to B.
+    assert elan_allocation(rates, [a, b], 8) == {"A": 1, "B": 7}
+
+
+def test_allocation_stops_at_max_res_and_at_no_gain(toy_profiles):
+    rates = rates_for(toy_profiles)
+    a, b = view(job("A", 0, 100, "sat")), view(job("B", 0, 100, hi=4))
+    # B stops at max 4; A: 1->2 (+0.5), 2->3 (+0.25), 3->4 (+0.25), 4->5 (+0): stops at 4.
+    assert elan_allocation(rates, [a, b], 8) == {"A": 4, "B": 4}
+    # alone, sat stops where a GPU brings no gain: 4 of 8 GPUs stay idle
+    assert elan_allocation(rates, [a], 8) == {"A": 4}
+
+
+def test_inelastic_job_runs_at_its_count(toy_profiles):
+    rates = rates_for(toy_profiles)
+    rigid = view(JobSpec("R", 0.0, "lin", 32, 100, requested_gpus=2))
+    assert elan_allocation(rates, [rigid, view(job("B", 0, 100, hi=8))], 8) == {"R": 2, "B": 6}
+
+
+def test_trace_jobs_get_half_to_twice_their_request(toy_profiles):
+    rates = rates_for(toy_profiles, cluster="n1g8")
+    trace_job = view(JobSpec("T", 0.0, "lin", 32, 100, requested_gpus=3, elastic=True))
+    assert rates.counts(trace_job) == [2, 3, 4, 5, 6]
+
+
+# -- admission rule ------------------------------------------------------------------
+
+
+def test_admission_squeezes_when_average_jct_does_not_rise(toy_profiles):
+    # A (sat, 1..4) runs alone on 4 GPUs at 2 it/s; at t=100 it has 200 it left.
+    # B (sat, 200 it) arrives; no GPU is idle.
+    #   wait:  A ends in 100 s, B then runs 100 s on 4 GPUs -> 100 + 200 = 300
+    #   admit: A 2 + B 2 GPUs (1.5 it/s): 133.3 + 133.3 = 266.7 <= 300 -> start B.
+    jobs = [job("A", 0, 400, "sat", hi=4), job("B", 100, 200, "sat", hi=4)]
+    by = run("e-fifo", jobs, toy_profiles)
+    assert by["B"].start_time == pytest.approx(100)
+    assert by["A"].end_time == pytest.approx(100 + 200 / 1.5)
+    assert by["B"].end_time == pytest.approx(100 + 200 / 1.5)
+    fifo = run("fifo", [JobSpec(j.job_id, j.submit_time, j.model, 32, j.iterations, requested_gpus=4)
+                        for j in jobs], toy_profiles)
+    assert fifo["B"].start_time == pytest.approx(200)
+
+
+def test_admission_waits_when_squeezing_raises_average_jct(toy_profiles):
+    # Linear jobs: sharing does not speed anything up.
+    #   wait:  A (400 it left at t=100) ends in 100 s, B then 100 s -> 100 + 200 = 300
+    #   admit: 2 + 2 GPUs -> 200 + 200 = 400 > 300 -> B waits for A.
+    jobs = [job("A", 0, 800, lo=2, hi=4), job("B", 100, 400, lo=2, hi=4)]
+    by = run("e-fifo", jobs, toy_profiles)
+    assert by["A"].end_time == pytest.approx(200) and by["A"].rescales == 0
+    assert by["B"].start_time == pytest.approx(200) and by["B"].end_time == pytest.approx(300)
+
+
+def test_admission_starts_when_min_res_fits_idle_gpus(toy_profiles):
+    # A (sat) alone stops at 4 of 8 GPUs (no gain past 4): C's min 2 fits the idle GPUs.
+    jobs = [job("A", 0, 2000, "sat"), job("C", 10, 20, lo=2, hi=4)]
+    by = run("e-fifo", jobs, toy_profiles, cluster="n1g8")
+    assert by["C"].start_time == pytest.approx(10)
+    assert by["C"].max_gpus == 4 and by["A"].max_gpus == 4  # C takes the idle 4 (lin gains)
+    assert by["C"].end_time == pytest.approx(15)
+
+
+def test_e_backfill_lets_a_short_job_pass_a_blocked_head(toy_profiles):
+    # A (lin, 2..4) runs on 4 GPUs, 400 it. H (min 4) arrives at 1: min_res of
+    # A + H = 6 > 4, so H is blocked; its shadow time is A's end (~100 s).
+    # S (1 GPU, 10 it) arrives at 2.
+    #   E-FIFO: S waits behind H: H runs 100-200, S 200-210.
+    #   E-Backfill: S passes the admission rule (A 3 + S 1: 130.7 + 10 <
+    #   98 + 108) and ends in 10 s < shadow -> runs 2-12; A grows back to 4 at
+    #   12 (done 8 + 30 = 38, 362 left -> ends 102.5); H runs 102.5-202.5.
+    jobs = [job("A", 0, 400, lo=2, hi=4), job("H", 1, 400, lo=4, hi=4), job("S", 2, 10, lo=1, hi=1)]
+    fifo = run("e-fifo", jobs, toy_profiles)
+    assert fifo["S"].start_time == pytest.approx(200) and fifo["S"].end_time == pytest.approx(210)
+    assert fifo["H"].start_time == pytest.approx(100)
+    bf = run("e-backfill", jobs, toy_profiles)
+    assert bf["S"].start_time == pytest.approx(2) and bf["S"].end_time == pytest.approx(12)
+    assert bf["A"].end_time == pytest.approx(102.5)
+    assert bf["H"].start_time == pytest.approx(102.5) and bf["H"].end_time == pytest.approx(202.5)
+
+
+def test_started_jobs_are_never_preempted(toy_profiles):
+    jobs = [job("A", 0, 4000, "sat", hi=4)] + [job(f"B{i}", 10 + i, 300, "sat", hi=4) for i in range(6)]
+    by = run("e-fifo", jobs, toy_profiles)
+    assert all(j.preemptions == 0 for j in by.values())
+
+
+# -- hybrid scaling ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_profiles(tmp_path_factory):
+    """``hyb`` at batch 32: 1, 1.5, 2, 2 it/s (strong scaling saturates at 4);
+    at batch 64: 0.5, 1, 1.8, 3.2 it/s (twice the samples per iteration)."""
+    d = tmp_path_factory.mktemp("hybrid")
+    (d / "hyb.csv").write_text("global_batch_size,1,2,4,8\n32,1,1.5,2,2\n64,0.5,1,1.8,3.2\n")
+    return load_profiles(d)
+
+
+def test_get_total_batch_size_doubles_only_when_strong_scaling_saturates(hybrid_profiles):
+    snap = Snapshot(now=0.0, cluster=parse_cluster("n1g8"), jobs=(), profiles=hybrid_profiles)
+    j = view(JobSpec("H", 0.0, "hyb", 32, 100, elastic=True))
+    # 4 GPUs: S32(4) = 2 >= 1.2 * S32(2) = 1.8 -> strong scaling still pays: 32.
+    assert total_batch(snap, j, 4) == 32
+    # 8 GPUs: S32(8) = 2 < 1.2 * S32(4) = 2.4 -> saturated; at 64 the job makes
+    # 3.2 * 64/32 = 6.4 spec it/s > 2 -> 64 (128 is not profiled: stop).
+    assert total_batch(snap, j, 8) == 64
+    assert snap.progress_rate(j, 8, 64) == pytest.approx(6.4)
+
+
+def test_hybrid_job_grows_past_saturation_with_a_larger_batch(hybrid_profiles):
+    # Alone on 8 GPUs, 640 it. Without hybrid scaling E-FIFO stops at 4 GPUs
+    # (no gain past 4): 640 / 2 = 320 s. With it (meta hybrid=1) the job takes
+    # all 8 at batch 64: 640 / 6.4 = 100 s.
+    plain = JobSpec("P", 0.0, "hyb", 32, 640, elastic=True, min_gpus=1, max_gpus=8)
+    hybrid = JobSpec("H", 0.0, "hyb", 32, 640, elastic=True, min_gpus=1, max_gpus=8, meta=(("hybrid", "1"),))
+    p = run("e-fifo", [plain], hybrid_profiles, cluster="n1g8")["P"]
+    h = run("e-fifo", [hybrid], hybrid_profiles, cluster="n1g8")["H"]
+    assert (p.max_gpus, p.batch, p.end_time) == (4, 32, pytest.approx(320))
+    assert (h.max_gpus, h.batch, h.end_time) == (8, 64, pytest.approx(100))
+    # the policy option turns it on for every elastic job
+    o = run("e-fifo", [plain], hybrid_profiles, cluster="n1g8", hybrid=True)["P"]
+    assert (o.max_gpus, o.batch) == (8, 64)
+
+
+def test_hybrid_batch_returns_when_the_job_shrinks(hybrid_profiles):
+    # H runs alone at 8 GPUs / batch 64; B (rigid, 4 GPUs) arrives and fits only
+    # if H goes back to 4 GPUs, where strong scaling at batch 32 pays again.
+    h = JobSpec("H", 0.0, "hyb", 32, 6400, elastic=True, min_gpus=4, max_gpus=8, meta=(("hybrid", "1"),))
+    b = JobSpec("B", 10.0, "hyb", 32, 20, requested_gpus=4)
+    r = simulate([h, b], parse_cluster("n1g8"), get_policy("e-fifo"), profiles=hybrid_profiles,
+                 overheads=NO_OVERHEAD, slot=0)
+    by = {j.spec.job_id: j for j in r.jobs}
+    assert by["B"].start_time == pytest.approx(10)
+    # H: 64 spec it by 10 s; at 4 GPUs and batch 32 (2 it/s) while B runs 10 s
+    # (20 it at 2 it/s) -> 84 by 20; back to 8 GPUs / batch 64 -> 20 + 6316 / 6.4
+    assert by["H"].end_time == pytest.approx(20 + (6400 - 84) / 6.4)
+    assert by["H"].batch == 64
