@@ -65,6 +65,8 @@ class BuddyAllocator:
         self.used[: self.n] = False
         if used:
             self.used[list(used)] = True
+        # GPUs that other jobs still hold now (re-pack): blocks avoid them
+        self.held = np.zeros(size, dtype=bool)
 
     def free_count(self) -> int:
         return int((~self.used[: self.n]).sum())
@@ -108,7 +110,8 @@ class BuddyAllocator:
             sw_free = free.reshape(-1, sw_sz).sum(axis=1)[offs // sw_sz]
         else:
             sw_free = np.zeros(offs.size, dtype=np.int64)
-        order = np.lexsort((offs, sw_free, node_free, par_free))
+        displaced = self.held.reshape(-1, s).sum(axis=1)[offs // s]
+        order = np.lexsort((offs, sw_free, node_free, par_free, displaced))
         return int(offs[order[0]])
 
     def alloc(self, n: int, prefer: tuple[int, ...] = ()) -> tuple[int, ...] | None:
@@ -186,24 +189,34 @@ def _place(cluster: Cluster, current: dict[str, tuple[int, ...]], want: dict[str
 
 
 def _repack(cluster: Cluster, current: dict[str, tuple[int, ...]], want: dict[str, int]):
-    """Phase 2: place every job largest first, keeping current aligned
-    blocks when free; jobs that move at the same count are migrations."""
+    """Phase 2: place jobs largest first; within a size, jobs whose current
+    block is still free keep it, then the others take the best-fit block
+    that displaces the fewest GPUs other jobs hold now. Jobs that move at
+    the same count are migrations."""
     buddy = BuddyAllocator(cluster)
+    for gpus in current.values():
+        buddy.held[list(gpus)] = True
     out: dict[str, tuple[int, ...]] = {}
-    for jid in sorted(want, key=lambda j: (-want[j], j)):
-        n = want[jid]
-        have = current.get(jid, ())
-        gpus = None
-        if have:
-            part = have if len(have) == n else _keep_part(have, min(n, len(have)))
-            if part and len(part) == n and is_aligned_block(part) and not buddy.used[list(part)].any():
+    sizes = sorted(set(want.values()), reverse=True)
+    for size in sizes:
+        group = sorted(j for j in want if want[j] == size)
+        movers = []
+        for jid in group:
+            have = current.get(jid, ())
+            part = have if len(have) == size else (_keep_part(have, size) if len(have) > size else ())
+            if part and len(part) == size and is_aligned_block(part) and not buddy.used[list(part)].any():
                 buddy.take(part)
-                gpus = part
-        if gpus is None:
-            gpus = buddy.alloc(n, prefer=tuple(sorted(have)))
-        if gpus is None:
-            raise ValueError(f"cannot place {n} GPUs for {jid}: {buddy.free_count()} free")
-        out[jid] = tuple(sorted(gpus))
+                buddy.held[list(have)] = False
+                out[jid] = tuple(sorted(part))
+            else:
+                movers.append(jid)
+        for jid in movers:
+            have = current.get(jid, ())
+            buddy.held[list(have)] = False
+            gpus = buddy.alloc(size, prefer=tuple(sorted(have)))
+            if gpus is None:
+                raise ValueError(f"cannot place {size} GPUs for {jid}: {buddy.free_count()} free")
+            out[jid] = tuple(sorted(gpus))
     moved = [j for j in out if j in current and len(current[j]) == want[j] and tuple(sorted(current[j])) != out[j]]
     if moved:
         log.debug("buddy re-pack migrates %d jobs: %s", len(moved), moved[:10])

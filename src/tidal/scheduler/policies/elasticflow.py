@@ -137,13 +137,12 @@ class Timeline:
         self.free = np.array([gpus], dtype=np.int64)
         self.slot = slot
 
-    def copy(self) -> "Timeline":
-        other = Timeline.__new__(Timeline)
-        other.t, other.free, other.slot = self.t.copy(), self.free.copy(), self.slot
-        return other
-
     def align(self, t: float) -> float:
-        return math.ceil(t / self.slot - 1e-9) * self.slot if self.slot > 0 else t
+        return math.ceil(t / self.slot - 1e-6) * self.slot if self.slot > 0 else t
+
+    def release(self, finish: float) -> float:
+        """When a share planned to end at ``finish`` gives its GPUs back."""
+        return self.align(finish)
 
 
 @dataclass
@@ -165,6 +164,7 @@ def fill(
     started: bool,
     costs: Costs,
     extra_dead: float = 0.0,
+    margin: float = 0.0,
 ) -> Share | None:
     """Progressive filling (Algorithm 1): the smallest cap ``i`` whose
     filling ``min(i, free(t))`` (rounded down to a buddy size) finishes
@@ -173,23 +173,25 @@ def fill(
 
     Fast path: the smallest cap that would finish in time at a constant
     count, if the timeline has that many GPUs free all along. Otherwise all
-    caps are evaluated at once as rows of one array."""
+    caps are evaluated at once as rows of one array. ``margin`` seconds of
+    work at the cap's rate are added to what the share must deliver: slack
+    for changes the plan cannot foresee (a migration)."""
     t, free = tl.t, tl.free
     now = float(t[0])
     rem = remaining * (1 + 1e-9) + _EPS
     r_held = lv.rate_of(held)
     for c, r in zip(lv.count_list[1:], lv.rate_list[1:]):
-        loss = first_loss(c, r, held, r_held, started, costs) + extra_dead * r
+        loss = first_loss(c, r, held, r_held, started, costs) + (extra_dead + margin) * r
         finish = now + (rem + loss) / r
         if finish > horizon:
             continue
-        release = tl.align(finish)
+        release = tl.release(finish)
         p = max(int(np.searchsorted(t, release, side="left")), 1)
         if free[:p].min() >= c:
             k = max(int(np.searchsorted(t, finish, side="right")) - 1, 0)
             return Share(c, np.full(k + 1, c, dtype=np.int64), finish, c)
         break  # contention: fill every cap
-    return _fill_all(tl, lv, remaining, horizon, held, r_held, started, costs, extra_dead)
+    return _fill_all(tl, lv, remaining, horizon, held, r_held, started, costs, extra_dead, margin)
 
 
 def first_loss(c: int, r: float, held: int, r_held: float, started: bool, costs: Costs) -> float:
@@ -213,6 +215,7 @@ def _fill_all(
     started: bool,
     costs: Costs,
     extra_dead: float,
+    margin: float,
 ) -> Share | None:
     t, free = tl.t, tl.free
     m = int(np.searchsorted(t, horizon, side="left"))
@@ -241,22 +244,22 @@ def _fill_all(
     loss[:, 0] += extra_dead * rate[:, 0]
     prog = np.maximum(rate * dt - loss, 0.0)
     cum = np.cumsum(prog, axis=1)
-    rem = remaining * (1 + 1e-9) + _EPS
-    ok = cum[:, -1] >= rem
+    need = remaining * (1 + 1e-9) + _EPS + margin * lv.rates[1:]
+    ok = cum[:, -1] >= need
     if not ok.any():
         return None
     row = int(np.argmax(ok))
     c = cum[row]
-    k = min(int(np.searchsorted(c, rem, side="left")), m - 1)
+    k = min(int(np.searchsorted(c, need[row], side="left")), m - 1)
     r = rate[row, k]
-    finish = ends[k] - (c[k] - remaining) / r if r > 0 else ends[k]
+    finish = ends[k] - (c[k] - need[row]) / r if r > 0 else ends[k]
     return Share(int(lv.counts[row + 1]), alloc[row, : k + 1].copy(), max(finish, float(t[0])), int(alloc[row, 0]))
 
 
 def commit(tl: Timeline, share: Share) -> None:
     """Reserve ``share`` on the timeline until the slot boundary after it ends."""
     k = len(share.alloc) - 1
-    release = tl.align(share.finish)
+    release = tl.release(share.finish)
     t, free = tl.t, tl.free
     p = int(np.searchsorted(t, release, side="left"))
     if p == len(t) or t[p] != release:
@@ -267,6 +270,80 @@ def commit(tl: Timeline, share: Share) -> None:
     free[:k] -= share.alloc[:k]
     free[k:p] -= share.alloc[k]
     tl.t, tl.free = t, free
+
+
+
+Segments = tuple[tuple[float, int], ...]  # (start time, GPUs); the last one has 0 GPUs
+
+
+def share_segments(tl: Timeline, share: Share) -> Segments:
+    """A share as absolute-time segments, ending at its release (slot-aligned)."""
+    release = tl.release(share.finish)
+    alloc = share.alloc
+    starts = np.flatnonzero(np.diff(alloc)) + 1 if len(alloc) > 1 else np.empty(0, dtype=np.int64)
+    segs = [(float(tl.t[0]), int(alloc[0]))]
+    for i in starts.tolist():
+        t0 = float(tl.t[i])
+        if t0 >= release:
+            break
+        segs.append((t0, int(alloc[i])))
+    segs.append((release, 0))
+    return tuple(segs)
+
+
+def count_at(segs: Segments, t: float) -> int:
+    c = 0
+    for start, n in segs:
+        if start > t:
+            break
+        c = n
+    return c
+
+
+def commit_segments(tl: Timeline, segs: Segments) -> bool:
+    """Reserve a stored plan from now on; False (timeline unchanged) if some
+    interval would go below zero free GPUs."""
+    now = float(tl.t[0])
+    t, free = tl.t, tl.free
+    for b, _ in segs:
+        if b <= now:
+            continue
+        p = int(np.searchsorted(t, b, side="left"))
+        if p == len(t) or t[p] != b:
+            t = np.concatenate((t[:p], (b,), t[p:]))
+            free = np.concatenate((free[:p], free[p - 1 : p], free[p:]))
+    new = free.copy()
+    for i, (start, c) in enumerate(segs[:-1]):
+        if c == 0:
+            continue
+        lo = int(np.searchsorted(t, max(start, now), side="left"))
+        hi = int(np.searchsorted(t, segs[i + 1][0], side="left"))
+        new[lo:hi] -= c
+    if (new < 0).any():
+        return False
+    tl.t, tl.free = t, new
+    return True
+
+
+def deliverable(
+    segs: Segments, now: float, horizon: float, lv: Levels, held: int, started: bool, costs: Costs, extra_dead: float
+) -> float:
+    """Iterations a stored plan still delivers between now and ``horizon``,
+    net of the cost of every change of count (from what the job holds now)."""
+    prog, prev, first = 0.0, held, True
+    for i, (start, c) in enumerate(segs[:-1]):
+        a, b = max(start, now), min(segs[i + 1][0], horizon)
+        if b <= a:
+            continue
+        r = lv.rate_of(c)
+        loss = first_loss(c, r, prev, lv.rate_of(prev), started, costs)
+        if first:
+            loss += extra_dead * r
+            first = False
+        prog += max(r * (b - a) - loss, 0.0)
+        started = started or c > 0
+        prev = c
+    return prog
 
 
 def is_soft(job: JobView, all_soft: bool) -> bool:
@@ -304,39 +381,27 @@ class ElasticFlow(Policy):
     def _order(j: JobView) -> tuple:
         return (j.spec.deadline, j.spec.submit_time, j.job_id)
 
+    def _horizon(self, j: JobView, costs: Costs) -> float:
+        return float(j.spec.deadline)
+
+    def _dead(self, snap: Snapshot, j: JobView, costs: Costs) -> float:
+        """Seconds of the last rescale the job still has to sit out."""
+        busy = j.tags.get("ef_busy_until")
+        if busy is not None:
+            return max(float(busy) - snap.now, 0.0)
+        return costs.worst_change if j.state is JobState.RESIZING else 0.0
+
     def _share(self, snap: Snapshot, tl: Timeline, j: JobView, lv: Levels, costs: Costs) -> Share | None:
-        reserve = self.reserve_rescales * costs.migrate
-        horizon = j.spec.deadline - reserve
+        horizon = self._horizon(j, costs)
         if horizon <= snap.now or j.remaining <= 0:
             return None
-        extra = costs.worst_change if j.state is JobState.RESIZING else 0.0
-        return fill(tl, lv, j.remaining, horizon, j.n, j.executed > 0, costs, extra)
+        return fill(tl, lv, j.remaining, horizon, j.n, j.executed > 0, costs, self._dead(snap, j, costs),
+                    self.reserve_rescales * costs.migrate)
 
-    def _plan(
-        self,
-        snap: Snapshot,
-        jobs: list[JobView],
-        levels: dict[str, Levels],
-        costs: Costs,
-        tl: Timeline,
-        stop_if_first_fails: bool = False,
-    ) -> tuple[dict[str, Share], list[str], list[Timeline]]:
-        """Plan ``jobs`` (deadline order) on ``tl``; return shares, the ids that
-        got none, and the timeline before each job (for re-planning)."""
-        shares: dict[str, Share] = {}
-        failed: list[str] = []
-        before: list[Timeline] = []
-        for i, j in enumerate(jobs):
-            before.append(tl.copy())
-            s = self._share(snap, tl, j, levels[j.job_id], costs)
-            if s is None:
-                failed.append(j.job_id)
-                if i == 0 and stop_if_first_fails:
-                    break
-            else:
-                shares[j.job_id] = s
-                commit(tl, s)
-        return shares, failed, before
+    def _on_track(self, snap: Snapshot, j: JobView, segs: Segments, lv: Levels, costs: Costs) -> bool:
+        got = deliverable(segs, snap.now, self._horizon(j, costs), lv, j.n, j.executed > 0, costs,
+                          self._dead(snap, j, costs))
+        return got >= j.remaining * (1 + 1e-9) + _EPS
 
     # -- the three steps ------------------------------------------------------
     def schedule(self, snap: Snapshot) -> Plan:
@@ -344,6 +409,7 @@ class ElasticFlow(Policy):
         ctx = self.admit(snap, plan)
         self.allocate(snap, plan, ctx)
         self.placement(snap, plan)
+        self._record_rescales(snap, plan, ctx.costs)
         return plan
 
     def admission(self, snap: Snapshot, plan: Plan) -> None:
@@ -355,12 +421,53 @@ class ElasticFlow(Policy):
     def placement(self, snap: Snapshot, plan: Plan) -> None:
         plan.placement = place_buddy(snap, plan.allocation)
 
+    def _record_rescales(self, snap: Snapshot, plan: Plan, costs: Costs) -> None:
+        """Remember until when each changed job makes (less) progress, so the
+        next plan knows even if the overhead outlasts a slot."""
+        for j in snap.jobs:
+            n = plan.allocation.get(j.job_id, 0)
+            if n == 0:
+                continue
+            gpus = plan.placement.get(j.job_id, ())
+            if n == j.n and tuple(sorted(gpus)) == tuple(sorted(j.gpus)):
+                continue
+            if j.n == 0:
+                dead = costs.resume if j.executed > 0 else costs.start
+            elif n == j.n:
+                dead = costs.migrate
+            elif n > j.n:
+                r_old, r_new = snap.progress_rate(j, j.n, j.batch or None), snap.progress_rate(j, n, j.batch or None)
+                dead = costs.grow + (costs.warmup * max(r_new - r_old, 0.0) / r_new if r_new > 0 else 0.0)
+            else:
+                dead = costs.shrink
+            if dead > 0 or "ef_busy_until" in j.tags:
+                plan.tags.setdefault(j.job_id, {})["ef_busy_until"] = snap.now + dead
+
+    def _replan(
+        self, snap: Snapshot, jobs: list[JobView], levels: dict[str, Levels], costs: Costs
+    ) -> tuple[Timeline, dict[str, tuple[Segments, int]], JobView | None]:
+        """Algorithm 1 from scratch: shares in deadline order on an empty
+        timeline; stops at the first job that gets none (returned)."""
+        tl = Timeline(snap.now, snap.cluster.num_gpus, self.slot)
+        out: dict[str, tuple[Segments, int]] = {}
+        for j in sorted(jobs, key=self._order):
+            share = self._share(snap, tl, j, levels[j.job_id], costs)
+            if share is None:
+                return tl, out, j
+            out[j.job_id] = (share_segments(tl, share), share.cap)
+            commit(tl, share)
+        return tl, out, None
+
     # -- Algorithm 1: admission control by minimum satisfactory share --------
     def admit(self, snap: Snapshot, plan: Plan) -> "_Context":
-        """Plan every guaranteed job's share in deadline order; admit a new
-        deadline job only if it and all guaranteed jobs still get one."""
+        """Guaranteed jobs keep their stored plans while those still deliver
+        their remaining work by the deadline (others are re-filled on what is
+        left). A new deadline job is admitted if it fits in what the
+        guaranteed jobs leave; otherwise all of them and it are re-planned
+        from scratch in deadline order (Algorithm 1) and it is admitted only
+        if every one still gets a satisfactory share."""
         costs = self._costs(snap)
-        total = snap.cluster.num_gpus
+        now, total = snap.now, snap.cluster.num_gpus
         cache: dict = {}
         levels: dict[str, Levels] = {}
         guaranteed: list[JobView] = []
@@ -379,57 +486,68 @@ class ElasticFlow(Policy):
             elif j.admitted and j.spec.deadline is not None and j.tags.get("ef_class", "guaranteed") == "guaranteed":
                 guaranteed.append(j)
         guaranteed.sort(key=self._order)
-        tl = Timeline(snap.now, total, self.slot)
-        shares, failed, before = self._plan(snap, guaranteed, levels, costs, tl)
-        late = set(failed)
-        for jid in late:
-            plan.tags[jid] = {"ef_class": "late"}
-        extras: list[JobView] = []  # admitted this round on what the others leave
+        tl = Timeline(now, total, self.slot)
+        plans: dict[str, Segments] = {}
+        caps: dict[str, int] = {}
+        refill: list[JobView] = []
+        for j in guaranteed:
+            segs = j.tags.get("ef_plan")
+            if segs and self._on_track(snap, j, segs, levels[j.job_id], costs) and commit_segments(tl, segs):
+                plans[j.job_id] = segs
+            else:
+                refill.append(j)
+        late: set[str] = set()
+        for j in refill:
+            share = self._share(snap, tl, j, levels[j.job_id], costs)
+            if share is None:
+                # repair: re-plan every guaranteed job from scratch (Algorithm 1 order)
+                keep = [g for g in guaranteed if g.job_id not in late]
+                trial_tl, trial, failed = self._replan(snap, keep, levels, costs)
+                if failed is None:
+                    tl = trial_tl
+                    for jid, (segs, cap) in trial.items():
+                        plans[jid], caps[jid] = segs, cap
+                    break
+                plan.tags[j.job_id] = {"ef_class": "late", "ef_plan": ()}
+                late.add(j.job_id)
+            else:
+                plans[j.job_id] = share_segments(tl, share)
+                caps[j.job_id] = share.cap
+                commit(tl, share)
+        guaranteed = [j for j in guaranteed if j.job_id in plans]
         for x in sorted(new_ddl, key=self._order):
-            lv = levels[x.job_id]
-            # 1. x fits in what every guaranteed job leaves: no share changes
-            s = self._share(snap, tl, x, lv, costs)
-            if s is not None:
+            share = self._share(snap, tl, x, levels[x.job_id], costs)
+            if share is not None:  # fits in what the guaranteed jobs leave
+                plans[x.job_id] = share_segments(tl, share)
+                caps[x.job_id] = share.cap
+                commit(tl, share)
+                guaranteed.append(x)
                 plan.admit.add(x.job_id)
-                plan.tags[x.job_id] = {"ef_class": "guaranteed", "ef_share": s.cap}
-                shares[x.job_id] = s
-                commit(tl, s)
-                extras.append(x)
                 continue
-            # 2. Algorithm 1's deadline order: plan x before the later-deadline
-            # jobs and re-plan them; admit x only if nobody loses its share
-            keys = [self._order(g) for g in guaranteed]
-            pos = bisect.bisect_right(keys, self._order(x))
-            trial_tl = before[pos].copy() if pos < len(before) else tl.copy()
-            rest = guaranteed[pos:]
-            trial, trial_failed, trial_before = self._plan(
-                snap, [x, *rest, *extras], levels, costs, trial_tl, stop_if_first_fails=True
-            )
-            broken = [jid for jid in trial_failed if jid not in late]
-            if not broken:
-                plan.admit.add(x.job_id)
-                plan.tags[x.job_id] = {"ef_class": "guaranteed", "ef_share": trial[x.job_id].cap}
-                guaranteed.insert(pos, x)
-                shares.update(trial)
-                before = before[:pos] + trial_before[: len(rest) + 1]
+            order = sorted([*guaranteed, x], key=self._order)
+            trial_tl, trial, failed = self._replan(snap, order, levels, costs)
+            if failed is None:
+                for jid, (segs, cap) in trial.items():
+                    plans[jid], caps[jid] = segs, cap
                 tl = trial_tl
+                guaranteed = order
+                plan.admit.add(x.job_id)
             elif is_soft(x, self.soft_deadlines):
                 plan.admit.add(x.job_id)
                 plan.tags[x.job_id] = {"ef_class": "best-effort"}
-            elif x.job_id in broken:
-                alone = self._share(snap, Timeline(snap.now, total, self.slot), x, levels[x.job_id], costs)
+            elif failed is x:
+                alone = self._share(snap, Timeline(now, total, self.slot), x, levels[x.job_id], costs)
                 plan.drop[x.job_id] = (
                     "cannot meet its deadline even with the whole cluster"
                     if alone is None
                     else "cannot meet its deadline on top of the admitted jobs' guaranteed shares"
                 )
             else:
-                plan.drop[x.job_id] = f"admitting it would make {len(broken)} admitted job(s) miss their deadline"
-        for j in guaranteed:
-            s = shares.get(j.job_id)
-            if s is not None and j.job_id not in plan.tags and j.tags.get("ef_share") != s.cap:
-                plan.tags[j.job_id] = {"ef_class": "guaranteed", "ef_share": s.cap}
-        return _Context(levels, shares, costs, tl)
+                plan.drop[x.job_id] = f"admitting it would make admitted job {failed.job_id} miss its deadline"
+        for jid, cap in caps.items():
+            plan.tags[jid] = {"ef_class": "guaranteed", "ef_plan": plans[jid], "ef_share": cap}
+        shares_now = {jid: count_at(segs, now) for jid, segs in plans.items()}
+        return _Context(levels, shares_now, costs, tl)
 
     # -- Algorithm 2: greedy allocation of the remaining GPUs ----------------
     def allocate(self, snap: Snapshot, plan: Plan, ctx: "_Context") -> None:
@@ -438,28 +556,34 @@ class ElasticFlow(Policy):
         rescale costs, per extra GPU, in single-GPU units) gets more GPUs."""
         levels, shares, costs = ctx.levels, ctx.shares, ctx.costs
         jobs = [j for j in schedulable(snap, plan) if len(levels[j.job_id].counts) > 1]
-        base = {j.job_id: (shares[j.job_id].now_count if j.job_id in shares else 0) for j in jobs}
+        base = {j.job_id: shares.get(j.job_id, 0) for j in jobs}
         free = snap.cluster.num_gpus - sum(base.values())
         hold = self.slot if self.slot > 0 else 60.0
 
-        def progress(j: JobView, lv: Levels, k: int) -> float:
-            """Iterations over one slot at level k, net of the cost of getting
+        def progress(j: JobView, lv: Levels) -> list[float]:
+            """Iterations over one slot at each level, net of the cost of getting
             there and (for guaranteed jobs) of shrinking back to the share."""
-            c, r = lv.count_list[k], lv.rate_list[k]
-            if c == 0:
-                return 0.0
-            if c == j.n:
-                lost = 0.0
-            elif j.n == 0:
-                lost = r * (costs.resume if j.executed > 0 else costs.start)
-            elif c > j.n:
-                r_old = lv.rate_of(j.n) or snap.progress_rate(j, j.n, j.batch or None)
-                lost = r * costs.grow + costs.warmup * max(r - r_old, 0.0)
-            else:
-                lost = r * costs.shrink
-            if j.job_id in shares and c != base[j.job_id]:
-                lost += r * costs.shrink
-            return max(r * hold - lost, 0.0)
+            n, jid = len(j.gpus), j.job_id
+            r_old = (lv.rate_of(n) or snap.progress_rate(j, n, j.batch or None)) if n else 0.0
+            restart = costs.resume if j.executed > 0 else costs.start
+            guaranteed, b = jid in shares, base[jid]
+            out = []
+            for c, r in zip(lv.count_list, lv.rate_list):
+                if c == 0:
+                    out.append(0.0)
+                    continue
+                if c == n:
+                    lost = 0.0
+                elif n == 0:
+                    lost = r * restart
+                elif c > n:
+                    lost = r * costs.grow + costs.warmup * max(r - r_old, 0.0)
+                else:
+                    lost = r * costs.shrink
+                if guaranteed and c != b:
+                    lost += r * costs.shrink
+                out.append(max(r * hold - lost, 0.0))
+            return out
 
         cur: dict[str, int] = {}
         info: dict[str, tuple[JobView, Levels, float, list[float]]] = {}
@@ -484,7 +608,7 @@ class ElasticFlow(Policy):
             lv = levels[j.job_id]
             cur[j.job_id] = int(np.searchsorted(lv.counts, base[j.job_id]))
             one = float(lv.rates[1]) / int(lv.counts[1]) * hold
-            info[j.job_id] = (j, lv, one, [progress(j, lv, k) for k in range(len(lv.counts))])
+            info[j.job_id] = (j, lv, one, progress(j, lv))
             push(j.job_id)
         while heap and free > 0:
             _, _, jid, k = heapq.heappop(heap)
@@ -509,6 +633,6 @@ class _Context:
     """What admission hands to allocation within one scheduling call."""
 
     levels: dict[str, Levels]
-    shares: dict[str, Share]
+    shares: dict[str, int]  # guaranteed jobs' share for the current slot
     costs: Costs
     timeline: Timeline
