@@ -45,7 +45,7 @@ import zlib
 from typing import Sequence
 
 import numpy as np
-from scipy.optimize import nnls
+from scipy.optimize import minimize_scalar, nnls
 
 from tidal.core.job import JobSpec
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, register_policy, schedulable
@@ -86,7 +86,7 @@ def epochs_to_target(target: float, b0: float, b1: float, b2: float, max_epochs:
     err = 1.0 - target
     if err <= b2 or b0 <= 0:
         return max_epochs
-    return min(max_epochs, max(1.0, math.ceil((1.0 / (err - b2) - b1) / b0)))
+    return min(max_epochs, max(1.0, math.ceil((1.0 / (err - b2) - b1) / b0 - 1e-6)))
 
 
 def accuracy_job(
@@ -144,26 +144,36 @@ def observed_accuracy(job: JobView) -> list[tuple[int, float]]:
 
 def fit_error_curve(points: Sequence[tuple[float, float]]) -> tuple[float, float, float] | None:
     """Fit err(e) = 1/(b0·e + b1) + b2 (b0, b1, b2 >= 0) to observed
-    (epoch, accuracy) points: for each candidate asymptote b2 below the
-    smallest observed error, 1/(err - b2) = b0·e + b1 is a non-negative least
-    squares problem (scipy.optimize.nnls); the b2 with the smallest residual
-    in error space wins. None with fewer than three points."""
+    (epoch, accuracy) points. For a fixed asymptote b2 below the smallest
+    observed error, 1/(err - b2) = b0·e + b1 is a non-negative least squares
+    problem (scipy.optimize.nnls); b2 is chosen on a grid, then refined by a
+    bounded scalar search, by the residual in error space. None with fewer
+    than three points."""
     if len(points) < 3:
         return None
     e = np.array([p[0] for p in points], dtype=float)
     err = np.clip(1.0 - np.array([p[1] for p in points], dtype=float), 1e-6, None)
     a = np.column_stack([e, np.ones_like(e)])
-    best = None
-    for b2 in np.linspace(0.0, err.min() * 0.98, 50):
+
+    def solve(b2: float) -> tuple[float, tuple[float, float, float]]:
         coef, _ = nnls(a, 1.0 / (err - b2))
         b0, b1 = float(coef[0]), float(coef[1])
-        if b0 <= 0:
-            continue
         pred = 1.0 / np.maximum(b0 * e + b1, 1e-12) + b2
-        res = float(np.sum((pred - err) ** 2))
-        if best is None or res < best[0]:
-            best = (res, (b0, b1, float(b2)))
-    return best[1] if best else None
+        return float(np.sum((pred - err) ** 2)), (b0, b1, float(b2))
+
+    top = float(err.min()) * 0.999
+    grid = np.linspace(0.0, top, 41)
+    scores = [solve(b2)[0] for b2 in grid]
+    i = int(np.argmin(scores))
+    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    best = solve(grid[i])
+    if hi > lo:
+        res = minimize_scalar(lambda b2: solve(b2)[0], bounds=(lo, hi), method="bounded",
+                              options={"xatol": 1e-7})
+        cand = solve(float(res.x))
+        if cand[0] <= best[0]:
+            best = cand
+    return best[1] if best[1][0] > 0 else None
 
 
 def predicted_remaining(job: JobView) -> float:

@@ -35,7 +35,6 @@ def termination_allocation(snap: Snapshot, plan: Plan, interval: float = 600.0) 
             plan.allocation[j.job_id] = n
             free -= n
     grown: set[str] = set()
-    growable = False
     while free > 0:
         best = None
         for j in running:
@@ -44,7 +43,6 @@ def termination_allocation(snap: Snapshot, plan: Plan, interval: float = 600.0) 
             bigger = [c for c in options(snap, j) if c > j.n]
             if not bigger:
                 continue
-            growable = True
             c = bigger[0]
             if c - j.n > free:
                 continue
@@ -57,8 +55,9 @@ def termination_allocation(snap: Snapshot, plan: Plan, interval: float = 600.0) 
         free -= c - j.n
         plan.allocation[jid] = c
         grown.add(jid)
-    if growable and free > 0:
-        plan.wake_at = snap.now + interval
+    by_id = {j.job_id: j for j in queue + running}
+    if free > 0 and any(options(snap, by_id[jid])[-1] > n for jid, n in plan.allocation.items()):
+        plan.wake_at = snap.now + interval  # a job could still grow: look again
 
 
 @register_policy("termination")
