@@ -20,6 +20,7 @@ Scheduler-facing
 Worker-facing
   ``POST /register {"worker_id", "pid", "host"}`` -> store address
   ``GET  /assignment?worker_id=W``   -> wait | assigned(Generation) | finished
+  ``GET  /store``  -> store address and keys; ``GET /plan?gen=G`` -> a published plan
   ``POST /heartbeat Progress``       -> {"plan": Plan|null, "finished": bool}
   (the same exchange also runs through the TCPStore keys ``tidal/<job>/progress``
   and ``tidal/<job>/plan``, which is what workers use every step)
@@ -106,6 +107,7 @@ class JobMaster:
         self.change: dict[str, Any] | None = None
         self.progress: dict[str, Any] = {"step": 0, "cursor": 0, "epoch": 0, "step_time_s": 0.0, "gen": 0}
         self.changes: list[dict[str, Any]] = []
+        self.plans: dict[int, dict[str, Any]] = {}  # every published plan, by target generation
         self.finished = False
         self.spawned = 0
         self.started_at = time.time()
@@ -134,10 +136,17 @@ class JobMaster:
                 "change": self.change,
                 "progress": self.progress,
                 "changes": self.changes,
+                "plans": {str(k): v for k, v in list(self.plans.items())[-16:]},
                 "finished": self.finished,
                 "spawned": self.spawned,
                 "shards": self.shards.snapshot() if self.shards else None,
             }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Adopt a snapshot (from a handover or a saved state) and persist it."""
+        with self._lock:
+            self._restore(snap)
+            self._save()
 
     def _restore(self, s: dict[str, Any]) -> None:
         self.initial_workers = s["initial_workers"]
@@ -148,6 +157,7 @@ class JobMaster:
         self.change = s.get("change")
         self.progress = s["progress"]
         self.changes = s["changes"]
+        self.plans = {int(k): v for k, v in s.get("plans", {}).items()}
         self.finished = s["finished"]
         self.spawned = s.get("spawned", 0)
         if s.get("shards"):
@@ -173,6 +183,7 @@ class JobMaster:
         self._read_progress()
         k = self._k()
         self.plan = Plan(target, int(self.progress["step"]) + k, k, tuple(joiners), tuple(leavers), kind)
+        self.plans[target.gen] = self.plan.to_json()
         self.store.set(self.plan_key, json.dumps(self.plan.to_json()))
         assert self.change is not None
         self.change["status"] = "published"
@@ -316,6 +327,7 @@ class JobMaster:
         with self._lock:
             snap = self.snapshot()
             self.moved_to = url
+            self.store.set(self.plan_key, json.dumps({"moved": url}))  # workers poll this key
             self._save()
             return snap
 
@@ -339,8 +351,12 @@ class JobMaster:
                     else:
                         self._start_queued_change()
             self._save()
-            return {"status": "ok", "job": self.job, "store_host": self.store_host, "store_port": self.store_port,
-                    "plan_key": self.plan_key, "progress_key": self.progress_key}
+            return self.store_info()
+
+    def store_info(self) -> dict[str, Any]:
+        """Where workers rendezvous and exchange per-step progress and plans."""
+        return {"status": "ok", "job": self.job, "store_host": self.store_host, "store_port": self.store_port,
+                "plan_key": self.plan_key, "progress_key": self.progress_key}
 
     def assignment(self, worker_id: str) -> dict[str, Any]:
         with self._lock:
@@ -501,6 +517,11 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(code, ans.to_json())
             if p == "/handover":
                 return self._send(200, m.handover(body["url"]))
+            if p == "/store":
+                return self._send(200, m.store_info())
+            if p == "/plan":
+                plan = m.plans.get(int(q.get("gen", -1)))
+                return self._send(200 if plan else 404, {"status": "ok" if plan else "error", "plan": plan})
             if p == "/register":
                 return self._send(200, m.register(body["worker_id"], int(body.get("pid", 0)), str(body.get("host", ""))))
             if p == "/assignment":

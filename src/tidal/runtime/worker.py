@@ -98,7 +98,7 @@ class Job:
         self._seen_plan: Plan | None = None  # written by the heartbeat thread
         self._agreed: tuple[Plan | None, int, int] | None = None  # (plan, gen, switch_step)
         self._report_agreed: tuple[int, int] | None = None
-        self._stores: dict[tuple[str, int], Any] = {}
+        self._stores: dict[tuple[str, int, str], Any] = {}
         self._lr_applied = 1.0
         # statistics
         self.step_times: deque[float] = deque(maxlen=200)
@@ -234,8 +234,9 @@ class Job:
         self._stepped = False
 
     # ------------------------------------------------------------------ group management
-    def _store(self, host: str, port: int) -> Any:
-        key = (host, port)
+    def _store(self, host: str, port: int, tag: str = "") -> Any:
+        """A cached store client; the heartbeat thread uses its own (tag "hb")."""
+        key = (host, port, tag)
         if key not in self._stores:
             self._stores[key] = dist.TCPStore(host, port, is_master=False, timeout=self.pg_timeout)
         return self._stores[key]
@@ -295,11 +296,13 @@ class Job:
         g = Generation.from_json(a["generation"])
         log.debug("worker %s assigned to gen %d", self.worker_id, g.gen)
         store = self._store(g.store_host, g.store_port)
-        while True:  # the generation's go key: set by the master (gen 1) or the old rank 0 at the switch
-            try:
-                store.wait([g.prefix + "go"], datetime.timedelta(seconds=1))
-                break
-            except Exception:  # noqa: BLE001 - timeout: is the job still alive?
+        # the generation's go key: set by the master (gen 1) or the old rank 0 at the switch;
+        # polled (a few µs per check) so that the job ending meanwhile is noticed too
+        next_ask = time.monotonic() + 1.0
+        while not store.check([g.prefix + "go"]):
+            time.sleep(0.002)
+            if time.monotonic() > next_ask:
+                next_ask = time.monotonic() + 1.0
                 if self.client.get("/assignment", worker_id=self.worker_id)["status"] == "finished" or time.monotonic() > deadline:
                     self.finished = True
                     return
@@ -324,11 +327,8 @@ class Job:
         plan, gen, switch_step = self._agreed
         t0 = time.perf_counter()
         wall0 = time.time()
-        if plan is None:  # only rank 0 holds the plan object; the others read it from the store
-            assert self.gen is not None
-            host, port = self.gen.store_host, self.gen.store_port
-            raw = self._store(host, port).get(f"tidal/plan/{gen}")
-            plan = Plan.from_json(json.loads(raw))
+        if plan is None:  # only rank 0 holds the plan object; the others fetch it once
+            plan = Plan.from_json(self.client.get("/plan", gen=gen)["plan"])
         self._agreed = None
         old_world = self.world_size
         if self.worker_id in plan.leavers:
@@ -446,7 +446,7 @@ class Job:
                     gen, sw = self._report_agreed
                     self._report_agreed = None
                     self.client.post("/agreed", {"gen": gen, "switch_step": sw})
-                store = self._store(g.store_host, g.store_port)
+                store = self._store(*self._store_addr, tag="hb")
                 progress = json.dumps({
                     "gen": g.gen, "step": self.step_count, "cursor": self.cursor, "epoch": self.epoch,
                     "step_time_s": self.step_time_s, "world_size": self.world_size,
@@ -461,10 +461,16 @@ class Job:
                 continue
             if raw and raw != seen_raw:
                 seen_raw = raw
-                plan = Plan.from_json(json.loads(raw))
+                obj = json.loads(raw)
+                if "moved" in obj:  # the master handed over: follow it and use its store
+                    self.client.url = str(obj["moved"])
+                    info = self.client.get("/store")
+                    self._store_addr = (info["store_host"], int(info["store_port"]))
+                    self._keys = {"plan": info["plan_key"], "progress": info["progress_key"]}
+                    seen_raw = b""
+                    continue
+                plan = Plan.from_json(obj)
                 if plan.target.gen > g.gen:
-                    # make the plan readable by the other ranks before it is piggy-backed
-                    store.set(f"tidal/plan/{plan.target.gen}", raw)
                     self._seen_plan = plan
 
 
