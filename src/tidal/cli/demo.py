@@ -38,7 +38,7 @@ def _workload(script: str, rec: Path) -> list[tuple[float, dict]]:
                          "--record", str(rec / name)]}
 
     return [
-        (0.0, spec("resnet-ish", 4096, 5, "1-8", 3600)),
+        (0.0, spec("resnet-ish", 4096, 4, "1-8", 3600)),
         (25.0, spec("urgent-small", 1024, 1, "1-2", 300)),
         (0.0, spec("urgent-medium", 1024, 2, "1-4", 600)),
         (10.0, spec("rigid-pair", 1024, 1, 2, 1800, elastic=False)),

@@ -250,10 +250,19 @@ class Coordinator:
                 raise TimeoutError(f"job {jid} master not ready")
             time.sleep(0.1)
 
+    @staticmethod
+    def _all_free(s, gids: list[int]) -> bool:
+        """GPUs the plan names may still be held by a job the coordinator could
+        not shrink or suspend this wave; then the action waits for a later round."""
+        held = s.scalars(select(GPU.gid).where(GPU.gid.in_(gids), GPU.job_id.is_not(None))).all()
+        if held:
+            log.debug("GPUs %s still held; action deferred", list(held))
+        return not held
+
     def _start(self, jid: str, gids: list[int]) -> None:
         with self.store.session() as s:
             j = s.get(Job, jid)
-            if j is None or j.state not in ("pending", "submitted"):
+            if j is None or j.state not in ("pending", "submitted") or not self._all_free(s, gids):
                 return
             self.store.assign_gpus(s, jid, gids)
             first = s.get(GPU, gids[0])
@@ -271,6 +280,9 @@ class Coordinator:
             self.store.log(s, "job.start", jid, gpus=gids, node=first.node)
 
     def _grow(self, jid: str, gids: list[int]) -> None:
+        with self.store.session() as s:
+            if not self._all_free(s, gids):
+                return
         c = self._client(jid)
         with self.store.session() as s:
             self.store.assign_gpus(s, jid, gids)

@@ -1,0 +1,98 @@
+"""Control-plane speed: API submissions per second and the latency from
+submission to placement decision (issue 6).
+
+    python benchmarks/control_api.py --json [--jobs 300] [--clients 8] [--policy fifo]
+
+Starts a real server process (uvicorn, SQLite in a temp dir), registers one
+virtual node with enough GPUs for every job (no agent: the decision is what is
+measured, not the launch), then submits rigid 1-GPU jobs from ``--clients``
+threads. Decision latency = the job's ``job.start`` event time minus its
+submission time (both taken by the server). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tidal.control.local import LocalCluster
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--jobs", type=int, default=300)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--policy", default="fifo")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        c = LocalCluster(Path(d), policy=a.policy, tick_s=1.0)
+        c.start_server()
+        try:
+            h = {"Authorization": f"Bearer {c.admin_token}"}
+            httpx.post(c.url + "/internal/agents/register", json={"name": "big", "num_gpus": a.jobs, "virtual": True},
+                       headers=h).raise_for_status()
+            body = {"name": "b", "script": "train.py", "gpus": 1, "elastic": False, "iterations": 1000}
+            ids: list[str] = []
+            lock = threading.Lock()
+            per_client = a.jobs // a.clients
+
+            def client() -> None:
+                with httpx.Client(base_url=c.url, headers=h, timeout=30) as cl:
+                    for _ in range(per_client):
+                        r = cl.post("/v1/jobs", json=body)
+                        r.raise_for_status()
+                        with lock:
+                            ids.append(r.json()["id"])
+
+            t0 = time.perf_counter()
+            threads = [threading.Thread(target=client) for _ in range(a.clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            submit_s = time.perf_counter() - t0
+            # wait until every job has a placement decision
+            deadline = time.time() + 300
+            while True:
+                ev = httpx.get(c.url + "/v1/events", headers=h, timeout=60).json()
+                starts = {e["job"]: e["time"] for e in ev if e["kind"] == "job.start"}
+                subs = {e["job"]: e["time"] for e in ev if e["kind"] == "job.submitted"}
+                if len(starts) >= len(ids) or time.time() > deadline:
+                    break
+                time.sleep(1)
+            lat = [starts[j] - subs[j] for j in ids if j in starts and j in subs]
+        finally:
+            c.stop()
+    out = {
+        "benchmark": "control_api",
+        "policy": a.policy,
+        "jobs": len(ids),
+        "clients": a.clients,
+        "submissions_per_s": round(len(ids) / submit_s, 1),
+        "decided": len(lat),
+        "decision_ms_p50": round(1e3 * statistics.median(lat), 1) if lat else None,
+        "decision_ms_p95": round(1e3 * pct(lat, 95), 1) if lat else None,
+    }
+    print(json.dumps(out))
+    if not a.json:
+        print(f"{out['submissions_per_s']} submissions/s; decision p50 {out['decision_ms_p50']} ms, "
+              f"p95 {out['decision_ms_p95']} ms", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
