@@ -325,6 +325,36 @@ def commit_segments(tl: Timeline, segs: Segments) -> bool:
     return True
 
 
+def reserve_all(tl: Timeline, plans: list[Segments]) -> bool:
+    """Reserve many stored plans on a fresh timeline at once (one vectorised
+    pass); False (timeline unchanged) if they need more GPUs than exist."""
+    now = float(tl.t[0])
+    starts: list[float] = []
+    ends: list[float] = []
+    counts: list[int] = []
+    for segs in plans:
+        for i in range(len(segs) - 1):
+            start, c = segs[i]
+            end = segs[i + 1][0]
+            if c > 0 and end > now:
+                starts.append(max(start, now))
+                ends.append(end)
+                counts.append(c)
+    if not counts:
+        return True
+    a, b = np.array(starts), np.array(ends)
+    bp = np.unique(np.concatenate((tl.t[:1], a, b)))
+    delta = np.zeros(len(bp) + 1, dtype=np.int64)
+    cnt = np.array(counts, dtype=np.int64)
+    np.add.at(delta, np.searchsorted(bp, a), cnt)
+    np.add.at(delta, np.searchsorted(bp, b), -cnt)
+    free = int(tl.free[0]) - np.cumsum(delta)[: len(bp)]
+    if (free < 0).any():
+        return False
+    tl.t, tl.free = bp, free
+    return True
+
+
 def deliverable(
     segs: Segments, now: float, horizon: float, lv: Levels, held: int, started: bool, costs: Costs, extra_dead: float
 ) -> float:
@@ -399,9 +429,14 @@ class ElasticFlow(Policy):
                     self.reserve_rescales * costs.migrate)
 
     def _on_track(self, snap: Snapshot, j: JobView, segs: Segments, lv: Levels, costs: Costs) -> bool:
+        need = j.remaining * (1 + 1e-9) + _EPS
+        if len(segs) == 2 and segs[0][0] <= snap.now and segs[0][1] == len(j.gpus):
+            # the common case: one count from before now to the release, held now
+            r = lv.rate_of(segs[0][1])
+            return r * (min(segs[1][0], j.spec.deadline) - snap.now - self._dead(snap, j, costs)) >= need
         got = deliverable(segs, snap.now, self._horizon(j, costs), lv, j.n, j.executed > 0, costs,
                           self._dead(snap, j, costs))
-        return got >= j.remaining * (1 + 1e-9) + _EPS
+        return got >= need
 
     # -- the three steps ------------------------------------------------------
     def schedule(self, snap: Snapshot) -> Plan:
@@ -490,12 +525,22 @@ class ElasticFlow(Policy):
         plans: dict[str, Segments] = {}
         caps: dict[str, int] = {}
         refill: list[JobView] = []
+        kept: list[JobView] = []
         for j in guaranteed:
             segs = j.tags.get("ef_plan")
-            if segs and self._on_track(snap, j, segs, levels[j.job_id], costs) and commit_segments(tl, segs):
+            if segs and self._on_track(snap, j, segs, levels[j.job_id], costs):
+                kept.append(j)
                 plans[j.job_id] = segs
             else:
                 refill.append(j)
+        if not reserve_all(tl, [plans[j.job_id] for j in kept]):
+            # stored plans collide (should not happen): keep them one by one
+            tl = Timeline(now, total, self.slot)
+            for j in kept:
+                if not commit_segments(tl, plans[j.job_id]):
+                    del plans[j.job_id]
+                    refill.append(j)
+            refill.sort(key=self._order)
         late: set[str] = set()
         for j in refill:
             share = self._share(snap, tl, j, levels[j.job_id], costs)
