@@ -27,20 +27,24 @@ Distributed Deep Learning", ASPLOS'23, §4:
 - **Placement** (§4.3): buddy allocation with Best-Fit on the topology tree
   and migration to defragment (:mod:`tidal.scheduler.buddy`).
 
-Rescale overheads are part of the plan (see docs/policies/elasticflow.md):
-every change of a job's count in the plan (and the change from what it holds
-now) costs the progress the :class:`OverheadModel` says it loses, GPUs are
-released only at the slot boundary after a job ends, and ``reserve_rescales``
-rescales' worth of time is kept back before each deadline for changes the
-plan cannot foresee (extra GPUs given and taken back, migrations). Algorithm
-2 only grows a job if the gain over one slot beats the rescale cost of
-growing and shrinking back. Per-job memory in ``Plan.tags``: ``ef_class``
-(``guaranteed``, ``best-effort`` or ``late``) and ``ef_share`` (the share cap).
+Guarantees and overheads (details in docs/policies/elasticflow.md): each
+admitted job's plan (GPUs per future interval) is stored in ``Plan.tags``
+(``ef_plan``) and kept while it still delivers the job's remaining work by
+its deadline; only jobs that fall behind are re-planned (on what the others
+leave, or everyone from scratch in deadline order). A new job that does not
+fit in what the others leave triggers Algorithm 1 from scratch. Every change
+of count in a plan (and from what the job holds now) costs the progress the
+:class:`OverheadModel` says it loses; a share must also cover
+``reserve_rescales`` migrations' worth of extra work; GPUs are released at
+the slot boundary after a job ends; a rescale still in progress is
+remembered (``ef_busy_until``). Algorithm 2 only grows a job if the gain
+over one slot beats the cost of growing and of shrinking back. Other tags:
+``ef_class`` (``guaranteed``, ``best-effort``, ``late``) and ``ef_share``
+(the share's cap).
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 from dataclasses import dataclass
