@@ -209,3 +209,20 @@ def test_termination_never_reshapes_down(toy_profiles):
     by = run("termination", jobs, toy_profiles, interval=100.0)
     assert by["J2"].start_time == pytest.approx(by["J1"].end_time)
     assert by["J1"].preemptions == 0
+
+
+def test_waiting_job_keeps_its_place(toy_profiles):
+    # R (rigid, 2 GPUs) ends in 10 s; W (options {4}) waits for it, so the 2
+    # idle GPUs are held for W: the later L (options {1, 2}) may not take them.
+    jobs = (
+        JobView(JobSpec("R", 0.0, "lin", 32, 1000, requested_gpus=2), JobState.RUNNING, (0, 1), done=980,
+                admitted=True),
+        JobView(job("W", 1, 400, "lin", allowed=(4,)), JobState.PENDING, admitted=True),
+        JobView(job("L", 2, 400, "lin", allowed=(1, 2)), JobState.PENDING, admitted=True),
+    )
+    snap = Snapshot(now=10.0, cluster=parse_cluster("n1g4"), jobs=jobs, profiles=toy_profiles, overheads=RESTART)
+    assert get_policy("reshaping").schedule(snap).allocation == {"R": 2}
+    # once W has started nothing is reserved any more: L takes what is idle
+    jobs = (jobs[0], jobs[2])
+    snap = Snapshot(now=10.0, cluster=parse_cluster("n1g4"), jobs=jobs, profiles=toy_profiles, overheads=RESTART)
+    assert get_policy("reshaping").schedule(snap).allocation == {"R": 2, "L": 2}

@@ -14,7 +14,8 @@ with *reshaping up*). Each job lists its optional GPU counts
    wins (ties: the smaller sum of predicted completion times). Waiting until
    enough GPUs are idle is scored the same way and wins when it is predicted
    better (e.g. under linear scaling); a job waits also when no triple is
-   feasible. Later jobs are still tried.
+   feasible. A waiting job keeps its place: later jobs are still tried, but
+   only on GPUs beyond those it waits for (they are reserved for it).
 2. **Running jobs** (Algorithm 2): when GPUs are idle and no job waits, the
    running job whose growth to a larger optional count lowers the predicted
    makespan most (ties: its own completion time) gets the GPUs, repeatedly,
@@ -265,6 +266,7 @@ def reshaping_allocation(snap: Snapshot, plan: Plan, early_init: bool = True) ->
     free = snap.cluster.num_gpus - sum(alloc.values())
     touched: set[str] = set()
     waiting = 0
+    reserved = 0  # GPUs that earlier waiting jobs will take as they free up
     # Algorithm 1: incoming jobs, reshaping down at most one running job
     for w in sorted((j for j in jobs if not j.running), key=lambda j: (j.spec.submit_time, j.job_id)):
         (top_t, top_id), second = _top2(done_at)
@@ -272,7 +274,7 @@ def reshaping_allocation(snap: Snapshot, plan: Plan, early_init: bool = True) ->
         ends = sorted((t, alloc[jid]) for jid, t in done_at.items())
         best = None  # (makespan, sum of completion times, GPUs taken, g, donor, donor count, t_w, t_d)
         for g in options(snap, w):
-            if g <= free:
+            if g <= free - reserved:
                 t_w = pred.start(w, g)
                 cand = [(max(top_t, t_w), total + t_w, 0, g, None, 0, t_w, 0.0)]
             else:
@@ -280,12 +282,12 @@ def reshaping_allocation(snap: Snapshot, plan: Plan, early_init: bool = True) ->
                 avail, t_free = free, math.inf
                 for t, n in ends:
                     avail += n
-                    if avail >= g:
+                    if avail >= g + reserved:
                         t_free = t
                         break
                 t_w = t_free + pred.start(w, g)
                 cand = [(max(top_t, t_w), total + t_w, 0, g, "", 0, t_w, 0.0)]
-                need = g - free
+                need = g - max(0, free - reserved)
                 for jid, d in running.items():
                     left = alloc[jid] - need
                     if jid in touched or left not in options(snap, d):
@@ -300,6 +302,7 @@ def reshaping_allocation(snap: Snapshot, plan: Plan, early_init: bool = True) ->
                     best = c
         if best is None or best[4] == "":
             waiting += 1  # no feasible triple, or waiting is predicted best
+            reserved += best[3] if best else 0  # FIFO: later jobs do not take its GPUs
             continue
         _, _, need, g, donor, left, t_w, t_d = best
         alloc[w.job_id] = g
