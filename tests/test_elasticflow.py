@@ -185,3 +185,34 @@ def test_untold_overhead_makes_admitted_jobs_miss(toy_profiles):
     for seed in (0, 1, 2):
         _, by = run("elasticflow", workload(seed), toy_profiles, cluster="n1g8", overheads=real)
         assert admitted_misses(by) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_stored_plans_reserved_at_once_equal_one_by_one(seed):
+    """The vectorised reservation of stored plans gives the same free-GPU
+    timeline as reserving them one at a time."""
+    from tidal.scheduler.policies.elasticflow import commit_segments, reserve_all
+
+    rng = np.random.default_rng(seed)
+    plans = []
+    for _ in range(20):
+        t = float(rng.choice([0, 60, 120]))
+        segs = []
+        for _ in range(int(rng.integers(1, 4))):
+            segs.append((t, int(rng.choice([0, 1, 2, 4]))))
+            t += 60.0 * int(rng.integers(1, 5))
+        plans.append(tuple(segs) + ((t, 0),))
+    a, b = Timeline(60.0, 64, 60.0), Timeline(60.0, 64, 60.0)
+    assert reserve_all(a, plans)
+    for p in plans:
+        assert commit_segments(b, p)
+
+    def at(tl, x):
+        return int(tl.free[np.searchsorted(tl.t, x, side="right") - 1])
+
+    for x in np.arange(60.0, 2000.0, 30.0):
+        assert at(a, x) == at(b, x)
+    # more than the cluster has: refused, timeline untouched
+    c = Timeline(60.0, 4, 60.0)
+    assert not reserve_all(c, [((0.0, 4), (600.0, 0)), ((60.0, 2), (120.0, 0))])
+    assert c.free.tolist() == [4]
