@@ -97,10 +97,9 @@ def test_admission_drops_job_that_would_break_a_guarantee(toy_profiles):
 
 
 def test_leftover_gpus_go_by_marginal_return(toy_profiles):
-    # 8 GPUs; S (sat) and L (lin) each need only 1 GPU for their deadlines.
-    # Algorithm 2: L gains 1 it/s per GPU all the way to 8, S gains 0.5 then 0.25:
-    # L's extra GPUs first: L 1->2->4 (gain 1/GPU), S 1->2 (0.5) ... with 8 GPUs
-    # L gets 4 + S 2 = 6, then L 4->8 needs 4 more (only 2 left), S 2->4 gains 0.25.
+    # 8 GPUs; S (sat) and L (lin) each need a share of only 1 GPU: 6 GPUs left.
+    # Algorithm 2 by gain per extra GPU: L 1->2 and 2->4 (1 it/s per GPU), then
+    # S 1->2 (0.5); L 4->8 needs 4 GPUs but 2 are left; S 2->4 (0.25 per GPU).
     jobs = [job("S", 0, 1000, deadline=100_000, model="sat"), job("L", 0, 1000, deadline=100_000)]
     snap = Snapshot(now=0.0, cluster=parse_cluster("n1g8"), profiles=toy_profiles, overheads=NO_OVERHEAD,
                     jobs=tuple(JobView(s, JobState.SUBMITTED) for s in jobs))
