@@ -172,6 +172,8 @@ class Agent:
                 continue
             if p is None and wid not in self.acked and wid not in self.finished:
                 self._launch(w)
+            elif p is not None and p.extra.get("gate") and not w.get("gated"):
+                Path(p.extra["gate"]).touch()  # the GPU is this job's now: train
 
     def _launch(self, w: dict[str, Any]) -> None:
         d = self.workdir / "logs" / w["job"]
@@ -182,12 +184,18 @@ class Agent:
         env.update({k: str(v) for k, v in (w.get("env") or {}).items()})
         env["TIDAL_NODE"] = self.name
         cwd = w.get("cwd") or None
+        argv, gate = list(w["argv"]), None
+        if w.get("gated"):
+            gates = self.workdir / "gates"
+            gates.mkdir(exist_ok=True)
+            gate = str(gates / f"{w['id']}")
+            argv = [argv[0], "-u", "-m", "tidal.agent.prewarm", gate, "--", *argv]
         with log_path.open("ab") as fh:
-            popen = subprocess.Popen(w["argv"], env=env, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
+            popen = subprocess.Popen(argv, env=env, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.procs[int(w["id"])] = Proc(int(w["id"]), w["job"], w["name"], popen, log_path,
                                         offset=start,
-                                        extra={"gpu": env.get("CUDA_VISIBLE_DEVICES", "-1")})
+                                        extra={"gpu": env.get("CUDA_VISIBLE_DEVICES", "-1"), "gate": gate})
         log.info("launched %s/%s pid %d (CUDA_VISIBLE_DEVICES=%s)", w["job"], w["name"], popen.pid,
                  env.get("CUDA_VISIBLE_DEVICES", ""))
 

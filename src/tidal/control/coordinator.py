@@ -166,9 +166,9 @@ class Coordinator:
         """Finish jobs whose master process exited; free GPUs of exited workers
         of finished or cancelled jobs."""
         with self.store.session() as s:
-            for j in s.scalars(select(Job).where(Job.state.in_(ACTIVE + ("cancelling",)))):
+            for j in s.scalars(select(Job).where(Job.state.in_(("running", "resizing", "cancelling")))):
                 procs = s.scalars(select(Worker).where(Worker.job_id == j.id)).all()
-                master = next((p for p in procs if p.kind == "master"), None)
+                master = max((p for p in procs if p.kind == "master"), key=lambda p: p.id, default=None)
                 live = [p for p in procs if p.state in ("pending", "running")]
                 if j.state == "cancelling":
                     for p in live:
@@ -212,13 +212,25 @@ class Coordinator:
                 j = s.get(Job, jid)
                 if j:
                     j.tags = {**(j.tags or {}), **tags}
+        # 0. early initialisation (SideCar §III-C): a job that gets GPUs from a
+        #    shrinking donor reserves them and starts its processes now; they
+        #    warm up (interpreter, imports) and wait at a gate while the donor
+        #    still trains on those GPUs
+        donor_gpus = {g for gids in wave.shrink.values() for g in gids}
+        early = {jid for jid, gids in {**wave.start, **wave.grow}.items() if set(gids) & donor_gpus}
+        for jid in early:
+            if jid in wave.start:
+                self._guard(self._start, jid, wave.start[jid], early=True)
+            else:
+                self._guard(self._grow_begin, jid, wave.grow[jid], early=True)
         # 1. reshaping down: shrink donors and wait until their GPUs are free
         threads = [threading.Thread(target=self._guard, args=(self._shrink, jid, gids)) for jid, gids in wave.shrink.items()]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        # 2. starts and scale-outs on free GPUs
+        # 2. starts and scale-outs on free GPUs; early ones take their GPUs
+        #    and open the gate
         for jid, gids in wave.start.items():
             self._guard(self._start, jid, gids)
         threads = [threading.Thread(target=self._guard, args=(self._grow, jid, gids)) for jid, gids in wave.grow.items()]
@@ -226,10 +238,24 @@ class Coordinator:
             t.start()
         for t in threads:
             t.join()
+        # reservations nobody could take (a donor that did not shrink) lapse
+        with self.store.session() as s:
+            for jid in early:
+                gids = wave.start.get(jid) or wave.grow.get(jid) or []
+                held = set(self.store.job_gpus(s, jid))
+                stale = [g for g in gids if g not in held]
+                if stale:
+                    self.store.unreserve_gpus(s, jid, stale)
+                    j = s.get(Job, jid)
+                    starting = j is not None and j.state in ("pending", "submitted")
+                    for w in s.scalars(select(Worker).where(Worker.job_id == jid)):
+                        if (w.gated and w.gpu in stale) or (starting and w.state in ("pending", "running")):
+                            w.desired = "stop"
+                    self.store.log(s, "job.early_init_lapsed", jid, gpus=stale)
 
-    def _guard(self, fn, jid: str, gids: list[int]) -> None:
+    def _guard(self, fn, jid: str, gids: list[int], **kw) -> None:
         try:
-            fn(jid, gids)
+            fn(jid, gids, **kw)
         except Exception as e:  # noqa: BLE001
             log.exception("action %s on %s failed", fn.__name__, jid)
             with self.store.session() as s:
@@ -259,44 +285,89 @@ class Coordinator:
             log.debug("GPUs %s still held; action deferred", list(held))
         return not held
 
-    def _start(self, jid: str, gids: list[int]) -> None:
+    def _start(self, jid: str, gids: list[int], early: bool = False) -> None:
+        """Start a job. ``early``: reserve its GPUs and launch its processes
+        (they warm up behind a gate) before the GPUs are free; the later call
+        takes the GPUs, which opens the gate."""
         with self.store.session() as s:
             j = s.get(Job, jid)
-            if j is None or j.state not in ("pending", "submitted") or not self._all_free(s, gids):
+            if j is None or j.state not in ("pending", "submitted"):
+                return
+            launched = s.scalar(select(Worker.id).where(Worker.job_id == jid, Worker.kind == "master",
+                                                        Worker.state.in_(("pending", "running")))) is not None
+            if early:
+                if launched or not self.store.reserve_gpus(s, jid, gids):
+                    return
+                self._launch_master(s, j, gids)
+                self.store.log(s, "job.prestart", jid, gpus=gids)
+                return
+            if not self._all_free(s, gids):
                 return
             self.store.assign_gpus(s, jid, gids)
-            first = s.get(GPU, gids[0])
-            spec = j.spec
-            argv = [sys.executable, "-m", "tidal.control.jobproc", "--job", jid, "--server", self.server_url,
-                    "--workers", str(len(gids)), "--hosts", ",".join(str(g) for g in gids)]
-            s.add(Worker(job_id=jid, name="master", kind="master", node=first.node, gpu=None, argv=argv,
-                         env={"TIDAL_AGENT_TOKEN": self.agent_token, **spec.get("submission", {}).get("env", {})},
-                         cwd=spec.get("submission", {}).get("workdir", ""), created=time.time()))
+            if not launched:
+                self._launch_master(s, j, gids)
             j.state = "running"
             if j.start_time is None:
                 j.start_time = time.time()
                 self.decision_latencies.append(j.start_time - j.submit_time)
             j.target = len(gids)
-            self.store.log(s, "job.start", jid, gpus=gids, node=first.node)
+            self.store.log(s, "job.start", jid, gpus=gids, early_init=launched)
 
-    def _grow(self, jid: str, gids: list[int]) -> None:
-        with self.store.session() as s:
-            if not self._all_free(s, gids):
-                return
+    def _launch_master(self, s, j: Job, gids: list[int]) -> None:
+        first = s.get(GPU, gids[0])
+        sub = j.spec.get("submission", {})
+        argv = [sys.executable, "-m", "tidal.control.jobproc", "--job", j.id, "--server", self.server_url,
+                "--workers", str(len(gids)), "--hosts", ",".join(str(g) for g in gids)]
+        s.add(Worker(job_id=j.id, name="master", kind="master", node=first.node, gpu=None, argv=argv,
+                     env={"TIDAL_AGENT_TOKEN": self.agent_token, **sub.get("env", {})},
+                     cwd=sub.get("workdir", ""), created=time.time()))
+
+    def _grow_begin(self, jid: str, gids: list[int], early: bool = False) -> None:
+        """Ask the master for workers on ``gids`` (reserved, or already held)."""
         c = self._client(jid)
         with self.store.session() as s:
-            self.store.assign_gpus(s, jid, gids)
+            if early:
+                if not self.store.reserve_gpus(s, jid, gids):
+                    return
+            else:
+                if not self._all_free(s, gids):
+                    return
+                self.store.assign_gpus(s, jid, gids)
             j = s.get(Job, jid)
             j.state = "resizing"
-            before = len(self.store.job_gpus(s, jid)) - len(gids)
+            before = len(self.store.job_gpus(s, jid)) - (0 if early else len(gids))
             j.target = before + len(gids)
-            self.store.log(s, "job.scale_out", jid, add=gids, size_from=before, size_to=j.target)
+            j.tags = {**(j.tags or {}), "_grow": {"gids": gids, "before": before}}
+            self.store.log(s, "job.scale_out", jid, add=gids, size_from=before, size_to=j.target, early=early)
         ans = self._retry(lambda: c.scale_out(hosts=[str(g) for g in gids]))
         if ans.status != "accepted":
             with self.store.session() as s:
-                self.store.release_gpus(s, jid, gids)
+                if early:
+                    self.store.unreserve_gpus(s, jid, gids)
+                else:
+                    self.store.release_gpus(s, jid, gids)
+                j = s.get(Job, jid)
+                j.state = "running"
                 self.store.log(s, "job.scale_out_failed", jid, answer=ans.message)
-            return
+
+    def _grow(self, jid: str, gids: list[int]) -> None:
+        with self.store.session() as s:
+            j = s.get(Job, jid)
+            begun = (j.tags or {}).get("_grow", {}).get("gids") == gids if j else False
+        if not begun:
+            self._grow_begin(jid, gids)
+        else:
+            with self.store.session() as s:
+                if not self._all_free(s, gids):
+                    return
+                self.store.assign_gpus(s, jid, gids)  # opens the warmed-up newcomers' gate
+                self.store.log(s, "job.gate_open", jid, gpus=gids)
+        with self.store.session() as s:
+            j = s.get(Job, jid)
+            if j is None or j.state != "resizing":
+                return
+            before = (j.tags or {}).get("_grow", {}).get("before", 0)
+        c = self._client(jid)
         try:
             c.wait_for(before + len(gids), timeout_s=self.change_timeout_s)
         finally:
@@ -305,6 +376,7 @@ class Coordinator:
                 if j.state == "resizing":
                     j.state = "running"
                 j.rescales += 1
+                j.tags = {k: v for k, v in (j.tags or {}).items() if k != "_grow"}
 
     def _shrink(self, jid: str, gids: list[int]) -> None:
         c = self._client(jid)

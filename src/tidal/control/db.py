@@ -30,6 +30,7 @@ from sqlalchemy import (
     String,
     Text,
     create_engine,
+    false,
     event,
     select,
     update,
@@ -69,6 +70,9 @@ class GPU(Base):
     job_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
     worker: Mapped[str | None] = mapped_column(String(64), nullable=True)
     util: Mapped[float] = mapped_column(Float, default=0.0)
+    # early initialisation (SideCar §III-C): the job that gets this GPU once its
+    # holder releases it; that job's workers may start (not compute) meanwhile
+    reserved_for: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class Job(Base):
@@ -115,6 +119,7 @@ class Worker(Base):
     argv: Mapped[list[str]] = mapped_column(JSON, default=list)
     cwd: Mapped[str] = mapped_column(Text, default="")
     created: Mapped[float] = mapped_column(Float, default=0.0)
+    gated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())  # warm up, wait before training
 
 
 class Event(Base):
@@ -244,6 +249,25 @@ class Store:
                 holder = s.get(GPU, g)
                 raise RuntimeError(f"GPU {g} is not free (held by {holder.job_id if holder else '?'})")
             self.log(s, "gpu.assign", job_id, gpu=g)
+        # a reservation ends when the GPU is the job's; its warmed-up workers may train
+        s.execute(update(GPU).where(GPU.gid.in_(gids), GPU.reserved_for == job_id).values(reserved_for=None))
+        s.execute(update(Worker).where(Worker.job_id == job_id, Worker.gpu.in_(gids), Worker.gated.is_(True))
+                  .values(gated=False))
+
+    def reserve_gpus(self, s: Session, job_id: str, gids: list[int]) -> bool:
+        """Reserve GPUs (held or not) for ``job_id``; False if any is reserved
+        for another job (nothing changes then)."""
+        taken = s.scalars(select(GPU.gid).where(GPU.gid.in_(gids), GPU.reserved_for.is_not(None),
+                                                GPU.reserved_for != job_id)).all()
+        if taken:
+            return False
+        s.execute(update(GPU).where(GPU.gid.in_(gids)).values(reserved_for=job_id))
+        for g in gids:
+            self.log(s, "gpu.reserve", job_id, gpu=g)
+        return True
+
+    def unreserve_gpus(self, s: Session, job_id: str, gids: list[int]) -> None:
+        s.execute(update(GPU).where(GPU.gid.in_(gids), GPU.reserved_for == job_id).values(reserved_for=None))
 
     def release_gpus(self, s: Session, job_id: str, gids: list[int]) -> None:
         for g in gids:

@@ -308,7 +308,7 @@ def create_app(
             gpu_index = {g.gid: g.index for g in s.scalars(select(GPU).where(GPU.node == name))}
             out = [{"id": w.id, "job": w.job_id, "name": w.name, "kind": w.kind, "argv": w.argv, "cwd": w.cwd,
                     "env": {**(w.env or {}), **({"CUDA_VISIBLE_DEVICES": str(gpu_index[w.gpu])} if w.gpu is not None else {})},
-                    "desired": w.desired} for w in desired]
+                    "desired": w.desired, "gated": w.gated} for w in desired]
         if finished:
             coord.wake()
         return {"workers": out}
@@ -344,19 +344,21 @@ def create_app(
             sub = j.spec.get("submission", {})
             for wid, gid in zip(req.ids, req.gpus):
                 g = s.get(GPU, gid)
-                if g is None or g.job_id != job_id:
-                    return {"ok": False, "error": f"GPU {gid} is not assigned to {job_id}"}
+                if g is None or (g.job_id != job_id and g.reserved_for != job_id):
+                    return {"ok": False, "error": f"GPU {gid} is neither assigned nor reserved to {job_id}"}
             for wid, gid in zip(req.ids, req.gpus):
                 g = s.get(GPU, gid)
-                g.worker = wid
+                gated = g.job_id != job_id  # reserved: warm up now, train once the GPU is ours
+                if not gated:
+                    g.worker = wid
                 env = {"TIDAL_MASTER_URL": j.master_url, "TIDAL_WORKER_ID": wid, "GLOO_SOCKET_IFNAME": "lo",
                        "OMP_NUM_THREADS": "1", **sub.get("env", {})}
                 import sys
 
                 s.add(Worker(job_id=job_id, name=wid, kind="worker", node=g.node, gpu=gid, env=env,
                              argv=[sys.executable, "-u", sub["script"], *sub.get("args", [])],
-                             cwd=sub.get("workdir", ""), created=time.time()))
-                store.log(s, "worker.spawn", job_id, node=g.node, gpu=gid, worker=wid)
+                             cwd=sub.get("workdir", ""), created=time.time(), gated=gated))
+                store.log(s, "worker.spawn", job_id, node=g.node, gpu=gid, worker=wid, gated=gated)
         return {"ok": True}
 
     return app
