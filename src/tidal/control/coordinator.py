@@ -91,6 +91,10 @@ class Coordinator:
         self._wake.set()
 
     def _run(self) -> None:
+        # the job-master client lives in tidal.runtime, whose import pulls in
+        # torch (1-3 s): pay it now, not in the first reshaping
+        import tidal.runtime.client  # noqa: F401
+
         while not self._stop.is_set():
             self._wake.wait(self.tick_s)
             self._wake.clear()
