@@ -118,3 +118,11 @@ def _forced_repack(held, want) -> bool:
         if b.alloc(want[jid], prefer=tuple(held.get(jid, ()))) is None:
             return True
     return False
+
+
+def test_count_that_is_not_a_power_of_two_keeps_pieces_together(toy_profiles):
+    # a rigid 6-GPU job on n2g8 with node 0 half used: 4 + 2 go to node 1 together
+    snap = snap_with("n2g8", {"u": (0, 1, 2, 3), "six": ()}, toy_profiles)
+    out = place_buddy(snap, {"u": 4, "six": 6})
+    assert {g // 8 for g in out["six"]} == {1}
+    assert len(set(out["six"]) | set(out["u"])) == 10

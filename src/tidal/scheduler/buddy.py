@@ -8,7 +8,8 @@ power of two) is one buddy: half a node, a node, two neighbouring nodes...
 
 - **Buddy allocation**: a job of ``n = 2^k`` GPUs gets one aligned block of
   size ``n``; a count that is not a power of two is split into its binary
-  pieces (8 + 2 for 10), each one an aligned block.
+  pieces (8 + 2 for 10), each one an aligned block, all on one node when
+  a node can hold them.
 - **Best-Fit subtree choice**: among the free aligned blocks of the wanted
   size, take the one whose enclosing subtrees are the fullest: fewest free
   GPUs in its buddy pair (the parent block), then in its node, then in its
@@ -85,9 +86,10 @@ class BuddyAllocator:
         blocks = ~self.used.reshape(-1, s).any(axis=1)
         return np.flatnonzero(blocks) * s
 
-    def best_fit_block(self, s: int, prefer: tuple[int, ...] = ()) -> int | None:
+    def best_fit_block(self, s: int, prefer: tuple[int, ...] = (), near: tuple[int, ...] = ()) -> int | None:
         """Offset of the best-fit free aligned block of size ``s`` (None if
-        none); a block containing one of ``prefer`` wins (grow in place)."""
+        none); a block containing one of ``prefer`` wins (grow in place);
+        blocks on the nodes of ``near`` come first (pieces of one job)."""
         offs = self.free_blocks(s)
         if offs.size == 0:
             return None
@@ -111,20 +113,48 @@ class BuddyAllocator:
         else:
             sw_free = np.zeros(offs.size, dtype=np.int64)
         displaced = self.held.reshape(-1, s).sum(axis=1)[offs // s]
-        order = np.lexsort((offs, sw_free, node_free, par_free, displaced))
+        if near:
+            far = ~np.isin(offs // node_sz, np.array(sorted({g // node_sz for g in near})))
+        else:
+            far = np.zeros(offs.size, dtype=bool)
+        order = np.lexsort((offs, sw_free, node_free, par_free, displaced, far))
         return int(offs[order[0]])
 
     def alloc(self, n: int, prefer: tuple[int, ...] = ()) -> tuple[int, ...] | None:
-        """``n`` GPUs as aligned power-of-two blocks, or None (nothing taken)."""
+        """``n`` GPUs as aligned power-of-two blocks, or None (nothing taken).
+        A count that is not a power of two goes to one node if one can hold
+        all its pieces (the fullest such node)."""
+        per = self.cluster.gpus_per_node
+        parts = pieces(n)
+        if len(parts) > 1 and n <= per:
+            free_per_node = (~self.used[: self.cluster.num_nodes * per]).reshape(-1, per).sum(axis=1)
+            for node in sorted(np.flatnonzero(free_per_node >= n).tolist(), key=lambda x: (free_per_node[x], x)):
+                got = self._alloc_in(node * per, per, parts)
+                if got is not None:
+                    return got
         got: list[int] = []
         for s in pieces(n):
-            off = self.best_fit_block(s, prefer)
+            off = self.best_fit_block(s, prefer, near=tuple(got))
             if off is None:
                 self.release(got)
                 return None
             block = range(off, off + s)
             self.used[off : off + s] = True
             got.extend(block)
+        return tuple(got)
+
+    def _alloc_in(self, base: int, width: int, parts: list[int]) -> tuple[int, ...] | None:
+        """Aligned blocks for ``parts`` inside GPUs ``base .. base+width-1``."""
+        got: list[int] = []
+        for s in parts:
+            seg = self.used[base : base + width].reshape(-1, s)
+            free = np.flatnonzero(~seg.any(axis=1))
+            if free.size == 0:
+                self.release(got)
+                return None
+            off = base + int(free[0]) * s
+            self.used[off : off + s] = True
+            got.extend(range(off, off + s))
         return tuple(got)
 
 

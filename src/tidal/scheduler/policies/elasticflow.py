@@ -97,6 +97,8 @@ def job_levels(snap: Snapshot, job: JobView, cache: dict | None = None) -> Level
     cs, rs = [0], [0.0]
     for c in counts:
         r = snap.progress_rate(job, c, batch)
+        if c & (c - 1):  # not one buddy block: its pieces may span nodes
+            r *= snap.profiles.cross_node_penalty
         if r > rs[-1] * (1 + 1e-9):
             cs.append(c)
             rs.append(r)
