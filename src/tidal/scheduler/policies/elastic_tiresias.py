@@ -190,8 +190,14 @@ def expansion(snap: Snapshot, plan: Plan, st: _State, jobs: list[JobView]) -> No
     free = sum(len(v) for v in st.free.values())
     if not free:
         return
+    # only jobs on a machine with free GPUs, or whose next count needs one more
+    # machine, can grow (free GPUs only get fewer below)
+    owner = {g: jid for jid, gs in st.gpus.items() for g in gs}
+    near = {owner[g] for node, f in st.free.items() if f for g in snap.cluster.gpus_of_node(node) if g in owner}
     for j in jobs:
-        push(j)
+        n = len(st.gpus[j.job_id])
+        if j.job_id in near or n % m == 0:
+            push(j)
     while heap and free > 0:
         _, jid, up = heapq.heappop(heap)
         n = len(st.gpus[jid])
