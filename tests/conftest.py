@@ -22,7 +22,9 @@ def toy_profiles(tmp_path_factory):
     return load_profiles(d)
 
 
-def shared_data() -> Path:
+@pytest.fixture(scope="session")
+def shared() -> Path:
+    """``../shared/data`` (traces, clusters); the test is skipped without it."""
     if not SHARED.exists():
         pytest.skip(f"shared data not found at {SHARED}")
     return SHARED

@@ -9,13 +9,11 @@ from typer.testing import CliRunner
 from tidal.cli.main import app
 from tidal.sim.metrics import SUMMARY_KEYS
 
-from conftest import shared_data
-
 runner = CliRunner()
 
 
-def test_simulate_json_contract_and_outputs(tmp_path):
-    trace = shared_data() / "traces" / "itp" / "cluster10.csv"
+def test_simulate_json_contract_and_outputs(tmp_path, shared):
+    trace = shared / "traces" / "itp" / "cluster10.csv"
     res = runner.invoke(app, ["simulate", "--trace", str(trace), "--cluster", "n32g8",
                               "--policy", "fifo,backfill,tiresias,edf", "--out", str(tmp_path), "--json"])
     assert res.exit_code == 0, res.output
@@ -34,8 +32,8 @@ def test_simulate_json_contract_and_outputs(tmp_path):
     assert len(rows) == 261 and rows[0].startswith("job_id,")
 
 
-def test_simulate_table_output(tmp_path):
-    trace = shared_data() / "traces" / "itp" / "cluster10.csv"
+def test_simulate_table_output(tmp_path, shared):
+    trace = shared / "traces" / "itp" / "cluster10.csv"
     res = runner.invoke(app, ["simulate", "--trace", str(trace), "--policy", "fifo,tiresias", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert "avg JCT h" in res.stdout and "tiresias" in res.stdout

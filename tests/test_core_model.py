@@ -11,11 +11,9 @@ from tidal.core.topology import parse_cluster
 from tidal.scheduler.api import JobView, Snapshot
 from tidal.scheduler.placement import place_consolidated
 
-from conftest import shared_data
 
-
-def test_cluster_spec_and_file_agree():
-    data = shared_data()
+def test_cluster_spec_and_file_agree(shared):
+    data = shared
     for name in ("n32g8", "n256g8", "n16g4"):
         a = parse_cluster(name)
         b = parse_cluster(data / "clusters" / f"{name}.csv")
