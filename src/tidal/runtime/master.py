@@ -35,6 +35,7 @@ training thread's critical path; HTTP carries only rare events.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -162,7 +163,11 @@ class JobMaster:
         self.spawned = s.get("spawned", 0)
         if s.get("shards"):
             self.shards = ShardManager.from_snapshot(s["shards"])
-        if self.plan is not None:
+        if self.plan is not None:  # a pending switch now rendezvouses on this master's store
+            t = self.plan.target
+            self.plan = dataclasses.replace(
+                self.plan, target=Generation(t.gen, t.members, self.store_host, self.store_port, t.prefix))
+            self.plans[t.gen] = self.plan.to_json()
             self.store.set(self.plan_key, json.dumps(self.plan.to_json()))
         log.info("master resumed at gen %s step %s", self.gen and self.gen.gen, self.progress.get("step"))
 

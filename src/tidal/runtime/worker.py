@@ -45,6 +45,7 @@ from tidal.runtime.client import MasterClient
 from tidal.runtime.data import ElasticBatchIterator, StepSlice, default_collate
 from tidal.runtime.messages import Generation, Plan
 from tidal.runtime.scaling import BatchPolicy, make_policy
+from tidal.runtime.reducer import GradReducer
 from tidal.runtime.state import ElasticState, RescaleHook
 from tidal.runtime.transfer import broadcast_state
 
@@ -80,6 +81,8 @@ class Job:
         # at most one heartbeat per interval (and per step): plans have T_a = 0.5 s of lead time
         self.heartbeat_interval_s = float(os.environ.get("TIDAL_HEARTBEAT_S", 0.05)) if heartbeat_interval_s is None else heartbeat_interval_s
         self.state: ElasticState | None = None
+        self.reducer: GradReducer | None = None
+        self.overlap = os.environ.get("TIDAL_OVERLAP", "1") != "0"  # bucketed all-reduce during backward
         self.policy: BatchPolicy = make_policy("strong", 1)
         self.global_batch_size = 1
         self.hooks: list[RescaleHook] = []
@@ -98,6 +101,8 @@ class Job:
         self._seen_plan: Plan | None = None  # written by the heartbeat thread
         self._agreed: tuple[Plan | None, int, int] | None = None  # (plan, gen, switch_step)
         self._report_agreed: tuple[int, int] | None = None
+        self._report_switched: dict[str, Any] | None = None
+        self._agreed_lock = threading.Lock()  # _agreed is completed by the heartbeat thread
         self._stores: dict[tuple[str, int, str], Any] = {}
         self._lr_applied = 1.0
         # statistics
@@ -123,6 +128,9 @@ class Job:
     ) -> ElasticState:
         """Register what must survive a rescale (Elan's RegisterState)."""
         self.state = ElasticState(model, optimizer, scheduler, extras)
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
         return self.state
 
     def register_hook(self, hook: RescaleHook) -> None:
@@ -189,6 +197,12 @@ class Job:
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)
             self._hb_thread = None
+        if self._report_switched is not None and self.client is not None:
+            body, self._report_switched = self._report_switched, None
+            self.client.post("/switched", body)
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -232,6 +246,11 @@ class Job:
     def _begin_batch(self, sl: StepSlice) -> None:
         self._slice = sl
         self._stepped = False
+        assert self.state is not None
+        if self.reducer is None:
+            self.reducer = GradReducer(list(self.state.model.parameters()), overlap=self.overlap)
+        weight = sl.local_size / sl.global_size if sl.global_size else 0.0
+        self.reducer.begin(weight, dist.is_initialized() and self.world_size > 1)
 
     # ------------------------------------------------------------------ group management
     def _store(self, host: str, port: int, tag: str = "") -> Any:
@@ -324,12 +343,13 @@ class Job:
 
     def _switch(self) -> None:
         assert self._agreed is not None and self.client is not None
-        plan, gen, switch_step = self._agreed
         t0 = time.perf_counter()
         wall0 = time.time()
-        if plan is None:  # only rank 0 holds the plan object; the others fetch it once
+        with self._agreed_lock:
+            plan, gen, switch_step = self._agreed
+            self._agreed = None
+        if plan is None:  # rank 0 holds the plan; the others prefetched it, or fetch it now
             plan = Plan.from_json(self.client.get("/plan", gen=gen)["plan"])
-        self._agreed = None
         old_world = self.world_size
         if self.worker_id in plan.leavers:
             dist.destroy_process_group()
@@ -356,8 +376,9 @@ class Job:
                             "pause_s": pause, "wall_start": wall0, "destroy_s": t1 - t0, "rendezvous_s": t2 - t1,
                             "state_sync_s": t3 - t2})
         self._last_step_end = None  # do not count the switch in step-time statistics
-        if self.rank == 0:
-            self.client.post("/switched", {"gen": g.gen, "step": self.step_count, "pause_s": pause})
+        if self.rank == 0:  # reported by the background thread, off the critical path
+            self._report_switched = {"gen": g.gen, "step": self.step_count, "pause_s": pause}
+            self._hb_event.set()
         log.info("worker %s switched to gen %d rank %d/%d at step %d in %.1f ms", self.worker_id, g.gen, self.rank, self.world_size, self.step_count, 1e3 * pause)
 
     def _finish(self) -> None:
@@ -368,51 +389,24 @@ class Job:
 
     # ------------------------------------------------------------------ gradients
     def _allreduce(self, sl: StepSlice) -> None:
-        assert self.state is not None
-        params = [p for p in self.state.model.parameters() if p.requires_grad]
-        weight = sl.local_size / sl.global_size if sl.global_size else 0.0
-        # control slots piggy-backed on the gradient all-reduce: (target gen, switch step)
+        """Finish the weighted gradient all-reduce started by the backward
+        hooks; the control pair piggy-backed on it carries the switch
+        agreement: rank 0 contributes (target generation, planned switch
+        step) of a plan it has seen, the others zeros."""
+        assert self.reducer is not None
         ctrl = (0.0, 0.0)
         plan = self._seen_plan
         if self.rank == 0 and plan is not None and self.gen is not None and plan.target.gen > self.gen.gen and self._agreed is None:
             ctrl = (float(plan.target.gen), float(plan.switch_step))
-        distributed = dist.is_initialized() and self.world_size > 1
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        ctrl_dtype = torch.float64 if torch.float64 in by_dtype or not by_dtype else next(iter(by_dtype))
-        if ctrl_dtype not in (torch.float64, torch.float32):
-            ctrl_dtype = torch.float64
-            by_dtype.setdefault(torch.float64, [])
-        for dtype, ps in by_dtype.items():
-            parts = []
-            for p in ps:
-                if p.grad is None or sl.local_size == 0:
-                    parts.append(torch.zeros(p.numel(), dtype=dtype))
-                else:
-                    parts.append(p.grad.detach().reshape(-1) * weight)
-            if dtype == ctrl_dtype:
-                parts.append(torch.tensor(ctrl, dtype=dtype))
-            buf = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
-            if distributed:
-                dist.all_reduce(buf)
-            off = 0
-            for p in ps:
-                n = p.numel()
-                g = buf[off : off + n].view_as(p)
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
-                off += n
-            if dtype == ctrl_dtype:
-                gen_c, step_c = int(round(buf[-2].item())), int(round(buf[-1].item()))
-                if gen_c > 0 and self._agreed is None:
-                    switch = max(step_c, self.step_count + 1)
-                    self._agreed = (plan if self.rank == 0 else None, gen_c, switch)
-                    if self.rank == 0:
-                        self._report_agreed = (gen_c, switch)
-                        self._hb_event.set()
+        gen_f, step_f = self.reducer.finish(ctrl)
+        gen_c, step_c = int(round(gen_f)), int(round(step_f))
+        if gen_c > 0 and self._agreed is None:
+            switch = max(step_c, self.step_count + 1)  # a pure function of values every rank holds
+            with self._agreed_lock:
+                self._agreed = (plan if self.rank == 0 else None, gen_c, switch)
+            if self.rank == 0:
+                self._report_agreed = (gen_c, switch)
+            self._hb_event.set()
 
     def _apply_lr(self) -> None:
         f = self.policy.lr_factor(self.step_count)
@@ -436,12 +430,24 @@ class Job:
             if self._hb_stop.is_set():
                 break
             g = self.gen
+            ag = self._agreed
+            if ag is not None and ag[0] is None:  # non-zero ranks: fetch the agreed plan before the switch step
+                try:
+                    plan = Plan.from_json(self.client.get("/plan", gen=ag[1])["plan"])
+                    with self._agreed_lock:
+                        if self._agreed is ag:
+                            self._agreed = (plan, ag[1], ag[2])
+                except Exception as e:  # noqa: BLE001 - _switch fetches it again
+                    log.debug("plan prefetch failed: %s", e)
             if self.rank != 0 or g is None:
                 continue
             wait = self.heartbeat_interval_s - (time.perf_counter() - last)
             if wait > 0:
                 time.sleep(wait)
             try:
+                if self._report_switched is not None:
+                    body, self._report_switched = self._report_switched, None
+                    self.client.post("/switched", body)
                 if self._report_agreed is not None:
                     gen, sw = self._report_agreed
                     self._report_agreed = None
