@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import json
 import logging
+import signal
 import time
 
 import numpy as np
@@ -95,15 +96,46 @@ def with_memory(snap: Snapshot, tags: dict[str, dict]) -> Snapshot:
     return dataclasses.replace(snap, jobs=jobs)
 
 
-def measure(name: str, snaps: list[Snapshot]) -> dict:
+class CallTimeout(Exception):
+    pass
+
+
+def _on_alarm(signum, frame):  # noqa: ARG001
+    raise CallTimeout
+
+
+def measure(name: str, snaps: list[Snapshot], budget_s: float = 60.0, call_timeout: float = 10.0) -> dict:
+    """Time ``name`` on ``snaps``; a single call longer than ``call_timeout``
+    seconds (wall) aborts the policy's measurement."""
+    signal.signal(signal.SIGALRM, _on_alarm)
+    try:
+        return _measure(name, snaps, budget_s, call_timeout)
+    except CallTimeout:
+        return {"policy": name, "gpus": snaps[0].cluster.num_gpus, "error": f"a scheduling call took over {call_timeout} s"}
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _timed(policy, snap: Snapshot, call_timeout: float):
+    signal.setitimer(signal.ITIMER_REAL, call_timeout)
+    try:
+        return policy.schedule(snap)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _measure(name: str, snaps: list[Snapshot], budget_s: float, call_timeout: float) -> dict:
     policy = get_policy(name)
-    policy.schedule(snaps[0])  # warm caches (profiles, imports)
+    _timed(policy, snaps[0], call_timeout)  # warm caches (profiles, imports)
     total, place, wall = [], [], []
     clock = time.process_time  # CPU time of this process: robust on a shared machine
-    for snap in snaps:
-        snap = with_memory(snap, policy.schedule(snap).tags)  # steady state: tags of the previous event
+    start = time.perf_counter()
+    for i, snap in enumerate(snaps):
+        if i >= 3 and time.perf_counter() - start > budget_s:
+            break  # a slow policy: report the events measured so far
+        snap = with_memory(snap, _timed(policy, snap, call_timeout).tags)  # steady state: previous event's tags
         w0, t0 = time.perf_counter(), clock()
-        plan = policy.schedule(snap)
+        plan = _timed(policy, snap, call_timeout)
         t1, w1 = clock(), time.perf_counter()
         scratch = copy.copy(plan)
         t2 = clock()
@@ -124,7 +156,7 @@ def measure(name: str, snaps: list[Snapshot]) -> dict:
         "placement_p95_ms": round(q(place, 95), 2),
         "total_p95_ms": round(q(total, 95), 2),
         "wall_total_p95_ms": round(q(wall, 95), 2),
-        "events": len(snaps),
+        "events": len(total),
     }
 
 
@@ -134,6 +166,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=500, help="admitted jobs per snapshot")
     ap.add_argument("--new", type=int, default=5, help="newly submitted jobs per snapshot")
     ap.add_argument("--events", type=int, default=30, help="snapshots (scheduling events) per policy")
+    ap.add_argument("--budget", type=float, default=60.0, help="wall seconds per policy (at least 3 events)")
+    ap.add_argument("--call-timeout", type=float, default=10.0, help="give up on a policy if one call takes longer (s)")
     ap.add_argument("--policy", default="", help="comma-separated names (default: every registered policy)")
     ap.add_argument("--json", action="store_true", help="one JSON line per policy")
     args = ap.parse_args()
@@ -141,7 +175,7 @@ def main() -> None:
     snaps = [build_snapshot(args.cluster, args.jobs, args.new, seed) for seed in range(args.events)]
     for name in names:
         try:
-            row = measure(name, snaps)
+            row = measure(name, snaps, args.budget, args.call_timeout)
         except Exception as exc:  # a policy under construction must not hide the others
             row = {"policy": name, "error": f"{type(exc).__name__}: {exc}"}
         if args.json:
