@@ -183,3 +183,36 @@ def test_hybrid_batch_returns_when_the_job_shrinks(hybrid_profiles):
     # (20 it at 2 it/s) -> 84 by 20; back to 8 GPUs / batch 64 -> 20 + 6316 / 6.4
     assert by["H"].end_time == pytest.approx(20 + (6400 - 84) / 6.4)
     assert by["H"].batch == 64
+
+
+@pytest.mark.parametrize("policy", ["e-fifo", "e-backfill"])
+def test_random_workload_respects_ranges_and_rigid_jobs(policy, hybrid_profiles, toy_profiles):
+    # The engine validates every plan (no GPU twice, legal counts); on top:
+    # max_res holds, inelastic jobs never change size, nobody is preempted.
+    import random
+
+    from tidal.core.profile import ThroughputProfile
+
+    profiles = ThroughputProfile({**toy_profiles.curves, **hybrid_profiles.curves})
+    rng = random.Random(3)
+    jobs = []
+    for i in range(40):
+        model = rng.choice(["lin", "sat", "hyb"])
+        if rng.random() < 0.7:
+            lo = rng.choice([1, 2])
+            jobs.append(JobSpec(f"j{i}", rng.uniform(0, 500), model, 32, rng.uniform(50, 3000), requested_gpus=lo,
+                                elastic=True, min_gpus=lo, max_gpus=rng.choice([2, 4, 8]),
+                                meta=(("hybrid", "1"),) if rng.random() < 0.5 else ()))
+        else:
+            jobs.append(JobSpec(f"j{i}", rng.uniform(0, 500), model, 32, rng.uniform(50, 3000),
+                                requested_gpus=rng.choice([1, 2, 4])))
+    r = simulate(jobs, parse_cluster("n2g4"), get_policy(policy), profiles=profiles,
+                 overheads=OverheadModel(mode="stop-resume", stop_resume_s=20.0), slot=0)
+    assert all(j.state is JobState.COMPLETED for j in r.jobs)
+    for j in r.jobs:
+        assert j.preemptions == 0
+        if j.spec.elastic:
+            assert j.max_gpus <= j.spec.max_gpus
+        else:
+            assert j.rescales == 0 and j.max_gpus == j.spec.requested_gpus
+    assert sum(j.rescales for j in r.jobs) > 0

@@ -164,3 +164,28 @@ def test_end_to_end_expanded_job_and_inelastic_newcomer(toy_profiles):
     assert by["A"].end_time == pytest.approx(100) and by["A"].max_gpus == 4
     assert (by["B"].start_time, by["B"].end_time, by["B"].max_gpus) == (pytest.approx(100), pytest.approx(150), 2)
     assert by["B"].rescales == 0
+
+
+def test_random_workload_respects_ranges_and_rigid_jobs(toy_profiles):
+    # The engine validates every plan (no GPU twice, legal counts); on top:
+    # max counts hold and inelastic jobs never change size.
+    import random
+
+    rng = random.Random(7)
+    jobs = []
+    for i in range(40):
+        elastic = rng.random() < 0.7
+        n = rng.choice([1, 2, 4])
+        kw = {"min_gpus": 1, "max_gpus": rng.choice([2, 4, 6])} if elastic else {}
+        jobs.append(spec(f"j{i}", n if not elastic else min(n, kw["max_gpus"]), rng.choice(["lin", "sat"]),
+                         t=rng.uniform(0, 500), iters=rng.uniform(50, 3000), elastic=elastic, **kw))
+    for overheads in (NO_OVERHEAD, OverheadModel(mode="stop-resume", stop_resume_s=20.0)):
+        r = simulate(jobs, parse_cluster("n2g4"), get_policy("elastic-tiresias", thresholds=(50.0, 500.0),
+                     max_waiting=2), profiles=toy_profiles, overheads=overheads, slot=0)
+        assert all(j.state is JobState.COMPLETED for j in r.jobs)
+        for j in r.jobs:
+            if j.spec.elastic:
+                assert j.max_gpus <= j.spec.max_gpus
+            else:
+                assert j.rescales == 0 and j.max_gpus == j.spec.requested_gpus
+        assert sum(j.rescales for j in r.jobs) > 0

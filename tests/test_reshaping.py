@@ -226,3 +226,27 @@ def test_waiting_job_keeps_its_place(toy_profiles):
     jobs = (jobs[0], jobs[2])
     snap = Snapshot(now=10.0, cluster=parse_cluster("n1g4"), jobs=jobs, profiles=toy_profiles, overheads=RESTART)
     assert get_policy("reshaping").schedule(snap).allocation == {"R": 2, "L": 2}
+
+
+@pytest.mark.parametrize("policy", ["reshaping", "k8s-default", "termination"])
+def test_random_workload_keeps_jobs_on_their_options(policy, toy_profiles):
+    # The engine validates every plan (no GPU twice, only allowed counts); on
+    # top: inelastic jobs never change size and nobody is preempted.
+    import random
+
+    rng = random.Random(5)
+    jobs = []
+    for i in range(30):
+        t, iters, model = rng.uniform(0, 2000), rng.uniform(50, 2000), rng.choice(["lin", "sat"])
+        if rng.random() < 0.75:
+            jobs.append(job(f"j{i}", t, iters, model, allowed=rng.choice([(1, 2, 4), (2, 4), (1, 3), (4,)])))
+        else:
+            jobs.append(JobSpec(f"j{i}", t, model, 32, iters, requested_gpus=rng.choice([1, 2, 4])))
+    r = simulate(jobs, parse_cluster("n2g4"), get_policy(policy), profiles=toy_profiles, overheads=RESTART, slot=0)
+    assert all(j.state is JobState.COMPLETED for j in r.jobs)
+    for j in r.jobs:
+        assert j.preemptions == 0
+        if not j.spec.elastic:
+            assert j.rescales == 0 and j.max_gpus == j.spec.requested_gpus
+        else:
+            assert j.max_gpus in j.spec.allowed_gpus
