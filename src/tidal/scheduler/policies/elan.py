@@ -9,9 +9,11 @@ scaling, ``GetTotalBatchSize``). Every job has a range [min_res, max_res].
   it does not raise the average JCT (:func:`adds_no_jct`): the running jobs
   would be squeezed towards their min_res to make room. E-FIFO stops at the
   first job that may not start (head-of-line blocking). E-Backfill gives that
-  head job an EASY reservation (as :mod:`tidal.scheduler.policies.backfill`):
-  later jobs that pass the admission rule start only if they end before the
-  head's shadow time or fit in the GPUs the head will not need then.
+  head job an EASY reservation (the rule of
+  :mod:`tidal.scheduler.policies.backfill`, restated in min_res units because
+  ``easy_backfill`` works on rigid counts and idle GPUs only): later jobs that
+  pass the admission rule start only if they end before the head's shadow
+  time or fit in the GPUs the head will not need then.
 * **Allocation rule** (:func:`elan_allocation`). Every started job gets its
   min_res; then, one GPU at a time, the job with the largest marginal gain
   gets one more, until it reaches max_res, a GPU brings no gain, or no GPU is
