@@ -6,8 +6,10 @@ submission to placement decision (issue 6).
 Starts a real server process (uvicorn, SQLite in a temp dir), registers one
 virtual node with enough GPUs for every job (no agent: the decision is what is
 measured, not the launch), then submits rigid 1-GPU jobs from ``--clients``
-threads. Decision latency = the job's ``job.start`` event time minus its
-submission time (both taken by the server). Prints one JSON line.
+threads as fast as the server takes them (throughput), then ``--paced``
+jobs at ``--rate`` per second (latency under a steady load). Decision latency
+= the job's ``job.start`` event time minus its submission time (both taken by
+the server). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=300)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--policy", default="fifo")
+    ap.add_argument("--paced", type=int, default=100)
+    ap.add_argument("--rate", type=float, default=10.0, help="paced submissions per second")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
@@ -43,7 +47,7 @@ def main() -> int:
         c.start_server()
         try:
             h = {"Authorization": f"Bearer {c.admin_token}"}
-            httpx.post(c.url + "/internal/agents/register", json={"name": "big", "num_gpus": a.jobs, "virtual": True},
+            httpx.post(c.url + "/internal/agents/register", json={"name": "big", "num_gpus": a.jobs + a.paced, "virtual": True},
                        headers=h).raise_for_status()
             body = {"name": "b", "script": "train.py", "gpus": 1, "elastic": False, "iterations": 1000}
             ids: list[str] = []
@@ -65,24 +69,37 @@ def main() -> int:
             for t in threads:
                 t.join()
             submit_s = time.perf_counter() - t0
-            # wait until every job has a placement decision
-            deadline = time.time() + 300
-            while True:
-                ev = httpx.get(c.url + "/v1/events", headers=h, timeout=60).json()
-                starts = {e["job"]: e["time"] for e in ev if e["kind"] == "job.start"}
-                subs = {e["job"]: e["time"] for e in ev if e["kind"] == "job.submitted"}
-                if len(starts) >= len(ids) or time.time() > deadline:
-                    break
-                time.sleep(1)
-            lat = [starts[j] - subs[j] for j in ids if j in starts and j in subs]
+            burst = list(ids)
+
+            def decisions(want: list[str]) -> list[float]:
+                deadline = time.time() + 300
+                while True:
+                    ev = httpx.get(c.url + "/v1/events", headers=h, timeout=60).json()
+                    starts = {e["job"]: e["time"] for e in ev if e["kind"] == "job.start"}
+                    subs = {e["job"]: e["time"] for e in ev if e["kind"] == "job.submitted"}
+                    if all(j in starts for j in want) or time.time() > deadline:
+                        return [starts[j] - subs[j] for j in want if j in starts and j in subs]
+                    time.sleep(1)
+
+            burst_lat = decisions(burst)
+            paced: list[str] = []
+            with httpx.Client(base_url=c.url, headers=h, timeout=30) as cl:
+                t1 = time.perf_counter()
+                for k in range(a.paced):
+                    time.sleep(max(0.0, t1 + k / a.rate - time.perf_counter()))
+                    paced.append(cl.post("/v1/jobs", json=body).json()["id"])
+            lat = decisions(paced)
         finally:
             c.stop()
     out = {
         "benchmark": "control_api",
         "policy": a.policy,
-        "jobs": len(ids),
+        "jobs": len(burst),
         "clients": a.clients,
-        "submissions_per_s": round(len(ids) / submit_s, 1),
+        "submissions_per_s": round(len(burst) / submit_s, 1),
+        "burst_decision_ms_p95": round(1e3 * pct(burst_lat, 95), 1) if burst_lat else None,
+        "paced_jobs": len(paced),
+        "paced_rate_per_s": a.rate,
         "decided": len(lat),
         "decision_ms_p50": round(1e3 * statistics.median(lat), 1) if lat else None,
         "decision_ms_p95": round(1e3 * pct(lat, 95), 1) if lat else None,

@@ -170,8 +170,12 @@ class Coordinator:
         """Finish jobs whose master process exited; free GPUs of exited workers
         of finished or cancelled jobs."""
         with self.store.session() as s:
-            for j in s.scalars(select(Job).where(Job.state.in_(("running", "resizing", "cancelling")))):
-                procs = s.scalars(select(Worker).where(Worker.job_id == j.id)).all()
+            jobs = s.scalars(select(Job).where(Job.state.in_(("running", "resizing", "cancelling")))).all()
+            by_job: dict[str, list[Worker]] = {}
+            for w in s.scalars(select(Worker).where(Worker.job_id.in_([j.id for j in jobs]))):
+                by_job.setdefault(w.job_id, []).append(w)
+            for j in jobs:
+                procs = by_job.get(j.id, [])
                 master = max((p for p in procs if p.kind == "master"), key=lambda p: p.id, default=None)
                 live = [p for p in procs if p.state in ("pending", "running")]
                 if j.state == "cancelling":
@@ -235,8 +239,9 @@ class Coordinator:
             t.join()
         # 2. starts and scale-outs on free GPUs; early ones take their GPUs
         #    and open the gate
-        for jid, gids in wave.start.items():
-            self._guard(self._start, jid, gids)
+        self._start_many({jid: g for jid, g in wave.start.items() if jid not in early})
+        for jid in early & set(wave.start):
+            self._guard(self._start, jid, wave.start[jid])
         threads = [threading.Thread(target=self._guard, args=(self._grow, jid, gids)) for jid, gids in wave.grow.items()]
         for t in threads:
             t.start()
@@ -316,6 +321,30 @@ class Coordinator:
                 self.decision_latencies.append(j.start_time - j.submit_time)
             j.target = len(gids)
             self.store.log(s, "job.start", jid, gpus=gids, early_init=launched)
+
+    def _start_many(self, starts: dict[str, list[int]]) -> None:
+        """Start many jobs in one transaction (a savepoint each, so one that
+        cannot start does not undo the others): a burst of submissions is
+        decided in milliseconds per job, not a commit per job."""
+        if not starts:
+            return
+        with self.store.session() as s:
+            for jid, gids in starts.items():
+                try:
+                    with s.begin_nested():
+                        j = s.get(Job, jid)
+                        if j is None or j.state not in ("pending", "submitted") or not self._all_free(s, gids):
+                            continue
+                        self.store.assign_gpus(s, jid, gids)
+                        self._launch_master(s, j, gids)
+                        j.state, j.target = "running", len(gids)
+                        if j.start_time is None:
+                            j.start_time = time.time()
+                            self.decision_latencies.append(j.start_time - j.submit_time)
+                        self.store.log(s, "job.start", jid, gpus=gids, early_init=False)
+                except Exception as e:  # noqa: BLE001 - one bad start must not stop the others
+                    log.exception("start of %s failed", jid)
+                    self.store.log(s, "action.failed", jid, action="start", error=str(e))
 
     def _launch_master(self, s, j: Job, gids: list[int]) -> None:
         first = s.get(GPU, gids[0])
