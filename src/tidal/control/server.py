@@ -313,12 +313,16 @@ def create_app(
             coord.wake()
         return {"workers": out}
 
+    def any_job(s, job_id: str) -> Job:
+        j = s.get(Job, job_id)
+        if j is None:
+            raise HTTPException(404, f"no job {job_id}")
+        return j
+
     @app.post("/internal/jobs/{job_id}/master", tags=["internal"])
     def master_up(job_id: str, body: dict[str, Any], p: Principal = Depends(admin)) -> dict[str, Any]:
         with store.session() as s:
-            j = s.get(Job, job_id)
-            if j is None:
-                raise HTTPException(404, f"no job {job_id}")
+            j = any_job(s, job_id)
             j.master_url = str(body.get("url", ""))
             store.log(s, "job.master", job_id, url=j.master_url)
         return {"ok": True}
@@ -326,9 +330,7 @@ def create_app(
     @app.post("/internal/jobs/{job_id}/status", tags=["internal"])
     def job_status(job_id: str, body: dict[str, Any], p: Principal = Depends(admin)) -> dict[str, Any]:
         with store.session() as s:
-            j = s.get(Job, job_id)
-            if j is None:
-                raise HTTPException(404, f"no job {job_id}")
+            j = any_job(s, job_id)
             j.progress = body
             j.done = float(body.get("step", j.done))
         return {"ok": True}
