@@ -34,12 +34,25 @@ def run(
 
 @app.command("scale")
 def scale(
-    job: str = typer.Argument(..., help="Job name given to `tidal run` (or the master URL)."),
-    workers: int = typer.Option(..., "--workers", "-n", help="Target number of workers."),
+    job: str = typer.Argument(..., help="Job: a live-cluster job id, or the name given to `tidal run` (or its master URL)."),
+    gpus: Optional[int] = typer.Argument(None, help="Live cluster: pin the job at this many GPUs."),
+    workers: Optional[int] = typer.Option(None, "--workers", "-n", help="`tidal run` job: target number of workers."),
     timeout: float = typer.Option(120.0, "--timeout", help="Give up after this many seconds."),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the job runs at the new size."),
+    server: Optional[str] = typer.Option(None, "--server", help="Live cluster: server URL."),
+    token: Optional[str] = typer.Option(None, "--token", help="Live cluster: API token."),
 ) -> None:
-    """Rescale a running job: scale out or in to WORKERS (retries while busy)."""
+    """Rescale a job: `tidal scale ID N` for a live-cluster job (pins it at N
+    GPUs), `tidal scale NAME --workers N` for a job started by `tidal run`
+    (scales out or in, retrying while busy)."""
+    if (gpus is None) == (workers is None):
+        typer.echo("give either N (a live-cluster job) or --workers N (a `tidal run` job)", err=True)
+        raise typer.Exit(2)
+    if gpus is not None:
+        from tidal.cli.cluster import cluster_scale
+
+        cluster_scale(job, gpus, server, token)
+        return
     from tidal.runtime.launch import scale_job
 
     raise typer.Exit(scale_job(job, workers, timeout_s=timeout, wait=wait, out=typer.echo))
