@@ -127,3 +127,21 @@ def test_yaml_spec_errors_name_file_and_field(tmp_path):
     f.write_text("name: [unclosed\n")
     with pytest.raises(InputError, match="YAML"):
         load_spec_file(f)
+
+
+def test_scale_pins_the_count_the_policy_uses(env):
+    client, store, t = env
+    jid = client.post("/v1/jobs", json=GOOD, headers=hdr(t["alice"])).json()["id"]
+    coord = client.app.state.coordinator
+    coord.round()  # admits and starts it on every GPU of the 4-GPU node (EDF: the best count)
+    assert len(client.get(f"/v1/jobs/{jid}", headers=hdr(t["alice"])).json()["gpus"]) == 4
+    jid2 = client.post("/v1/jobs", json=GOOD, headers=hdr(t["alice"])).json()["id"]
+    assert client.post(f"/v1/jobs/{jid2}/scale", json={"gpus": 0}, headers=hdr(t["alice"])).status_code == 422
+    assert client.post(f"/v1/jobs/{jid2}/scale", json={"gpus": 3}, headers=hdr(t["alice"])).json()["pinned"] == 3
+    with store.session() as s:  # the first job is done; its GPUs are free again
+        store.release_gpus(s, jid, store.job_gpus(s, jid))
+        from tidal.control.db import Job
+
+        s.get(Job, jid).state = "completed"
+    coord.round()
+    assert len(client.get(f"/v1/jobs/{jid2}", headers=hdr(t["alice"])).json()["gpus"]) == 3
