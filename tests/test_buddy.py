@@ -126,3 +126,26 @@ def test_count_that_is_not_a_power_of_two_keeps_pieces_together(toy_profiles):
     out = place_buddy(snap, {"u": 4, "six": 6})
     assert {g // 8 for g in out["six"]} == {1}
     assert len(set(out["six"]) | set(out["u"])) == 10
+
+
+def test_local_defragmentation_moves_the_cheapest_occupant(toy_profiles):
+    # n1g8: 1-GPU jobs on GPUs 0, 2, 4, 6 ("a" and "c" cost 100 to move, "b"
+    # and "d" cost 1). A new 2-GPU job needs an aligned pair: it takes the pair
+    # of a cheap job, which moves to a free GPU; nobody else moves.
+    held = {"a": (0,), "b": (2,), "c": (4,), "d": (6,), "new": ()}
+    snap = snap_with("n1g8", held, toy_profiles)
+    want = {"a": 1, "b": 1, "c": 1, "d": 1, "new": 2}
+    out = place_buddy(snap, want, weights={"a": 100, "b": 1, "c": 100, "d": 1})
+    moved = [j for j in "abcd" if out[j] != held[j]]
+    assert len(moved) == 1 and moved[0] in "bd"
+    assert is_aligned_block(out["new"])
+    used = [g for gpus in out.values() for g in gpus]
+    assert len(used) == len(set(used)) == 6
+
+
+def test_fallback_counts_avoid_a_migration(toy_profiles):
+    # same fragmented node; the 2-GPU request may fall back to 1 GPU: no move
+    held = {"a": (0,), "b": (2,), "c": (4,), "d": (6,), "new": ()}
+    snap = snap_with("n1g8", held, toy_profiles)
+    out = place_buddy(snap, {"a": 1, "b": 1, "c": 1, "d": 1, "new": 2}, fallback={"new": [1]})
+    assert len(out["new"]) == 1 and all(out[j] == held[j] for j in "abcd")

@@ -171,7 +171,8 @@ def test_admitted_jobs_never_miss_when_overheads_are_told(seed, overheads, toy_p
 
 def test_untold_overhead_makes_admitted_jobs_miss(toy_profiles):
     """The policy plans with a 0.5 s stop-free pause; the simulator charges a
-    600 s stop-resume on every rescale: some admitted job misses."""
+    600 s stop-resume on every rescale: some admitted job misses. (The same
+    workloads with realistic overheads told: the test above.)"""
     told = OverheadModel(mode="stop-free", pause_s=0.5, warmup_s=0.0)
     real = OverheadModel(mode="stop-resume", stop_resume_s=600.0)
     misses = []
@@ -180,10 +181,6 @@ def test_untold_overhead_makes_admitted_jobs_miss(toy_profiles):
                     assumed_overheads=told)
         misses += admitted_misses(by)
     assert misses
-    # the same workloads with the overhead told: no admitted job misses
-    for seed in (0, 1, 2):
-        _, by = run("elasticflow", workload(seed), toy_profiles, cluster="n1g8", overheads=real)
-        assert admitted_misses(by) == []
 
 
 @pytest.mark.parametrize("seed", range(5))

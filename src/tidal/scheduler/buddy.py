@@ -18,7 +18,9 @@ power of two) is one buddy: half a node, a node, two neighbouring nodes...
   resized job keeps the part of its old block that is still aligned and
   grows into its buddy when that is free. Placement goes largest first.
 - **Migration to defragment**: if a job cannot get an aligned block although
-  enough GPUs are free, every job is re-packed largest first, each keeping
+  enough GPUs are free, it takes the block whose occupants are cheapest to
+  move (``weights``; then fewest GPUs) and they move elsewhere; if that
+  fails, every job is re-packed largest first, each keeping
   its current block when that is still possible. With power-of-two sizes
   placed in decreasing order on aligned blocks, the free space is always a
   union of aligned blocks at least as large as the next request, so the
@@ -29,6 +31,7 @@ power of two) is one buddy: half a node, a node, two neighbouring nodes...
 from __future__ import annotations
 
 import logging
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -66,8 +69,9 @@ class BuddyAllocator:
         self.used[: self.n] = False
         if used:
             self.used[list(used)] = True
-        # GPUs that other jobs still hold now (re-pack): blocks avoid them
-        self.held = np.zeros(size, dtype=bool)
+        # GPUs that other jobs still hold now, weighted by how much moving
+        # them costs (re-pack): blocks avoid them
+        self.held = np.zeros(size, dtype=np.int64)
 
     def free_count(self) -> int:
         return int((~self.used[: self.n]).sum())
@@ -174,26 +178,56 @@ def _keep_part(gpus: tuple[int, ...], n: int) -> tuple[int, ...]:
     return tuple(kept)
 
 
-def place_buddy(snap: Snapshot, allocation: dict[str, int]) -> dict[str, tuple[int, ...]]:
+def place_buddy(
+    snap: Snapshot,
+    allocation: dict[str, int],
+    fallback: Mapping[str, Sequence[int]] | None = None,
+    weights: Mapping[str, int] | None = None,
+) -> dict[str, tuple[int, ...]]:
     """GPU ids for every job of ``allocation`` (count > 0): keep, grow in
-    place, best-fit new blocks, and re-pack (migrations) only if needed."""
+    place, best-fit new blocks, and re-pack (migrations) only if needed.
+
+    ``fallback``: smaller counts (descending) a job may get instead when it
+    cannot be placed without moving others; the caller reads the counts it
+    got from the placement's lengths (a job may then be missing: count 0).
+    ``weights``: how much moving a job costs, relative to 1 (re-pack moves
+    the cheap ones first)."""
     current = {j.job_id: j.gpus for j in snap.jobs if j.gpus}
     want = {jid: n for jid, n in allocation.items() if n > 0}
-    placement = _place(snap.cluster, current, want)
-    if placement is None:
-        try:
-            placement = _repack(snap.cluster, current, want)
-        except ValueError:
-            # counts that are not powers of two can defeat the re-pack
-            from tidal.scheduler.placement import place_consolidated
+    options = {jid: list(v) for jid, v in (fallback or {}).items()}
+    while True:
+        placement, failed = _place(snap.cluster, current, want)
+        if placement is not None:
+            return placement
+        if not options.get(failed):
+            break
+        n = options[failed].pop(0)
+        if n > 0:
+            want[failed] = n
+        else:
+            del want[failed]
+    placement, _ = _place(snap.cluster, current, want, weights or {})
+    if placement is not None:
+        return placement
+    try:
+        return _repack(snap.cluster, current, want, weights or {})
+    except ValueError:
+        # counts that are not powers of two can defeat the re-pack
+        from tidal.scheduler.placement import place_consolidated
 
-            placement = place_consolidated(snap, want)
-    return placement
+        return place_consolidated(snap, want)
 
 
-def _place(cluster: Cluster, current: dict[str, tuple[int, ...]], want: dict[str, int]):
+def _place(
+    cluster: Cluster,
+    current: dict[str, tuple[int, ...]],
+    want: dict[str, int],
+    weights: Mapping[str, int] | None = None,
+):
     """Phase 1: unchanged jobs keep their GPUs; resized and new jobs get
-    aligned blocks. None if some job cannot get one (fragmentation)."""
+    aligned blocks. With ``weights``, a job that finds no free block takes the
+    block whose occupants are cheapest to move, and they move elsewhere
+    (local defragmentation). (None, job) if a job cannot be placed."""
     keep = {jid: g for jid, g in current.items() if want.get(jid, 0) == len(g)}
     used: set[int] = set()
     for g in keep.values():
@@ -212,20 +246,59 @@ def _place(cluster: Cluster, current: dict[str, tuple[int, ...]], want: dict[str
                 gpus = part
         if gpus is None:
             gpus = buddy.alloc(n, prefer=tuple(sorted(have)))
+        if gpus is None and weights is not None and n & (n - 1) == 0:
+            # jobs placed in this call (started or resized) move for free
+            w = {j: (weights.get(j, 1) if j in keep else 0) for j in out}
+            gpus = _evict_for(buddy, out, n, w)
         if gpus is None:
-            return None
+            return None, jid
         out[jid] = tuple(sorted(gpus))
-    return out
+    return out, None
 
 
-def _repack(cluster: Cluster, current: dict[str, tuple[int, ...]], want: dict[str, int]):
+def _evict_for(buddy: BuddyAllocator, out: dict[str, tuple[int, ...]], n: int, weights: Mapping[str, int]):
+    """Free the aligned block of ``n`` GPUs whose occupants weigh least
+    (then: fewest GPUs moved), re-place them elsewhere, return the block."""
+    ids = list(out)
+    owner = np.full(buddy.size, -1, dtype=np.int64)
+    owner[buddy.n :] = -2  # padding: never usable
+    for k, jid in enumerate(ids):
+        owner[list(out[jid])] = k
+    best = None
+    for b, row in enumerate(owner.reshape(-1, n)):
+        occ = set(row.tolist()) - {-1}
+        if not occ or -2 in occ:
+            continue
+        lo, hi = b * n, b * n + n
+        if any(min(out[ids[k]]) < lo or max(out[ids[k]]) >= hi for k in occ):
+            continue  # an occupant spans more than this block
+        key = (sum(weights.get(ids[k], 1) for k in occ), sum(len(out[ids[k]]) for k in occ), b)
+        if best is None or key < best[0]:
+            best = (key, b, occ)
+    if best is None:
+        return None
+    _, b, occ = best
+    moved = sorted((ids[k] for k in occ), key=lambda j: (-len(out[j]), j))
+    for jid in moved:
+        buddy.release(out[jid])
+    block = tuple(range(b * n, b * n + n))
+    buddy.take(block)
+    for jid in moved:
+        got = buddy.alloc(len(out[jid]))
+        if got is None:
+            return None  # the caller falls back to a full re-pack
+        out[jid] = tuple(sorted(got))
+    return block
+
+
+def _repack(cluster: Cluster, current: dict[str, tuple[int, ...]], want: dict[str, int], weights: Mapping[str, int]):
     """Phase 2: place jobs largest first; within a size, jobs whose current
     block is still free keep it, then the others take the best-fit block
     that displaces the fewest GPUs other jobs hold now. Jobs that move at
     the same count are migrations."""
     buddy = BuddyAllocator(cluster)
-    for gpus in current.values():
-        buddy.held[list(gpus)] = True
+    for jid, gpus in current.items():
+        buddy.held[list(gpus)] = weights.get(jid, 1)
     out: dict[str, tuple[int, ...]] = {}
     sizes = sorted(set(want.values()), reverse=True)
     for size in sizes:
@@ -236,13 +309,13 @@ def _repack(cluster: Cluster, current: dict[str, tuple[int, ...]], want: dict[st
             part = have if len(have) == size else (_keep_part(have, size) if len(have) > size else ())
             if part and len(part) == size and is_aligned_block(part) and not buddy.used[list(part)].any():
                 buddy.take(part)
-                buddy.held[list(have)] = False
+                buddy.held[list(have)] = 0
                 out[jid] = tuple(sorted(part))
             else:
                 movers.append(jid)
         for jid in movers:
             have = current.get(jid, ())
-            buddy.held[list(have)] = False
+            buddy.held[list(have)] = 0
             gpus = buddy.alloc(size, prefer=tuple(sorted(have)))
             if gpus is None:
                 raise ValueError(f"cannot place {size} GPUs for {jid}: {buddy.free_count()} free")

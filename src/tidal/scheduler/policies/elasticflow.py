@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -306,9 +306,9 @@ def count_at(segs: Segments, t: float) -> int:
     return c
 
 
-def commit_segments(tl: Timeline, segs: Segments) -> bool:
-    """Reserve a stored plan from now on; False (timeline unchanged) if some
-    interval would go below zero free GPUs."""
+def commit_segments(tl: Timeline, segs: Segments, sign: int = 1) -> bool:
+    """Reserve a stored plan from now on (``sign=-1``: give it back); False
+    (timeline unchanged) if some interval would go below zero free GPUs."""
     now = float(tl.t[0])
     t, free = tl.t, tl.free
     for b, _ in segs:
@@ -324,7 +324,7 @@ def commit_segments(tl: Timeline, segs: Segments) -> bool:
             continue
         lo = int(np.searchsorted(t, max(start, now), side="left"))
         hi = int(np.searchsorted(t, segs[i + 1][0], side="left"))
-        new[lo:hi] -= c
+        new[lo:hi] -= sign * c
     if (new < 0).any():
         return False
     tl.t, tl.free = t, new
@@ -427,15 +427,24 @@ class ElasticFlow(Policy):
             return max(float(busy) - snap.now, 0.0)
         return costs.worst_change if j.state is JobState.RESIZING else 0.0
 
-    def _share(self, snap: Snapshot, tl: Timeline, j: JobView, lv: Levels, costs: Costs) -> Share | None:
+    def _share(
+        self, snap: Snapshot, tl: Timeline, j: JobView, lv: Levels, costs: Costs, slack: bool = True
+    ) -> Share | None:
+        """Minimum satisfactory share; ``slack=False`` drops the migration
+        slack (for an admitted job that fell behind: better a share without
+        slack than none)."""
         horizon = self._horizon(j, costs)
         if horizon <= snap.now or j.remaining <= 0:
             return None
-        return fill(tl, lv, j.remaining, horizon, j.n, j.executed > 0, costs, self._dead(snap, j, costs),
-                    self.reserve_rescales * costs.migrate)
+        margin = self.reserve_rescales * costs.migrate if slack else 0.0
+        return fill(tl, lv, j.remaining, horizon, j.n, j.executed > 0, costs, self._dead(snap, j, costs), margin)
 
-    def _on_track(self, snap: Snapshot, j: JobView, segs: Segments, lv: Levels, costs: Costs) -> bool:
-        need = j.remaining * (1 + 1e-9) + _EPS
+    def _on_track(
+        self, snap: Snapshot, j: JobView, segs: Segments, lv: Levels, costs: Costs, slack: float = 0.0
+    ) -> bool:
+        """Does the stored plan still deliver the remaining work (plus ``slack``
+        seconds of work at its current rate) by the deadline?"""
+        need = j.remaining * (1 + 1e-9) + _EPS + slack * lv.rate_of(count_at(segs, snap.now) or len(j.gpus))
         if len(segs) == 2 and segs[0][0] <= snap.now and segs[0][1] == len(j.gpus):
             # the common case: one count from before now to the release, held now
             r = lv.rate_of(segs[0][1])
@@ -449,9 +458,26 @@ class ElasticFlow(Policy):
         plan = Plan()
         ctx = self.admit(snap, plan)
         self.allocate(snap, plan, ctx)
-        self.placement(snap, plan)
+        self._place(snap, plan, ctx)
         self._record_rescales(snap, plan, ctx.costs)
         return plan
+
+    def _place(self, snap: Snapshot, plan: Plan, ctx: "_Context") -> None:
+        """Buddy placement (§4.3). Extra GPUs from Algorithm 2 are not worth
+        a migration: a job that cannot get its block without moving others
+        first falls back to smaller counts, down to its share; only shares
+        may make the placer migrate, and it moves best-effort jobs first."""
+        fallback: dict[str, list[int]] = {}
+        for jid, n in plan.allocation.items():
+            base = ctx.shares.get(jid, 0)
+            if n > base:
+                fallback[jid] = [c for c in reversed(ctx.levels[jid].count_list) if base <= c < n]
+        # moving a guaranteed job costs more than a best-effort one, and much
+        # more once its plan has no slack left for a migration
+        weights = {j.job_id: (10_000 if j.job_id in ctx.thin else 100) if j.job_id in ctx.shares else 1
+                   for j in snap.jobs if j.gpus}
+        plan.placement = place_buddy(snap, plan.allocation, fallback, weights)
+        plan.allocation = {jid: len(g) for jid, g in plan.placement.items()}
 
     def admission(self, snap: Snapshot, plan: Plan) -> None:
         self.admit(snap, plan)
@@ -485,14 +511,17 @@ class ElasticFlow(Policy):
                 plan.tags.setdefault(j.job_id, {})["ef_busy_until"] = snap.now + dead
 
     def _replan(
-        self, snap: Snapshot, jobs: list[JobView], levels: dict[str, Levels], costs: Costs
+        self, snap: Snapshot, jobs: list[JobView], levels: dict[str, Levels], costs: Costs, lenient: bool = False
     ) -> tuple[Timeline, dict[str, tuple[Segments, int]], JobView | None]:
         """Algorithm 1 from scratch: shares in deadline order on an empty
-        timeline; stops at the first job that gets none (returned)."""
+        timeline; stops at the first job that gets none (returned).
+        ``lenient``: a job may get a share without migration slack."""
         tl = Timeline(snap.now, snap.cluster.num_gpus, self.slot)
         out: dict[str, tuple[Segments, int]] = {}
         for j in sorted(jobs, key=self._order):
             share = self._share(snap, tl, j, levels[j.job_id], costs)
+            if share is None and lenient:
+                share = self._share(snap, tl, j, levels[j.job_id], costs, slack=False)
             if share is None:
                 return tl, out, j
             out[j.job_id] = (share_segments(tl, share), share.cap)
@@ -532,11 +561,15 @@ class ElasticFlow(Policy):
         caps: dict[str, int] = {}
         refill: list[JobView] = []
         kept: list[JobView] = []
+        thin: list[JobView] = []  # on track, but the slack for a migration is used up
+        margin = self.reserve_rescales * costs.migrate
         for j in guaranteed:
             segs = j.tags.get("ef_plan")
             if segs and self._on_track(snap, j, segs, levels[j.job_id], costs):
                 kept.append(j)
                 plans[j.job_id] = segs
+                if margin > 0 and not self._on_track(snap, j, segs, levels[j.job_id], costs, margin):
+                    thin.append(j)
             else:
                 refill.append(j)
         if not reserve_all(tl, [plans[j.job_id] for j in kept]):
@@ -547,13 +580,26 @@ class ElasticFlow(Policy):
                     del plans[j.job_id]
                     refill.append(j)
             refill.sort(key=self._order)
+        for j in thin:
+            # try to get the slack back: a new share on what the others leave
+            if j.job_id not in plans or not commit_segments(tl, plans[j.job_id], sign=-1):
+                continue
+            share = self._share(snap, tl, j, levels[j.job_id], costs)
+            if share is None:
+                commit_segments(tl, plans[j.job_id])
+            else:
+                plans[j.job_id] = share_segments(tl, share)
+                caps[j.job_id] = share.cap
+                commit(tl, share)
         late: set[str] = set()
         for j in refill:
             share = self._share(snap, tl, j, levels[j.job_id], costs)
             if share is None:
+                share = self._share(snap, tl, j, levels[j.job_id], costs, slack=False)
+            if share is None:
                 # repair: re-plan every guaranteed job from scratch (Algorithm 1 order)
                 keep = [g for g in guaranteed if g.job_id not in late]
-                trial_tl, trial, failed = self._replan(snap, keep, levels, costs)
+                trial_tl, trial, failed = self._replan(snap, keep, levels, costs, lenient=True)
                 if failed is None:
                     tl = trial_tl
                     for jid, (segs, cap) in trial.items():
@@ -598,7 +644,8 @@ class ElasticFlow(Policy):
         for jid, cap in caps.items():
             plan.tags[jid] = {"ef_class": "guaranteed", "ef_plan": plans[jid], "ef_share": cap}
         shares_now = {jid: count_at(segs, now) for jid, segs in plans.items()}
-        return _Context(levels, shares_now, costs, tl)
+        still_thin = {j.job_id for j in thin if j.job_id not in caps}
+        return _Context(levels, shares_now, costs, tl, still_thin)
 
     # -- Algorithm 2: greedy allocation of the remaining GPUs ----------------
     def allocate(self, snap: Snapshot, plan: Plan, ctx: "_Context") -> None:
@@ -687,3 +734,4 @@ class _Context:
     shares: dict[str, int]  # guaranteed jobs' share for the current slot
     costs: Costs
     timeline: Timeline
+    thin: set[str] = field(default_factory=set)  # guaranteed jobs without migration slack
