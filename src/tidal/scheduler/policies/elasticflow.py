@@ -25,7 +25,10 @@ Distributed Deep Learning", ASPLOS'23, §4:
   ``("soft_deadline", "1")`` in its ``JobSpec.meta``) that cannot be
   guaranteed is admitted as best-effort instead of dropped.
 - **Placement** (§4.3): buddy allocation with Best-Fit on the topology tree
-  and migration to defragment (:mod:`tidal.scheduler.buddy`).
+  and migration to defragment (:mod:`tidal.scheduler.buddy`); extra GPUs
+  from Algorithm 2 fall back to smaller counts rather than cause a
+  migration, and defragmentation moves best-effort jobs and jobs with slack
+  first.
 
 Guarantees and overheads (details in docs/policies/elasticflow.md): each
 admitted job's plan (GPUs per future interval) is stored in ``Plan.tags``
