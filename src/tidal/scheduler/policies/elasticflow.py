@@ -396,9 +396,9 @@ class ElasticFlow(Policy):
 
     ``slot``: planning slot (s), the simulator's ``--slot``. ``assumed_overheads``:
     plan with these overheads instead of the snapshot's (to test what an
-    untold overhead does). ``reserve_rescales``: rescales' worth of time kept
-    before each deadline. ``soft_deadlines``: never drop, admit the
-    unsatisfiable as best-effort."""
+    untold overhead does). ``reserve_rescales``: migrations' worth of extra
+    work every share must cover (slack). ``soft_deadlines``: never drop, admit
+    the unsatisfiable as best-effort."""
 
     def __init__(
         self,
