@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sleep", type=float, default=0.0)
+    ap.add_argument("--crash-at", type=int, default=-1, help="worker --crash-worker dies at this step (tests)")
+    ap.add_argument("--crash-worker", default="w1")
     a = ap.parse_args()
 
     job = tidal.runtime.init()
@@ -64,6 +66,8 @@ def main() -> None:
     log = open(os.path.join(a.out, f"steps-{job.worker_id}.jsonl"), "w")
     loader = job.data(Pairs(x, y), batch_size=a.batch, epochs=a.epochs, seed=a.seed)
     for xb, yb in loader:
+        if job.step_count == a.crash_at and job.worker_id == a.crash_worker:
+            os._exit(3)  # die abruptly, like a lost host
         rec = {"step": job.step_count, "epoch": loader.epoch, "idx": loader.last_indices,
                "world": job.world_size, "rank": job.rank, "gen": job.gen.gen if job.gen else 0}
         loss = torch.nn.functional.mse_loss(model(xb), yb)
