@@ -626,6 +626,18 @@ class ElasticFlow(Policy):
                 continue
             order = sorted([*guaranteed, x], key=self._order)
             trial_tl, trial, failed = self._replan(snap, order, levels, costs)
+            if failed is x:
+                # its deadline leaves no room for the migration slack: admit
+                # it on what the others leave, placed as a job that must not move
+                share = self._share(snap, tl, x, levels[x.job_id], costs, slack=False)
+                if share is not None:
+                    plans[x.job_id] = share_segments(tl, share)
+                    caps[x.job_id] = share.cap
+                    commit(tl, share)
+                    guaranteed.append(x)
+                    plan.admit.add(x.job_id)
+                    thin.append(x)
+                    continue
             if failed is None:
                 for jid, (segs, cap) in trial.items():
                     plans[jid], caps[jid] = segs, cap
@@ -647,7 +659,7 @@ class ElasticFlow(Policy):
         for jid, cap in caps.items():
             plan.tags[jid] = {"ef_class": "guaranteed", "ef_plan": plans[jid], "ef_share": cap}
         shares_now = {jid: count_at(segs, now) for jid, segs in plans.items()}
-        still_thin = {j.job_id for j in thin if j.job_id not in caps}
+        still_thin = {j.job_id for j in thin if j.job_id not in caps or j.state is JobState.SUBMITTED}
         return _Context(levels, shares_now, costs, tl, still_thin)
 
     # -- Algorithm 2: greedy allocation of the remaining GPUs ----------------
