@@ -212,3 +212,13 @@ def test_stored_plans_reserved_at_once_equal_one_by_one(seed):
     c = Timeline(60.0, 4, 60.0)
     assert not reserve_all(c, [((0.0, 4), (600.0, 0)), ((60.0, 2), (120.0, 0))])
     assert c.free.tolist() == [4]
+
+
+def test_job_without_room_for_migration_slack_is_still_admitted(toy_profiles):
+    # stop-resume 50 s: a share must normally cover 50 s of extra work. T needs
+    # 600 it by 180 s: 150 s on 4 GPUs, no room for the slack, but it fits.
+    ov = OverheadModel(mode="stop-resume", stop_resume_s=50.0)
+    r, by = run("elasticflow", [job("T", 0, 600, deadline=180)], toy_profiles, overheads=ov)
+    assert by["T"].admitted and by["T"].end_time == pytest.approx(150)
+    r, by = run("elasticflow", [job("T", 0, 600, deadline=140)], toy_profiles, overheads=ov)
+    assert by["T"].drop_reason == "cannot meet its deadline even with the whole cluster"
