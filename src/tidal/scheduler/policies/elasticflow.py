@@ -671,6 +671,7 @@ class ElasticFlow(Policy):
         jobs = [j for j in schedulable(snap, plan) if len(levels[j.job_id].counts) > 1]
         base = {j.job_id: shares.get(j.job_id, 0) for j in jobs}
         free = snap.cluster.num_gpus - sum(base.values())
+        free = self._floors(snap, jobs, base, levels, free)
         hold = self.slot if self.slot > 0 else 60.0
 
         def progress(j: JobView, lv: Levels) -> list[float]:
@@ -701,6 +702,7 @@ class ElasticFlow(Policy):
         cur: dict[str, int] = {}
         info: dict[str, tuple[JobView, Levels, float, list[float]]] = {}
         heap: list[tuple[float, float, str, int]] = []
+        weight = {j.job_id: self._weight(snap, j) for j in jobs}
 
         def push(jid: str) -> None:
             j, lv, one, vals = info[jid]
@@ -710,7 +712,7 @@ class ElasticFlow(Policy):
                 extra = int(lv.counts[k] - lv.counts[i])
                 if extra > free:
                     break
-                gain = (vals[k] - vals[i]) / extra / one
+                gain = (vals[k] - vals[i]) / extra / one * weight[jid]
                 if gain > best + 1e-12:
                     best, best_k = gain, k
             if best_k > 0:
@@ -739,6 +741,18 @@ class ElasticFlow(Policy):
                 plan.allocation[jid] = n
         # re-plan at the next change of the timeline (a share may grow then)
         plan.wake_at = float(ctx.timeline.t[1]) if len(ctx.timeline.t) > 1 else None
+
+
+    # -- hooks for policies built on ElasticFlow (see policies/tidal.py) -----
+    def _floors(self, snap: Snapshot, jobs: list[JobView], base: dict[str, int], levels: dict[str, Levels],
+                free: int) -> int:
+        """Raise ``base`` (GPUs a job gets before Algorithm 2) in place; return
+        the GPUs still free. ElasticFlow: nothing beyond the shares."""
+        return free
+
+    def _weight(self, snap: Snapshot, job: JobView) -> float:
+        """Scale a job's marginal return in Algorithm 2. ElasticFlow: 1."""
+        return 1.0
 
 
 @dataclass
