@@ -38,7 +38,7 @@ class Case:
 def run_case(case: Case, workloads: dict[str, Callable[[int], list]] | None = None) -> dict[str, Any]:
     from tidal.core.overhead import OverheadModel
     from tidal.core.topology import parse_cluster
-    from tidal.scheduler.api import get_policy
+    from tidal.scheduler.api import get_policy_for_slot
     from tidal.sim.engine import Simulator
     from tidal.sim.metrics import summarize
     from tidal.sim.traces import load_trace
@@ -51,7 +51,7 @@ def run_case(case: Case, workloads: dict[str, Callable[[int], list]] | None = No
         jobs = workloads[case.workload](case.seed)
     sim = Simulator(
         parse_cluster(case.cluster),
-        get_policy(case.policy, **dict(case.options)),
+        get_policy_for_slot(case.policy, case.slot, **dict(case.options)),
         jobs,
         overheads=OverheadModel(mode=case.overhead),
         slot=case.slot,

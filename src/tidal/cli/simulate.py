@@ -63,7 +63,7 @@ def run_policies(
     show_progress: bool = True,
     console: Console | None = None,
 ):
-    from tidal.scheduler.api import get_policy
+    from tidal.scheduler.api import get_policy_for_slot
     from tidal.sim.engine import Simulator
 
     console = console or Console(stderr=True)
@@ -85,7 +85,7 @@ def run_policies(
 
             sim = Simulator(
                 cluster,
-                get_policy(name),
+                get_policy_for_slot(name, slot),
                 jobs,
                 profiles=profiles,
                 overheads=overheads,

@@ -173,6 +173,19 @@ def get_policy(name: str, **options: Any) -> Policy:
     return policy
 
 
+def get_policy_for_slot(name: str, slot: float, **options: Any) -> Policy:
+    """A policy that plans in time slots (ElasticFlow, Chronus, ...) is told
+    the executor's scheduling slot; others ignore it."""
+    import inspect
+
+    import tidal.scheduler.policies  # noqa: F401
+
+    factory = _REGISTRY.get(name)
+    if factory is not None and slot > 0 and "slot" in inspect.signature(factory).parameters:
+        options.setdefault("slot", slot)
+    return get_policy(name, **options)
+
+
 def policy_names() -> list[str]:
     import tidal.scheduler.policies  # noqa: F401
 

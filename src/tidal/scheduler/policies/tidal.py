@@ -33,8 +33,8 @@ from tidal.scheduler.policies.tiresias import queue_of
 
 @register_policy("tidal")
 class Tidal(ElasticFlow):
-    def __init__(self, thresholds: tuple[float, ...] = (500.0, 10_000.0), **kw) -> None:
-        super().__init__(**kw)
+    def __init__(self, slot: float = 60.0, thresholds: tuple[float, ...] = (500.0, 10_000.0), **kw) -> None:
+        super().__init__(slot=slot, **kw)
         self.thresholds = tuple(thresholds)
 
     def _best_effort(self, job: JobView) -> bool:
