@@ -11,10 +11,11 @@ Writes docs/results/elan_fig20.{md,json,png}.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from repro_common import DATA, RESULTS, Case, markdown_table, plt, run_cases, save
 
-POLICIES = ["fifo", "e-fifo", "backfill", "e-backfill"]
+POLICIES = ["fifo", "e-fifo", "backfill", "e-backfill", "tidal"]
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
     table = markdown_table(rows, ["rescaling", "policy", "avg pending (s)", "avg JCT (s)", "makespan (s)",
                                   "rescales", "GPU·s lost to rescaling"])
     print(table)
-    save("elan_fig20", res, table, f"python benchmarks/repro_elan.py --trace {args.trace} --cluster {args.cluster}")
+    save("elan_fig20", res, table, " ".join(["python", *sys.argv]))
     p = plt()
     fig, axes = p.subplots(1, 3, figsize=(12, 3.5))
     for ax, key, name in zip(axes, ("avg_pending", "avg_jct", "makespan"), ("avg pending", "avg JCT", "makespan")):

@@ -11,6 +11,7 @@ profiles. Writes docs/results/elasticflow_fig8.{md,json,png}.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from repro_common import DATA, RESULTS, Case, grouped_bars, markdown_table, run_cases, save
 
@@ -18,7 +19,7 @@ TRACES = {
     "cluster01": "n64g8", "cluster02": "n64g8", "cluster03": "n64g8", "cluster05": "n64g8",
     "cluster06": "n64g8", "cluster10": "n32g8", "philly_103959": "n32g8",
 }
-POLICIES = ["elasticflow", "edf", "gandiva", "tiresias", "themis", "chronus"]
+POLICIES = ["elasticflow", "tidal", "edf", "gandiva", "tiresias", "themis", "chronus"]
 # The public artifact's own simulator on these traces (60 s slots, A100), as
 # given in issue 3, for comparison.
 REFERENCE = {
@@ -55,8 +56,7 @@ def main() -> None:
     table = markdown_table(rows, ["trace", "cluster", *policies])
     table += "\nDeadline satisfactory ratio (dropped jobs count as misses); in brackets the public artifact's figure where known.\n"
     print(table)
-    cmd = "python benchmarks/repro_elasticflow.py" + ("" if args.traces == ",".join(TRACES) else f" --traces {args.traces}")
-    save("elasticflow_fig8", res, table, cmd)
+    save("elasticflow_fig8", res, table, " ".join(["python", *sys.argv]))
     grouped_bars(RESULTS / "elasticflow_fig8.png", traces,
                  {p: [by[(t, p)]["deadline_ratio"] for t in traces] for p in policies},
                  "deadline satisfactory ratio", "ElasticFlow Fig. 8(b) reproduction")

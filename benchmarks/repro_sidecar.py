@@ -14,13 +14,14 @@ Writes docs/results/sidecar_fig6.{md,json,png}.
 from __future__ import annotations
 
 import argparse
+import sys
 import math
 
 import numpy as np
 
 from repro_common import RESULTS, Case, markdown_table, plt, run_cases, save
 
-POLICIES = ["k8s-default", "termination", "reshaping"]
+POLICIES = ["k8s-default", "termination", "reshaping", "tidal"]
 
 
 def sidecar_jobs(seed: int) -> list:
@@ -67,7 +68,7 @@ def main() -> None:
                                   "rescales / run"])
     table += f"\nMeans over {args.seeds} seeded workloads on {args.cluster}. SideCar paper: reshaping −45% makespan, −63% JCT at best.\n"
     print(table)
-    save("sidecar_fig6", res, table, f"python benchmarks/repro_sidecar.py --seeds {args.seeds}")
+    save("sidecar_fig6", res, table, " ".join(["python", *sys.argv]))
     p = plt()
     fig, axes = p.subplots(1, 2, figsize=(9, 3.5))
     for ax, key in zip(axes, ("makespan", "avg_jct")):
