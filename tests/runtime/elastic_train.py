@@ -72,10 +72,11 @@ def main() -> None:
                "world": job.world_size, "rank": job.rank, "gen": job.gen.gen if job.gen else 0}
         loss = torch.nn.functional.mse_loss(model(xb), yb)
         loss.backward()
-        job.step()
+        applied = job.step()  # False: a peer died, the step was dropped and will be redone
         sched.step()
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
+        if applied:
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
         if a.sleep and not os.path.exists(os.path.join(a.out, "fast")):
             time.sleep(a.sleep)  # slow steps while the test rescales; the test lifts it via the "fast" file
     log.close()

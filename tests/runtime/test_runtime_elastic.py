@@ -21,19 +21,20 @@ N, BATCH, EPOCHS, SEED = 510, 25, 30, 0
 TOL = 1e-5
 
 
-def reference_run(splits: list[int] | None = None, weighted: bool = True) -> dict[str, torch.Tensor]:
+def reference_run(splits: list[int] | None = None, weighted: bool = True, n: int = N, batch: int = BATCH,
+                  epochs: int = EPOCHS) -> dict[str, torch.Tensor]:
     """A plain single-process PyTorch loop over the same seeded epochs with the
     fixed global batch. With ``splits`` (world size per step) the batch is
     split like the elastic run and per-slice mean-loss gradients are combined
     either weighted by slice size (what the runtime claims) or unweighted."""
-    x, y = make_data(N, SEED)
+    x, y = make_data(n, SEED)
     model = make_model(SEED)
     opt, sched = make_opt(model)
     t = 0
-    for e in range(EPOCHS):
-        perm = epoch_permutation(N, SEED, e)
-        for start in range(0, N, BATCH):
-            idx = perm[start : start + BATCH]
+    for e in range(epochs):
+        perm = epoch_permutation(n, SEED, e)
+        for start in range(0, n, batch):
+            idx = perm[start : start + batch]
             if splits is None:
                 torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
             else:
@@ -127,3 +128,31 @@ def test_scale_2_4_3_1_2_exactly_once_and_fixed_run_equivalence(tmp_path: Path) 
     summaries = [json.loads(p.read_text()) for p in out.glob("summary-*.json")]
     pauses = [p["pause_s"] for s in summaries for p in s["pauses"]]
     assert pauses and max(pauses) < 5.0
+
+
+@pytest.mark.timeout(120)
+def test_a_dying_worker_is_survived_with_exactly_once_data_and_equal_parameters(tmp_path: Path) -> None:
+    """A worker dies abruptly mid-training: the survivors' all-reduce fails,
+    they drop that step, re-form without it (same processes) and finish; data
+    is still used exactly once and the model still equals the fixed-size run."""
+    out, home = tmp_path / "out", tmp_path / "home"
+    out.mkdir()
+    n, batch, epochs = 300, 20, 4
+    proc = launch("crash", 3, out, home, "--n", str(n), "--batch", str(batch), "--epochs", str(epochs),
+                  "--crash-at", "7", "--crash-worker", "w2", timeout=100)
+    try:
+        text, _ = proc.communicate(timeout=100)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, text
+    assert "worker w2 failed with exit code 3" in text and "recover 3->2" in text, text
+    steps = read_steps(out)
+    check_exactly_once(steps, n, batch, epochs)
+    assert max(r["step"] for r in steps["w2"]) == 6  # w2 applied steps 0..6, then died
+    finals = sorted(out.glob("final-*.pt"))
+    assert [f.name for f in finals] == ["final-w0.pt", "final-w1.pt"]
+    ref = reference_run(n=n, batch=batch, epochs=epochs)
+    for f in finals:
+        assert max_rel_diff(torch.load(f), ref) <= TOL

@@ -152,3 +152,40 @@ def test_shard_mode_over_http_exactly_once() -> None:
         assert sorted(got) == list(range(200))
     finally:
         s.stop()
+
+
+class _Spawner:
+    def __init__(self) -> None:
+        self.gone: list[str] = []
+
+    def __call__(self, ids: list[str], hosts: list[str] | None = None) -> None:
+        pass
+
+    def dead(self) -> list[str]:
+        return self.gone
+
+
+def test_failure_recovery_forms_a_generation_of_the_survivors() -> None:
+    sp = _Spawner()
+    m = formed(3, spawner=sp, recovery_window_s=60)
+    m.scale_out(1)
+    m.register("w3")
+    assert m.plan is not None
+    cancelled = m.plan.target.prefix
+    sp.gone = ["w1"]
+    m.failed("w2", gen=1, step=9)
+    assert m.assignment("w2", after_gen=1)["status"] == "wait"  # w0 (alive) has not reported yet
+    m.failed("w0", gen=1, step=8)
+    a = m.assignment("w2", after_gen=1)
+    assert a["status"] == "assigned" and a["generation"]["members"] == ["w0", "w2"]
+    assert m.assignment("w1", after_gen=1)["status"] == "finished"
+    assert m.store.get(cancelled + "go") == b"cancel"  # the pending scale-out's newcomer exits
+    st = m.status()
+    assert st.state == "running" and st.gen == 3 and st.changes[-1]["kind"] == "recover"
+    assert m.scale_out(1).accepted  # the job takes requests again
+
+
+def test_failure_recovery_window_without_process_knowledge() -> None:
+    m = formed(2, recovery_window_s=0.0)
+    m.failed("w1", gen=1, step=3)
+    assert m.status().members == ("w1",)

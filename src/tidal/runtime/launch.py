@@ -66,6 +66,10 @@ class LocalSpawner:
                 self.procs[wid] = p
             log.info("started worker %s (pid %d)", wid, p.pid)
 
+    def dead(self) -> list[str]:
+        """Workers whose process exited with an error."""
+        return [w for w, c in self.poll().items() if c not in (None, 0)]
+
     def poll(self) -> dict[str, int | None]:
         with self._lock:
             return {w: p.poll() for w, p in self.procs.items()}
@@ -109,17 +113,16 @@ def run_job(
     master.spawned = workers
     spawner([f"w{i}" for i in range(workers)])
     t0 = time.time()
-    rc, last_print, failed, printed_finish = 0, 0.0, None, False
+    rc, last_print, printed_finish = 0, 0.0, False
+    reported: set[str] = set()
     try:
         while True:
             time.sleep(0.1)
             codes = spawner.poll()
-            failed = next((w for w, c in codes.items() if c not in (None, 0)), None)
-            if failed is not None:
-                out(f"tidal run: worker {failed} failed with exit code {codes[failed]}; stopping the job")
-                spawner.terminate()
-                rc = 1
-                break
+            for w, c in codes.items():
+                if c not in (None, 0) and w not in reported:
+                    reported.add(w)
+                    out(f"tidal run: worker {w} failed with exit code {c}; the survivors re-form without it")
             if codes and all(c is not None for c in codes.values()):
                 break
             if timeout_s is not None and time.time() - t0 > timeout_s:
@@ -145,7 +148,7 @@ def run_job(
         server.stop()
         jf.unlink(missing_ok=True)
     if rc == 0 and st.state != "finished":
-        rc = 1
+        rc = 1  # every worker exited but the job did not finish (e.g. all of them failed)
     out(f"tidal run: summary: job {job} {st.state} after {time.time() - t0:.1f}s, {st.step} steps, "
         f"epoch {st.epoch}, final workers {st.world_size}, {len(st.changes)} rescale(s)")
     for c in st.changes:

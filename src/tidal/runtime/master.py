@@ -24,6 +24,7 @@ Worker-facing
   ``POST /heartbeat Progress``       -> {"plan": Plan|null, "finished": bool}
   (the same exchange also runs through the TCPStore keys ``tidal/<job>/progress``
   and ``tidal/<job>/plan``, which is what workers use every step)
+  ``POST /failed {"worker_id", "gen", "step"}`` (a collective failed: recovery),
   ``POST /agreed {"gen", "switch_step"}``, ``POST /switched {"gen", "step",
   "pause_s"}``, ``POST /left {"worker_id"}``, ``POST /done {"step", "cursor"}``
   ``POST /shard/next|progress|complete|release`` (shard mode, EDL §4.3)
@@ -78,6 +79,7 @@ class JobMaster:
         resume: bool = False,
         shard_manager: ShardManager | None = None,
         max_workers: int | None = None,
+        recovery_window_s: float = 20.0,
     ) -> None:
         import torch.distributed as dist  # heavy import, only where needed
 
@@ -89,6 +91,8 @@ class JobMaster:
         self.join_timeout_s = float(join_timeout_s)
         self.shards = shard_manager
         self.max_workers = max_workers
+        self.recovery_window_s = float(recovery_window_s)
+        self.recovery: dict[str, Any] | None = None  # survivors of a failed generation reporting in
         self._lock = threading.RLock()
         self.store = dist.TCPStore(
             store_host, store_port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
@@ -109,6 +113,7 @@ class JobMaster:
         self.progress: dict[str, Any] = {"step": 0, "cursor": 0, "epoch": 0, "step_time_s": 0.0, "gen": 0}
         self.changes: list[dict[str, Any]] = []
         self.plans: dict[int, dict[str, Any]] = {}  # every published plan, by target generation
+        self.last_gen = 0
         self.finished = False
         self.spawned = 0
         self.started_at = time.time()
@@ -140,6 +145,7 @@ class JobMaster:
                 "plans": {str(k): v for k, v in list(self.plans.items())[-16:]},
                 "finished": self.finished,
                 "spawned": self.spawned,
+                "last_gen": self.last_gen,
                 "shards": self.shards.snapshot() if self.shards else None,
             }
 
@@ -161,6 +167,7 @@ class JobMaster:
         self.plans = {int(k): v for k, v in s.get("plans", {}).items()}
         self.finished = s["finished"]
         self.spawned = s.get("spawned", 0)
+        self.last_gen = int(s.get("last_gen", 0))
         if s.get("shards"):
             self.shards = ShardManager.from_snapshot(s["shards"])
         if self.plan is not None:  # a pending switch now rendezvouses on this master's store
@@ -177,7 +184,9 @@ class JobMaster:
 
     # ------------------------------------------------------------------ helpers
     def _new_gen(self, members: list[str]) -> Generation:
-        g = (self.gen.gen if self.gen else 0) + 1
+        # generation numbers (and store prefixes) are never reused, even for an abandoned plan
+        g = max(self.last_gen, self.gen.gen if self.gen else 0) + 1
+        self.last_gen = g
         return Generation(g, tuple(members), self.store_host, self.store_port, f"tidal/{self.job}/g{g}/")
 
     def _k(self) -> int:
@@ -363,10 +372,15 @@ class JobMaster:
         return {"status": "ok", "job": self.job, "store_host": self.store_host, "store_port": self.store_port,
                 "plan_key": self.plan_key, "progress_key": self.progress_key}
 
-    def assignment(self, worker_id: str) -> dict[str, Any]:
+    def assignment(self, worker_id: str, after_gen: int = 0) -> dict[str, Any]:
         with self._lock:
             if self.finished:
                 return {"status": "finished"}
+            self._check_recovery()
+            if after_gen and (self.gen is None or self.gen.gen <= after_gen):
+                return {"status": "wait"}  # a survivor waits for the recovery generation
+            if after_gen and self.gen is not None and worker_id not in self.gen.members:
+                return {"status": "finished"}  # declared dead: do not come back
             if self.plan is not None and worker_id in self.plan.joiners:
                 return {"status": "assigned", "generation": self.plan.target.to_json(), "joining": True}
             if self.gen is not None and worker_id in self.gen.members:
@@ -426,6 +440,55 @@ class JobMaster:
             self._start_queued_change()
             self._save()
             return {"status": "ok"}
+
+    def failed(self, worker_id: str, gen: int, step: int) -> dict[str, Any]:
+        """A survivor's collective failed in generation ``gen`` (a peer died).
+        Survivors that report within ``recovery_window_s`` (or until every
+        member not known dead has reported) form the next generation."""
+        with self._lock:
+            if self.gen is None or gen != self.gen.gen or self.finished:
+                return {"status": "ok"}
+            if self.recovery is None or self.recovery["gen"] != gen:
+                self.recovery = {"gen": gen, "reporters": [], "started": time.time(), "step": int(step)}
+                log.warning("generation %d failed at step %d (reported by %s)", gen, step, worker_id)
+            if worker_id not in self.recovery["reporters"]:
+                self.recovery["reporters"].append(worker_id)
+            self._check_recovery()
+            return {"status": "ok"}
+
+    def _check_recovery(self) -> None:
+        r = self.recovery
+        if r is None or self.gen is None or r["gen"] != self.gen.gen:
+            return
+        dead = set(self.spawner.dead()) if self.spawner is not None and hasattr(self.spawner, "dead") else set()
+        expected = [w for w in self.gen.members if w not in dead]
+        if set(r["reporters"]) < set(expected) and time.time() - r["started"] < self.recovery_window_s:
+            return
+        old = self.gen
+        survivors = [w for w in old.members if w in r["reporters"]]
+        if not survivors:
+            return
+        if self.plan is not None:  # a change in flight is abandoned; its newcomers exit
+            self.store.set(self.plan.target.prefix + "go", "cancel")
+            self.store.set(self.plan_key, "")
+            for w in self.plan.joiners:
+                self.workers[w]["state"] = "left"
+            for w in self.plan.leavers:
+                if w in survivors:
+                    survivors.remove(w)  # it was leaving anyway
+        self.plan = None
+        self.change = None
+        self.gen = self._new_gen(survivors)
+        for w in old.members:
+            if w not in survivors:
+                self.workers[w]["state"] = "failed"
+        self.store.set(self.gen.prefix + "go", "go")
+        self.changes.append(ChangeRecord(
+            gen=self.gen.gen, kind="recover", from_size=old.world_size, to_size=self.gen.world_size,
+            switch_step=int(r["step"]), requested_at=float(r["started"]), switched_at=time.time()).__dict__)
+        self.recovery = None
+        log.warning("recovered: gen %d with %s", self.gen.gen, survivors)
+        self._save()
 
     def left(self, worker_id: str) -> dict[str, Any]:
         with self._lock:
@@ -530,7 +593,9 @@ class _Handler(BaseHTTPRequestHandler):
             if p == "/register":
                 return self._send(200, m.register(body["worker_id"], int(body.get("pid", 0)), str(body.get("host", ""))))
             if p == "/assignment":
-                return self._send(200, m.assignment(q.get("worker_id") or body["worker_id"]))
+                return self._send(200, m.assignment(q.get("worker_id") or body["worker_id"], int(q.get("after_gen", 0))))
+            if p == "/failed":
+                return self._send(200, m.failed(body["worker_id"], int(body["gen"]), int(body["step"])))
             if p == "/heartbeat":
                 return self._send(200, m.heartbeat(body))
             if p == "/agreed":

@@ -71,6 +71,14 @@ class GradReducer:
         self.last_redo = False  # whether the last step took the synchronous fallback (on every rank)
         self._next = 0
 
+    def abort(self) -> None:
+        """Drop in-flight work after a failed collective, so the broken process
+        group can really be torn down (its sockets closed, which is how the
+        other survivors notice quickly)."""
+        self.active = False
+        for b in self.buckets:
+            b.work = None
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()

@@ -28,6 +28,7 @@ update for any split of the global batch.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import logging
@@ -102,6 +103,8 @@ class Job:
         self._agreed: tuple[Plan | None, int, int] | None = None  # (plan, gen, switch_step)
         self._report_agreed: tuple[int, int] | None = None
         self._report_switched: dict[str, Any] | None = None
+        self._failed = False
+        self._step_snapshot: dict[str, Any] | None = None  # user-side state at the start of the step
         self._agreed_lock = threading.Lock()  # _agreed is completed by the heartbeat thread
         self._stores: dict[tuple[str, int, str], Any] = {}
         self._lr_applied = 1.0
@@ -164,16 +167,38 @@ class Job:
             return self._slice.epoch
         return self.cursor // self._data.n if self._data is not None and self._data.n else 0
 
-    def step(self, optimizer_step: bool = True) -> None:
+    def step(self, optimizer_step: bool = True) -> bool:
         """Mark the batch boundary (EDL's notify_batch_end): all-reduce the
-        gradients weighted by local batch size, step the optimizer, advance the
-        data cursor, and switch generations if this is the agreed step."""
+        gradients weighted by local batch size, step the optimizer and advance
+        the data cursor; a planned switch follows at the next batch.
+
+        Returns False if the step was dropped because a peer died during the
+        all-reduce: nothing was applied, and the survivors re-form at the next
+        batch, continuing from the most advanced survivor's state."""
         if self._slice is None:
             raise RuntimeError("job.step() called outside of a batch of job.data(...)")
         if self.state is None:
             raise RuntimeError("call job.register_state(model, optimizer) first")
         sl = self._slice
-        self._allreduce(sl)
+        try:
+            self._allreduce(sl)
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError subclasses
+            if self.client is None:
+                raise
+            log.warning("worker %s: all-reduce failed at step %d (%s); recovering", self.worker_id, self.step_count, e)
+            self._failed = True
+            self._slice, self._stepped = None, True
+            if self.reducer is not None:
+                self.reducer.abort()
+            try:  # close the broken group's sockets now: peers blocked on us fail fast too
+                dist.destroy_process_group()
+            except Exception as e2:  # noqa: BLE001
+                log.debug("destroy after failure: %s", e2)
+            if self.state.optimizer is not None:
+                self.state.optimizer.zero_grad()
+            with self._agreed_lock:
+                self._agreed = None
+            return False
         opt = self.state.optimizer
         if optimizer_step and opt is not None:
             self._apply_lr()
@@ -189,6 +214,7 @@ class Job:
         self._last_step_end = now
         self.step_ends.append((self.step_count, time.time(), self.world_size))
         self._hb_event.set()
+        return True
 
     def close(self) -> None:
         """Stop the heartbeat and leave the process group (idempotent)."""
@@ -231,6 +257,10 @@ class Job:
             return False
         if not self._stepped:
             raise RuntimeError("call job.step() once per batch")
+        if self._failed:
+            self._recover()
+            if self.finished:
+                return False
         if self.end_cursor is not None and self.cursor >= self.end_cursor:
             self._finish()
             return False
@@ -251,6 +281,13 @@ class Job:
             self.reducer = GradReducer(list(self.state.model.parameters()), overlap=self.overlap)
         weight = sl.local_size / sl.global_size if sl.global_size else 0.0
         self.reducer.begin(weight, dist.is_initialized() and self.world_size > 1)
+        if self.client is not None:  # what user code may change after a dropped step (scheduler, extras, RNG)
+            st = self.state
+            self._step_snapshot = {
+                "scheduler": copy.deepcopy(st.scheduler.state_dict()) if st.scheduler is not None else None,
+                "extras": copy.deepcopy(st.extras),
+                "rng": torch.get_rng_state(),
+            }
 
     # ------------------------------------------------------------------ group management
     def _store(self, host: str, port: int, tag: str = "") -> Any:
@@ -265,11 +302,12 @@ class Job:
         dist.init_process_group("gloo", store=store, rank=g.rank_of(self.worker_id), world_size=g.world_size, timeout=self.pg_timeout)
         self.gen, self.rank, self.world_size = g, g.rank_of(self.worker_id), g.world_size
 
-    def _sync_state(self) -> None:
-        """Broadcast the full state from the new rank 0 (an existing worker)."""
+    def _sync_state(self, src: int = 0) -> None:
+        """Broadcast the full state from ``src`` (the new rank 0, an existing
+        worker; after a failure, the most advanced survivor)."""
         assert self.state is not None
         payload: list[dict[str, Any] | None] = [None]
-        if self.rank == 0:
+        if self.rank == src:
             payload = [{
                 "state": self.state.state_dict(),
                 "cursor": self.cursor,
@@ -277,8 +315,8 @@ class Job:
                 "policy": self.policy.state_dict(),
                 "lr_applied": self._lr_applied,
             }]
-        payload = [broadcast_state(payload[0], src=0)]
-        if self.rank != 0:
+        payload = [broadcast_state(payload[0], src=src)]
+        if self.rank != src:
             p = payload[0]
             assert p is not None
             self.state.load_state_dict(p["state"])
@@ -380,6 +418,55 @@ class Job:
             self._report_switched = {"gen": g.gen, "step": self.step_count, "pause_s": pause}
             self._hb_event.set()
         log.info("worker %s switched to gen %d rank %d/%d at step %d in %.1f ms", self.worker_id, g.gen, self.rank, self.world_size, self.step_count, 1e3 * pause)
+
+    def _recover(self) -> None:
+        """A peer died during the all-reduce (EDL/Elan failure handling): leave
+        the broken group, report to the master, join the generation of the
+        survivors it forms, and continue from the most advanced survivor's
+        state (a survivor may have completed the failed step)."""
+        assert self.client is not None and self.state is not None and self.gen is not None
+        t0, wall0 = time.perf_counter(), time.time()
+        snap, st = self._step_snapshot, self.state
+        if snap is not None:  # undo user-side effects of the dropped step
+            if st.scheduler is not None and snap["scheduler"] is not None:
+                st.scheduler.load_state_dict(snap["scheduler"])
+            st.extras.clear()
+            st.extras.update(snap["extras"])
+            torch.set_rng_state(snap["rng"])
+        failed_gen, old_world = self.gen.gen, self.world_size
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.client.post("/failed", {"worker_id": self.worker_id, "gen": failed_gen, "step": self.step_count})
+        deadline = time.monotonic() + self.join_timeout_s
+        while True:
+            a = self.client.get("/assignment", worker_id=self.worker_id, after_gen=failed_gen)
+            if a["status"] == "finished":
+                self.finished = True
+                self.close()
+                return
+            if a["status"] == "assigned":
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self.worker_id}: no recovery generation within {self.join_timeout_s}s")
+            time.sleep(0.01)
+        g = Generation.from_json(a["generation"])
+        self._init_group(g)
+        mine = torch.tensor([float(self.step_count)], dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        best = int(mine.item())
+        cand = torch.tensor([float(self.rank if self.step_count == best else self.world_size)], dtype=torch.float64)
+        dist.all_reduce(cand, op=dist.ReduceOp.MIN)
+        self._sync_state(src=int(cand.item()))
+        self.global_batch_size = self.policy.rescale(self.step_count, old_world, self.world_size)
+        self._failed = False
+        for h in self.hooks:
+            h(old_world, self.world_size)
+        pause = time.perf_counter() - t0
+        self.pauses.append({"gen": g.gen, "step": self.step_count, "from": old_world, "to": self.world_size,
+                            "pause_s": pause, "wall_start": wall0, "kind": "recover"})
+        self._last_step_end = None
+        log.warning("worker %s recovered in gen %d as rank %d/%d at step %d (%.0f ms)", self.worker_id, g.gen,
+                    self.rank, self.world_size, self.step_count, 1e3 * pause)
 
     def _finish(self) -> None:
         self.finished = True
