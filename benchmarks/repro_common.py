@@ -117,7 +117,7 @@ def plt():
 def grouped_bars(path: Path, groups: list[str], series: dict[str, list[float | None]], ylabel: str, title: str) -> None:
     """One group of bars per label (trace), one bar per policy."""
     p = plt()
-    fig, ax = p.subplots(figsize=(max(6, 1.2 * len(groups) + 2), 3.8))
+    fig, ax = p.subplots(figsize=(max(7, 1.3 * len(groups) + 3), 3.8))
     n = len(series)
     width = 0.8 / max(n, 1)
     for k, (name, vals) in enumerate(series.items()):
@@ -127,7 +127,7 @@ def grouped_bars(path: Path, groups: list[str], series: dict[str, list[float | N
     ax.set_xticklabels(groups, rotation=20, ha="right")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(fontsize="small", ncol=min(n, 4))
+    ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     p.close(fig)
