@@ -30,7 +30,7 @@ from sqlalchemy import select
 
 from tidal.core.overhead import OverheadModel
 from tidal.control.db import GPU, Job, Store, Worker
-from tidal.control.snapshot import ACTIVE, build_snapshot
+from tidal.control.snapshot import build_snapshot
 from tidal.scheduler.api import Policy, get_policy
 
 log = logging.getLogger(__name__)

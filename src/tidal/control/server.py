@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import func, select
 
 from tidal.control.coordinator import Coordinator
-from tidal.control.db import GPU, Event, Job, Node, Store, User, Worker
+from tidal.control.db import GPU, Event, Job, Node, Store, Worker
 from tidal.control.spec import JobSubmission
 
 log = logging.getLogger(__name__)

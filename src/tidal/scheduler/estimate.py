@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from tidal.core.job import JobSpec
-from tidal.scheduler.api import JobView, Snapshot
+from tidal.scheduler.api import JobView, Plan, Snapshot, schedulable
 
 
 def rigid_count(spec: JobSpec, cap: int) -> int:
@@ -46,3 +46,19 @@ def best_count(snap: Snapshot, job: JobView | JobSpec, cap: int) -> int:
         if v > best_v * (1 + 1e-9):
             best_n, best_v = c, v
     return best_n
+
+
+def keep_running(snap: Snapshot, plan: Plan) -> tuple[int, list[JobView]]:
+    """Non-preemptive policies: every running job keeps its GPU count (entered
+    in ``plan.allocation``). Returns the GPUs left and the waiting jobs in
+    submission order."""
+    free = snap.cluster.num_gpus
+    queue = []
+    for j in schedulable(snap, plan):
+        if j.running:
+            plan.allocation[j.job_id] = j.n
+            free -= j.n
+        else:
+            queue.append(j)
+    queue.sort(key=lambda j: (j.spec.submit_time, j.job_id))
+    return free, queue

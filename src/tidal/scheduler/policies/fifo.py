@@ -7,20 +7,12 @@ every job behind it.
 
 from __future__ import annotations
 
-from tidal.scheduler.api import Plan, Policy, Snapshot, register_policy, schedulable
-from tidal.scheduler.estimate import rigid_count
+from tidal.scheduler.api import Plan, Policy, Snapshot, register_policy
+from tidal.scheduler.estimate import keep_running, rigid_count
 
 
 def fifo_allocation(snap: Snapshot, plan: Plan) -> None:
-    free = snap.cluster.num_gpus
-    queue = []
-    for j in schedulable(snap, plan):
-        if j.running:
-            plan.allocation[j.job_id] = j.n
-            free -= j.n
-        else:
-            queue.append(j)
-    queue.sort(key=lambda j: (j.spec.submit_time, j.job_id))
+    free, queue = keep_running(snap, plan)
     for j in queue:
         n = rigid_count(j.spec, snap.cluster.num_gpus)
         if n > free:

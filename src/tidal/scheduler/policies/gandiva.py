@@ -37,7 +37,8 @@ from collections import defaultdict
 from itertools import combinations
 
 from tidal.core.topology import Cluster
-from tidal.scheduler.api import Plan, Policy, Snapshot, register_policy, schedulable
+from tidal.scheduler.api import Plan, Policy, Snapshot, register_policy
+from tidal.scheduler.estimate import keep_running
 from tidal.scheduler.policies.themis import runnable_count
 
 _MAX_SUBSET_JOBS = 10  # jobs considered for moving off one node (2^10 subsets at most)
@@ -45,15 +46,7 @@ _MAX_SUBSET_JOBS = 10  # jobs considered for moving off one node (2^10 subsets a
 
 def gandiva_allocation(snap: Snapshot, plan: Plan) -> None:
     """Running jobs keep their count; waiting jobs start oldest first if they fit."""
-    free = snap.cluster.num_gpus
-    queue = []
-    for j in schedulable(snap, plan):
-        if j.running:
-            plan.allocation[j.job_id] = j.n
-            free -= j.n
-        else:
-            queue.append(j)
-    queue.sort(key=lambda j: (j.spec.submit_time, j.job_id))
+    free, queue = keep_running(snap, plan)
     for j in queue:
         n = runnable_count(snap, j)
         if 0 < n <= free:

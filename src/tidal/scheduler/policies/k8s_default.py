@@ -14,8 +14,8 @@ from __future__ import annotations
 import zlib
 
 from tidal.core.job import JobSpec
-from tidal.scheduler.api import Plan, Policy, Snapshot, register_policy, schedulable
-from tidal.scheduler.estimate import rigid_count
+from tidal.scheduler.api import Plan, Policy, Snapshot, register_policy
+from tidal.scheduler.estimate import keep_running, rigid_count
 
 
 def fixed_count(snap: Snapshot, spec: JobSpec) -> int:
@@ -35,15 +35,8 @@ def fixed_count(snap: Snapshot, spec: JobSpec) -> int:
 @register_policy("k8s-default")
 class K8sDefault(Policy):
     def allocation(self, snap: Snapshot, plan: Plan) -> None:
-        free = snap.cluster.num_gpus
-        queue = []
-        for j in schedulable(snap, plan):
-            if j.running:
-                plan.allocation[j.job_id] = j.n
-                free -= j.n
-            else:
-                queue.append(j)
-        for j in sorted(queue, key=lambda j: (j.spec.submit_time, j.job_id)):
+        free, queue = keep_running(snap, plan)
+        for j in queue:
             n = fixed_count(snap, j.spec)
             if n <= free:
                 plan.allocation[j.job_id] = n
