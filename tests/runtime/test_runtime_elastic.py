@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from runtime_helpers import check_exactly_once, launch, master_url, read_steps
-from elastic_train import Pairs, make_data, make_model, make_opt
+from elastic_train import make_data, make_model, make_opt
 from tidal.runtime.client import MasterClient
 from tidal.runtime.data import epoch_permutation, split_sizes
 

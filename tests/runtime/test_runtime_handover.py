@@ -13,7 +13,8 @@ import pytest
 from runtime_helpers import TRAIN, check_exactly_once, env, read_steps
 from tidal.runtime.client import MasterClient
 from tidal.runtime.launch import LocalSpawner
-from tidal.runtime.master import JobMaster, MasterServer
+from tidal.runtime.master import JobMaster
+from tidal.runtime.server import MasterServer
 
 N, BATCH, EPOCHS = 300, 20, 30
 

@@ -10,7 +10,8 @@ import pytest
 
 from tidal.runtime.client import MasterClient
 from tidal.runtime.data import ShardManager, ShardReader
-from tidal.runtime.master import JobMaster, MasterServer
+from tidal.runtime.master import JobMaster
+from tidal.runtime.server import MasterServer
 from tidal.runtime.messages import Plan
 from tidal.runtime.persistence import open_backend
 

@@ -6,17 +6,19 @@ Job master: :class:`JobMaster`, :class:`MasterServer`, :class:`MasterClient`.
 """
 
 from tidal.runtime.client import MasterClient, MasterUnavailable
-from tidal.runtime.data import ElasticBatchIterator, ShardManager, epoch_permutation, split_sizes, step_slice
-from tidal.runtime.master import JobMaster, MasterServer
+from tidal.runtime.data import ElasticBatchIterator, ShardManager, ShardReader, epoch_permutation, split_sizes, step_slice
+from tidal.runtime.master import JobMaster
+from tidal.runtime.server import MasterServer
 from tidal.runtime.messages import Generation, Plan, ScaleAnswer, Status
+from tidal.runtime.reducer import GradReducer
 from tidal.runtime.persistence import StateBackend, open_backend, register_backend
 from tidal.runtime.scaling import BatchPolicy, HybridScaling, StrongScaling, WeakScaling, make_policy
 from tidal.runtime.state import ElasticState
 from tidal.runtime.worker import Job, init
 
 __all__ = [
-    "BatchPolicy", "ElasticBatchIterator", "ElasticState", "Generation", "HybridScaling", "Job", "JobMaster",
-    "MasterClient", "MasterServer", "MasterUnavailable", "Plan", "ScaleAnswer", "ShardManager", "StateBackend",
+    "BatchPolicy", "ElasticBatchIterator", "ElasticState", "Generation", "GradReducer", "HybridScaling", "Job", "JobMaster",
+    "MasterClient", "MasterServer", "MasterUnavailable", "Plan", "ScaleAnswer", "ShardManager", "ShardReader", "StateBackend",
     "Status", "StrongScaling", "WeakScaling", "epoch_permutation", "init", "make_policy", "open_backend",
     "register_backend", "split_sizes", "step_slice",
 ]

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from tidal.runtime.client import MasterClient
-from tidal.runtime.master import JobMaster, MasterServer
+from tidal.runtime.master import JobMaster
+from tidal.runtime.server import MasterServer
 from tidal.runtime.persistence import open_backend
 from tidal.runtime.worker import ENV_MASTER, ENV_WORKER
 

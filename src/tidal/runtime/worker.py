@@ -11,10 +11,10 @@ A training script adds a few lines (see ``examples/``)::
 How a change happens without stopping (EDL §4.2, Elan §V-B):
 
 1. The master publishes a plan (target generation, switch step ``t_cur + k``).
-2. Rank 0 learns it on its asynchronous heartbeat and piggy-backs two numbers
-   (target generation, switch step) on the next gradient all-reduce, so every
-   rank agrees at the same step at no extra round trip; the effective switch
-   step is ``max(planned, t + 1)``.
+2. Rank 0 learns it on its asynchronous heartbeat and contributes two numbers
+   (target generation, switch step) to the small control tensor reduced with
+   the next step's gradients, so every rank agrees at the same step at no
+   extra synchronisation; the effective switch step is ``max(planned, t + 1)``.
 3. At that boundary leavers exit; survivors ``destroy_process_group`` and
    ``init_process_group`` at the new size with the generation's store prefix
    (same processes); newcomers, which were blocked on the generation's ``go``
@@ -22,8 +22,9 @@ How a change happens without stopping (EDL §4.2, Elan §V-B):
    new rank 0 (always an existing worker).
 
 Strong scaling: each rank multiplies its gradient of the *mean* local loss by
-``b_r / B`` before the SUM all-reduce, so the update equals the fixed-size
-update for any split of the global batch.
+``b_r / B`` before the SUM all-reduce (:mod:`tidal.runtime.reducer`), so the
+update equals the fixed-size update for any split of the global batch. A peer
+that dies is survived: see :meth:`Job._recover`.
 """
 
 from __future__ import annotations
