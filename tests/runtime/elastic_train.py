@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--crash-at", type=int, default=-1, help="worker --crash-worker dies at this step (tests)")
     ap.add_argument("--crash-worker", default="w1")
+    ap.add_argument("--scaling", default="strong", choices=["strong", "weak", "hybrid"])
     a = ap.parse_args()
 
     job = tidal.runtime.init()
@@ -64,15 +65,17 @@ def main() -> None:
     opt, sched = make_opt(model)
     job.register_state(model, opt, sched)
     log = open(os.path.join(a.out, f"steps-{job.worker_id}.jsonl"), "w")
-    loader = job.data(Pairs(x, y), batch_size=a.batch, epochs=a.epochs, seed=a.seed)
+    loader = job.data(Pairs(x, y), batch_size=a.batch, epochs=a.epochs, seed=a.seed, scaling=a.scaling)
     for xb, yb in loader:
         if job.step_count == a.crash_at and job.worker_id == a.crash_worker:
             os._exit(3)  # die abruptly, like a lost host
         rec = {"step": job.step_count, "epoch": loader.epoch, "idx": loader.last_indices,
-               "world": job.world_size, "rank": job.rank, "gen": job.gen.gen if job.gen else 0}
+               "world": job.world_size, "rank": job.rank, "gen": job.gen.gen if job.gen else 0,
+               "B": job.global_batch_size}
         loss = torch.nn.functional.mse_loss(model(xb), yb)
         loss.backward()
         applied = job.step()  # False: a peer died, the step was dropped and will be redone
+        rec.update(lr=opt.param_groups[0]["lr"], lr_step=sched.last_epoch)  # the LR this step used
         sched.step()
         if applied:
             log.write(json.dumps(rec) + "\n")

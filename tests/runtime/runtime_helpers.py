@@ -43,7 +43,7 @@ def read_steps(out: Path) -> dict[str, list[dict[str, Any]]]:
             for p in sorted(out.glob("steps-*.jsonl"))}
 
 
-def check_exactly_once(steps: dict[str, list[dict[str, Any]]], n: int, batch: int, epochs: int) -> int:
+def check_exactly_once(steps: dict[str, list[dict[str, Any]]], n: int, batch: int | None, epochs: int) -> int:
     """Every index of every epoch used exactly once; every step's shares add up
     to the global batch. Returns the number of global steps seen."""
     by_step: dict[int, list[dict[str, Any]]] = {}
@@ -59,6 +59,9 @@ def check_exactly_once(steps: dict[str, list[dict[str, Any]]], n: int, batch: in
             per_epoch[r["epoch"]].extend(r["idx"])
     for e, idx in per_epoch.items():
         assert len(idx) == n and sorted(idx) == list(range(n)), f"epoch {e}: {len(idx)} indices, {len(set(idx))} distinct"
-    steps_per_epoch = -(-n // batch)
-    assert sorted(by_step) == list(range(epochs * steps_per_epoch))
+    if batch is None:  # the global batch changed with the world size (weak/hybrid scaling)
+        assert sorted(by_step) == list(range(len(by_step)))
+    else:
+        steps_per_epoch = -(-n // batch)
+        assert sorted(by_step) == list(range(epochs * steps_per_epoch))
     return len(by_step)
