@@ -26,12 +26,15 @@ def job(name, record: Path, samples, epochs, gpus, deadline, sample_time=0.01):
                      "--record", str(record / name)]}
 
 
-def wait(pred, timeout, what):
+def wait(pred, timeout, what, api=None):
     deadline = time.time() + timeout
     while time.time() < deadline:
         v = pred()
         if v:
             return v
+        if api is not None:  # a failed job will not get there: stop now
+            bad = [j for j in api.jobs() if j["state"] == "failed"]
+            assert not bad, f"job failed while waiting for {what}: {bad}"
         time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}")
 
@@ -62,20 +65,20 @@ def test_live_cluster_reshapes_real_jobs_and_survives_server_restart(tmp_path):
         admin = c.api()
         user = c.api(admin.add_user("alice"))
         a = user.submit(job("a", rec, samples=4096, epochs=6, gpus="1-8", deadline=3600))["id"]
-        wait(lambda: len(user.job(a)["gpus"]) == 8 and user.job(a)["step"] > 5, 120, "A to train on 8 GPUs")
+        wait(lambda: len(user.job(a)["gpus"]) == 8 and user.job(a)["step"] > 5, 120, "A to train on 8 GPUs", user)
         b = user.submit(job("b", rec, samples=1024, epochs=1, gpus="1-2", deadline=600))["id"]
         cc = user.submit(job("c", rec, samples=1024, epochs=1, gpus="1-4", deadline=900))["id"]
         # reshaping down: A gives GPUs to B and C without stopping
-        wait(lambda: user.job(b)["state"] == "running" and user.job(cc)["state"] == "running", 120, "B and C to start")
+        wait(lambda: user.job(b)["state"] == "running" and user.job(cc)["state"] == "running", 120, "B and C to start", user)
         assert len(user.job(a)["gpus"]) < 8
         c.restart_server()
         user = c.api(user.http.headers["Authorization"].split()[1])
         done = ("completed", "failed", "cancelled", "dropped")
-        wait(lambda: all(user.job(j)["state"] in done for j in (b, cc)), 200, "B and C to finish")
+        wait(lambda: all(user.job(j)["state"] in done for j in (b, cc)), 200, "B and C to finish", user)
         # the schedule continues after the restart: A scales out again
         wait(lambda: any(e["kind"] == "job.scale_out" for e in user.job(a)["events"]) or user.job(a)["state"] in done,
-             120, "A to scale out")
-        wait(lambda: user.job(a)["state"] in done, 240, "A to finish")
+             120, "A to scale out", user)
+        wait(lambda: user.job(a)["state"] in done, 240, "A to finish", user)
         jobs = {j["id"]: j for j in user.jobs()}
         assert all(jobs[j]["state"] == "completed" for j in (a, b, cc)), jobs
         kinds = [e["kind"] for e in user.job(a)["events"]]

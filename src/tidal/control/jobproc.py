@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-dir", default=None)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from tidal.runtime.master import JobMaster, MasterServer
+    from tidal.runtime import JobMaster, MasterServer
     from tidal.runtime.persistence import open_backend
 
     server = ServerClient(a.server, os.environ.get("TIDAL_AGENT_TOKEN", ""))
