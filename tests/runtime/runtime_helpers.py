@@ -22,10 +22,12 @@ def env(tidal_home: Path) -> dict[str, str]:
     return e
 
 
-def launch(job: str, workers: int, out: Path, home: Path, *script_args: str, timeout: float = 150) -> subprocess.Popen[str]:
+def launch(job: str, workers: int, out: Path, home: Path, *script_args: str, timeout: float = 150,
+           extra_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "tidal.runtime.launch", "run", "--workers", str(workers), "--job", job,
            "--timeout", str(timeout), str(TRAIN), "--out", str(out), *script_args]
-    return subprocess.Popen(cmd, env=env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, env=dict(env(home), **(extra_env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def master_url(job: str, home: Path, proc: subprocess.Popen[str], timeout: float = 30) -> str:

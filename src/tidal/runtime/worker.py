@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from tidal.runtime.client import MasterClient
 from tidal.runtime.data import ElasticBatchIterator, StepSlice, default_collate
+from tidal.runtime.faults import FaultInjector
 from tidal.runtime.messages import Generation, Plan
 from tidal.runtime.scaling import BatchPolicy, make_policy
 from tidal.runtime.reducer import GradReducer
@@ -116,6 +117,9 @@ class Job:
         self.pauses: list[dict[str, Any]] = []
         self.rtts_ms: deque[float] = deque(maxlen=100_000)
         self.joined_at_step = 0
+        self.failures: list[dict[str, Any]] = []  # detected peer failures (wall time, step)
+        self.faults = FaultInjector.from_env()  # $TIDAL_FAULTS (tests, users): see tidal.runtime.faults
+        self._batch_t0 = 0.0
         # heartbeat thread
         self._hb_event = threading.Event()
         self._hb_stop = threading.Event()
@@ -181,11 +185,14 @@ class Job:
         if self.state is None:
             raise RuntimeError("call job.register_state(model, optimizer) first")
         sl = self._slice
+        if self.faults:
+            self.faults.slowdown(time.perf_counter() - self._batch_t0)
         try:
             self._allreduce(sl)
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError subclasses
             if self.client is None:
                 raise
+            self.failures.append({"detected_at": time.time(), "step": self.step_count, "gen": self.gen.gen if self.gen else 0})
             log.warning("worker %s: all-reduce failed at step %d (%s); recovering", self.worker_id, self.step_count, e)
             self._failed = True
             self._slice, self._stepped = None, True
@@ -244,6 +251,7 @@ class Job:
             "coord_rtt_ms_p50": _pctl(list(self.rtts_ms), 0.5),
             "coord_rtt_ms_p99": _pctl(list(self.rtts_ms), 0.99),
             "heartbeats": len(self.rtts_ms),
+            "failures": self.failures,
         }
 
     # ------------------------------------------------------------------ iterator hooks
@@ -278,6 +286,9 @@ class Job:
         self._slice = sl
         self._stepped = False
         assert self.state is not None
+        if self.faults:
+            self.faults.before_step(self.worker_id, self.rank, self.step_count)
+        self._batch_t0 = time.perf_counter()
         if self.reducer is None:
             self.reducer = GradReducer(list(self.state.model.parameters()), overlap=self.overlap)
         weight = sl.local_size / sl.global_size if sl.global_size else 0.0
@@ -288,6 +299,10 @@ class Job:
                 "scheduler": copy.deepcopy(st.scheduler.state_dict()) if st.scheduler is not None else None,
                 "extras": copy.deepcopy(st.extras),
                 "rng": torch.get_rng_state(),
+                # a scheduler stepped after a dropped step also wrote the LR into the
+                # param groups; restoring the scheduler alone would not undo that
+                "groups": [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in st.optimizer.param_groups]
+                if st.optimizer is not None else None,
             }
 
     # ------------------------------------------------------------------ group management
@@ -434,6 +449,9 @@ class Job:
             st.extras.clear()
             st.extras.update(snap["extras"])
             torch.set_rng_state(snap["rng"])
+            if st.optimizer is not None and snap.get("groups") is not None:
+                for g, saved in zip(st.optimizer.param_groups, snap["groups"]):
+                    g.update(saved)
         failed_gen, old_world = self.gen.gen, self.world_size
         if dist.is_initialized():
             dist.destroy_process_group()
