@@ -103,6 +103,7 @@ def live_demo(con: Console, home: Optional[Path], policy: str, timeout_s: float)
                     rc = 1
                     break
                 time.sleep(0.5)
+        con.print()
         summary = Table(title="summary")
         for c in ("job", "state", "JCT s", "wait s", "rescales", "pauses (ms)"):
             summary.add_column(c)
