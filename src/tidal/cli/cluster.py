@@ -36,6 +36,14 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(1)
 
 
+def _request(server_url: Optional[str], token: Optional[str], call):
+    """Run ``call(api)``; a server error or no server becomes a clear CLI error."""
+    try:
+        return call(_api(server_url, token))
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+
+
 ServerOpt = typer.Option(None, "--server", help="Server URL (default: $TIDAL_SERVER or $TIDAL_HOME/server.json).")
 TokenOpt = typer.Option(None, "--token", help="API token (default: $TIDAL_TOKEN or $TIDAL_HOME/token).")
 
@@ -168,10 +176,7 @@ def submit(
         first = e.errors()[0]
         err.print(f"[red]error:[/] field '{'.'.join(str(x) for x in first['loc'])}': {first['msg']}")
         raise typer.Exit(2)
-    try:
-        ans = _api(server_url, token).submit(body)
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
+    ans = _request(server_url, token, lambda api: api.submit(body))
     console.print(f"submitted {ans['id']}")
 
 
@@ -195,10 +200,7 @@ def jobs_table(jobs: list[dict]) -> Table:
 def jobs_cmd(server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt,
              as_json: bool = typer.Option(False, "--json")) -> None:
     """List your jobs (all jobs with the admin token)."""
-    try:
-        jobs = _api(server_url, token).jobs()
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
+    jobs = _request(server_url, token, lambda api: api.jobs())
     if as_json:
         print(json.dumps(jobs))
     else:
@@ -209,10 +211,7 @@ def jobs_cmd(server_url: Optional[str] = ServerOpt, token: Optional[str] = Token
 def job_cmd(job_id: str, server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt,
             as_json: bool = typer.Option(False, "--json")) -> None:
     """Show one job with its event history."""
-    try:
-        j = _api(server_url, token).job(job_id)
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
+    j = _request(server_url, token, lambda api: api.job(job_id))
     if as_json:
         print(json.dumps(j))
         return
@@ -252,10 +251,7 @@ def logs(job_id: str, follow: bool = typer.Option(False, "--follow", "-f"),
 @app.command()
 def cancel(job_id: str, server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Cancel a job (its workers are stopped, its GPUs freed)."""
-    try:
-        ans = _api(server_url, token).cancel(job_id)
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
+    ans = _request(server_url, token, lambda api: api.cancel(job_id))
     console.print(f"{ans['id']}: {ans['state']}")
 
 
@@ -263,10 +259,7 @@ def cancel(job_id: str, server_url: Optional[str] = ServerOpt, token: Optional[s
 def cluster_cmd(server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt,
                 as_json: bool = typer.Option(False, "--json")) -> None:
     """Show nodes, GPUs and who holds them."""
-    try:
-        c = _api(server_url, token).cluster()
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
+    c = _request(server_url, token, lambda api: api.cluster())
     if as_json:
         print(json.dumps(c))
         return
@@ -286,16 +279,10 @@ def cluster_table(c: dict) -> Table:
 @app.command()
 def user(name: str, server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Create a user (admin token) and print its API token."""
-    try:
-        print(_api(server_url, token).add_user(name))
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
+    print(_request(server_url, token, lambda api: api.add_user(name)))
 
 
 def cluster_scale(job_id: str, gpus: int, server_url: Optional[str], token: Optional[str]) -> None:
     """``tidal scale ID N`` for a job of the live cluster: pin it at N GPUs."""
-    try:
-        ans = _api(server_url, token).scale(job_id, gpus)
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
+    ans = _request(server_url, token, lambda api: api.scale(job_id, gpus))
     console.print(f"{ans['id']}: pinned at {ans['pinned']} GPU(s)")

@@ -1,0 +1,56 @@
+"""The live-cluster CLI against a real server process (no agents)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tidal.cli.main import app
+from tidal.control.local import LocalCluster
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    c = LocalCluster(tmp_path_factory.mktemp("cli"), policy="fifo")
+    c.start_server()
+    yield c
+    c.stop()
+
+
+def cli(server, *args, token=None):
+    return runner.invoke(app, [*args, "--server", server.url, "--token", token or server.admin_token])
+
+
+def test_submit_list_show_cancel(server, tmp_path):
+    token = cli(server, "user", "carol").stdout.strip()
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: t\nscript: train.py\ngpus: 2-4\niterations: 50\n")
+    res = cli(server, "submit", str(spec), token=token)
+    assert res.exit_code == 0, res.output
+    jid = res.stdout.split()[-1]
+    jobs = json.loads(cli(server, "jobs", "--json", token=token).stdout)
+    assert [j["id"] for j in jobs] == [jid]
+    assert json.loads(cli(server, "job", jid, "--json", token=token).stdout)["events"][0]["kind"] == "job.submitted"
+    assert "pinned at 3" in runner.invoke(app, ["scale", jid, "3", "--server", server.url, "--token", token]).stdout
+    assert "cancel" in cli(server, "cancel", jid, token=token).stdout
+    # another user does not see it
+    other = cli(server, "user", "dave").stdout.strip()
+    assert cli(server, "job", jid, token=other).exit_code == 1
+    assert json.loads(cli(server, "jobs", "--json", token=other).stdout) == []
+
+
+def test_bad_spec_and_no_server_are_clear_errors(server, tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("name: t\nscript: train.py\ngpus: lots\niterations: 50\n")
+    res = cli(server, "submit", str(spec))
+    assert res.exit_code == 2 and "bad.yaml" in res.output and "gpus" in res.output
+    res = runner.invoke(app, ["submit", "--name", "x", "--script", "t.py", "--gpus", "2",
+                              "--server", server.url, "--token", server.admin_token])
+    assert res.exit_code == 2 and "iterations or epochs" in res.output
+    res = runner.invoke(app, ["jobs", "--server", "http://127.0.0.1:9", "--token", "x"])
+    assert res.exit_code == 1 and "cannot reach the server" in res.output
+    assert cli(server, "jobs", token="wrong").exit_code == 1
