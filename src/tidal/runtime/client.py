@@ -9,6 +9,7 @@ import json
 import socket
 import threading
 import time
+import uuid
 from typing import Any
 from urllib.parse import urlencode, urlparse
 
@@ -78,11 +79,13 @@ class MasterClient:
         return self.request("GET", path + q)[1]
 
     # ------------------------------------------------------------------ scheduler API
+    # scaling requests carry an id: the transport retries a request whose answer
+    # was lost (master restart), and the master answers a repeated id only once
     def scale_out(self, n: int | None = None, hosts: list[str] | None = None) -> ScaleAnswer:
-        return ScaleAnswer.from_json(self.post("/scale_out", {"n": n, "hosts": hosts}))
+        return ScaleAnswer.from_json(self.post("/scale_out", {"n": n, "hosts": hosts, "request_id": uuid.uuid4().hex}))
 
     def scale_in(self, n: int | None = None, ranks: list[int] | None = None) -> ScaleAnswer:
-        return ScaleAnswer.from_json(self.post("/scale_in", {"n": n, "ranks": ranks}))
+        return ScaleAnswer.from_json(self.post("/scale_in", {"n": n, "ranks": ranks, "request_id": uuid.uuid4().hex}))
 
     def status(self) -> Status:
         return Status.from_json(self.get("/status"))

@@ -158,6 +158,44 @@ def run_job(
     return rc
 
 
+def serve_master(
+    job: str,
+    workers: int,
+    *,
+    state_url: str,
+    port: int = 0,
+    store_port: int = 0,
+    resume: bool = False,
+    linger_s: float = 2.0,
+    timeout_s: float | None = None,
+    out: Callable[[str], None] = print,
+) -> int:
+    """Host only the job master (HTTP + TCPStore) until the job finishes; the
+    workers are started elsewhere with ``$TIDAL_MASTER_URL``. With fixed
+    ports and ``resume=True`` a restarted master (e.g. after ``kill -9``)
+    continues from its saved state (Elan §V-D) and the workers reconnect to
+    the same addresses. Returns 0 when the job finished."""
+    backend = open_backend(state_url)
+    master = JobMaster(job, workers, backend=backend, store_port=store_port, resume=resume)
+    server = MasterServer(master, port=port).start()
+    st = master.status()
+    out(f"tidal master: job {job} at {server.url} store {master.store_port} "
+        f"{'resumed at gen %d step %d' % (st.gen, st.step) if resume else 'started'}")
+    t0 = time.time()
+    try:
+        while not master.finished:
+            time.sleep(0.1)
+            if timeout_s is not None and time.time() - t0 > timeout_s:
+                out("tidal master: timeout")
+                return 1
+        time.sleep(linger_s)  # let the workers' last messages (close, left) through
+    finally:
+        server.stop()
+    st = master.status()
+    out(f"tidal master: job {job} {st.state} at step {st.step}, {st.world_size} workers")
+    return 0
+
+
 def scale_job(job: str, workers: int, timeout_s: float = 120.0, wait: bool = True, out: Callable[[str], None] = print) -> int:
     """Ask ``job``'s master for ``workers`` workers (retrying while another
     change is in progress) and optionally wait until they run."""
@@ -190,6 +228,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--timeout", type=float, default=None)
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
+    m = sub.add_parser("master", help="host only the job master (workers are started elsewhere)")
+    m.add_argument("--job", required=True)
+    m.add_argument("--workers", "-n", type=int, default=2)
+    m.add_argument("--state", required=True, help="state backend URL (file://..., sqlite://...)")
+    m.add_argument("--port", type=int, default=0)
+    m.add_argument("--store-port", type=int, default=0)
+    m.add_argument("--resume", action="store_true", help="continue from the saved state")
+    m.add_argument("--timeout", type=float, default=None)
     s = sub.add_parser("scale")
     s.add_argument("job")
     s.add_argument("--workers", "-n", type=int, required=True)
@@ -200,6 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.cmd == "run":
         return run_job(a.script, a.args, a.workers, max_workers=a.max_workers, job=a.job, state_url=a.state,
                        switch_lead_s=a.switch_lead, timeout_s=a.timeout)
+    if a.cmd == "master":
+        return serve_master(a.job, a.workers, state_url=a.state, port=a.port, store_port=a.store_port,
+                            resume=a.resume, timeout_s=a.timeout)
     return scale_job(a.job, a.workers, timeout_s=a.timeout, wait=not a.no_wait)
 
 

@@ -91,6 +91,10 @@ class JobMaster:
         self.last_gen = 0
         self.finished = False
         self.spawned = 0
+        # answers to accepted scaling requests by request id: a client retrying a
+        # request whose answer was lost (e.g. the master died) gets the same answer
+        # instead of a second change (Elan §V-D); persisted with the snapshot
+        self.answers: dict[str, dict[str, Any]] = {}
         self.started_at = time.time()
         if resume and backend is not None:
             snap = backend.load()
@@ -122,6 +126,7 @@ class JobMaster:
                 "spawned": self.spawned,
                 "last_gen": self.last_gen,
                 "shards": self.shards.snapshot() if self.shards else None,
+                "answers": dict(list(self.answers.items())[-64:]),
             }
 
     def restore(self, snap: dict[str, Any]) -> None:
@@ -143,6 +148,7 @@ class JobMaster:
         self.finished = s["finished"]
         self.spawned = s.get("spawned", 0)
         self.last_gen = int(s.get("last_gen", 0))
+        self.answers = dict(s.get("answers") or {})
         if s.get("shards"):
             self.shards = ShardManager.from_snapshot(s["shards"])
         if self.plan is not None:  # a pending switch now rendezvouses on this master's store
@@ -225,10 +231,27 @@ class JobMaster:
             return ScaleAnswer("retry", f"a {self.change['kind']} is in progress", retry_after_s=0.5)
         return None
 
-    def scale_out(self, n: int | None = None, hosts: list[str] | None = None) -> ScaleAnswer:
+    def _replay(self, request_id: str | None) -> ScaleAnswer | None:
+        if request_id and request_id in self.answers:
+            return ScaleAnswer.from_json(self.answers[request_id])
+        return None
+
+    def _remember(self, request_id: str | None, ans: ScaleAnswer) -> ScaleAnswer:
+        if request_id and ans.status == "accepted":
+            self.answers[request_id] = ans.to_json()
+            while len(self.answers) > 64:
+                self.answers.pop(next(iter(self.answers)))
+            self._save()
+        return ans
+
+    def scale_out(self, n: int | None = None, hosts: list[str] | None = None, request_id: str | None = None) -> ScaleAnswer:
         """Add ``n`` workers (or one per host). New workers start and build
-        their model while the others keep training (EDL §4.2)."""
+        their model while the others keep training (EDL §4.2). A repeated
+        ``request_id`` gets the first answer again (idempotent retry)."""
         with self._lock:
+            again = self._replay(request_id)
+            if again:
+                return again
             busy = self._busy()
             if busy:
                 return busy
@@ -251,12 +274,17 @@ class JobMaster:
                     self.change = None
                     self._save()
                 return ScaleAnswer("error", f"spawn failed: {e}")
-        return ScaleAnswer("accepted", f"starting {ids}", target_size=target)
-
-    def scale_in(self, n: int | None = None, ranks: list[int] | None = None) -> ScaleAnswer:
-        """Remove ``n`` workers (the highest ranks) or the given ranks; they
-        leave after the agreed switch step, the others do not stop."""
         with self._lock:
+            return self._remember(request_id, ScaleAnswer("accepted", f"starting {ids}", target_size=target))
+
+    def scale_in(self, n: int | None = None, ranks: list[int] | None = None, request_id: str | None = None) -> ScaleAnswer:
+        """Remove ``n`` workers (the highest ranks) or the given ranks; they
+        leave after the agreed switch step, the others do not stop. A repeated
+        ``request_id`` gets the first answer again (idempotent retry)."""
+        with self._lock:
+            again = self._replay(request_id)
+            if again:
+                return again
             busy = self._busy()
             if busy:
                 return busy
@@ -279,7 +307,7 @@ class JobMaster:
                 self.workers[w]["state"] = "leaving"
             self._publish(self._new_gen(stay), [], leavers, "scale_in")
             self._save()
-            return ScaleAnswer("accepted", f"removing {leavers}", target_size=len(stay))
+            return self._remember(request_id, ScaleAnswer("accepted", f"removing {leavers}", target_size=len(stay)))
 
     def status(self) -> Status:
         with self._lock:

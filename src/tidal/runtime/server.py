@@ -79,9 +79,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(200, m.status().to_json())
             if p in ("/scale_out", "/scale_in"):
                 if p == "/scale_out":
-                    ans = m.scale_out(n=body.get("n"), hosts=body.get("hosts"))
+                    ans = m.scale_out(n=body.get("n"), hosts=body.get("hosts"), request_id=body.get("request_id"))
                 else:
-                    ans = m.scale_in(n=body.get("n"), ranks=body.get("ranks"))
+                    ans = m.scale_in(n=body.get("n"), ranks=body.get("ranks"), request_id=body.get("request_id"))
                 code = {"accepted": 200, "retry": 409}.get(ans.status, 400)
                 return self._send(code, ans.to_json())
             if p == "/handover":

@@ -309,9 +309,16 @@ class Job:
     def _store(self, host: str, port: int, tag: str = "") -> Any:
         """A cached store client; the heartbeat thread uses its own (tag "hb")."""
         key = (host, port, tag)
-        if key not in self._stores:
-            self._stores[key] = dist.TCPStore(host, port, is_master=False, timeout=self.pg_timeout)
-        return self._stores[key]
+        s = self._stores.get(key)
+        if s is not None and tag != "hb":  # rare use (rendezvous): check the connection survived a master restart
+            try:
+                s.check(["tidal/ping"])
+            except Exception as e:  # noqa: BLE001
+                log.warning("store %s:%d lost (%s); reconnecting", host, port, e)
+                s = None
+        if s is None:
+            s = self._stores[key] = dist.TCPStore(host, port, is_master=False, timeout=self.pg_timeout)
+        return s
 
     def _init_group(self, g: Generation) -> None:
         store = dist.PrefixStore(g.prefix, self._store(g.store_host, g.store_port))
@@ -569,7 +576,10 @@ class Job:
                 last = time.perf_counter()
                 self.rtts_ms.append(1e3 * (last - t))
             except Exception as e:  # noqa: BLE001
+                # the master (and its store) may be restarting (Elan §V-D): reconnect on the next beat
                 log.warning("heartbeat failed: %s", e)
+                self._stores.pop((*self._store_addr, "hb"), None)
+                time.sleep(0.2)
                 continue
             if raw and raw != seen_raw:
                 seen_raw = raw

@@ -1,0 +1,124 @@
+"""Master failure (issue 5, Elan §V-D): the job master is killed with
+SIGKILL while the job trains, a new master process restarts from the saved
+state on the same addresses, the workers reconnect (HTTP retries, a fresh
+TCPStore client) and a scale-in then runs on the restarted master. The job
+finishes with exactly-once data and the fixed-size run's parameters."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime_helpers import TRAIN, check_exactly_once, env, read_steps
+from test_runtime_elastic import TOL, max_rel_diff, reference_run
+from tidal.runtime.client import MasterClient
+from tidal.runtime.faults import kill_process, wait_for_step
+
+N, BATCH, EPOCHS, WORKERS = 120, 12, 20, 3
+STEPS = EPOCHS * (-(-N // BATCH))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_master(tmp: Path, port: int, store_port: int, resume: bool) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "tidal.runtime.launch", "master", "--job", "mfail", "--workers", str(WORKERS),
+           "--state", f"sqlite://{tmp / 'master.db'}", "--port", str(port), "--store-port", str(store_port),
+           "--timeout", "100", *(["--resume"] if resume else [])]
+    return subprocess.Popen(cmd, env=env(tmp / "home"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.timeout(120)
+def test_master_killed_and_restarted_from_saved_state(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    port, store_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        m1 = start_master(tmp_path, port, store_port, resume=False)
+        procs.append(m1)
+        workers = []
+        for i in range(WORKERS):
+            e = dict(env(tmp_path / "home"), TIDAL_MASTER_URL=url, TIDAL_WORKER_ID=f"w{i}")
+            workers.append(subprocess.Popen(
+                [sys.executable, str(TRAIN), "--out", str(out), "--n", str(N), "--batch", str(BATCH),
+                 "--epochs", str(EPOCHS), "--sleep", "0.05"], env=e, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True))
+        procs += workers
+        c = MasterClient(url, patience_s=60)
+        wait_for_step(c.status, 5, timeout_s=60)
+        before = c.status()
+        kill_process(m1.pid)  # drop the master
+        m1.wait(timeout=10)
+        time.sleep(0.5)  # the workers keep training without a master
+        assert all(w.poll() is None for w in workers)
+        m2 = start_master(tmp_path, port, store_port, resume=True)
+        procs.append(m2)
+        st = c.status()  # retried until the restarted master answers
+        assert (st.gen, st.members, st.state) == (before.gen, before.members, "running"), st
+        # rank 0's heartbeat reconnects to the new store: progress flows again
+        wait_for_step(c.status, st.step + 5, timeout_s=60)
+        # and the restarted master drives a change: 3 -> 2
+        assert c.scale_in(1).accepted
+        st2 = c.wait_for(2, timeout_s=60)
+        assert st2.state == "running" and st2.gen == before.gen + 1, st2
+        (out / "fast").touch()
+        texts = [w.communicate(timeout=60)[0] for w in workers]
+        assert [w.returncode for w in workers] == [0] * WORKERS, texts
+        mtext, _ = m2.communicate(timeout=30)
+        assert m2.returncode == 0 and "finished" in mtext, mtext
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    steps = read_steps(out)
+    assert check_exactly_once(steps, N, BATCH, EPOCHS) == STEPS
+    worlds = sorted({(r["step"], r["world"]) for recs in steps.values() for r in recs})
+    assert [w for _, w in worlds][0] == 3 and [w for _, w in worlds][-1] == 2
+    ref = reference_run(n=N, batch=BATCH, epochs=EPOCHS)
+    finals = sorted(out.glob("final-*.pt"))
+    assert [f.name for f in finals] == sorted(f"final-{w}.pt" for w in st2.members)
+    assert st2.members == before.members[:2]  # the highest rank left
+    for f in finals:
+        assert max_rel_diff(torch.load(f), ref) <= TOL
+
+
+def test_scaling_requests_with_ids_are_idempotent_across_a_restart(tmp_path: Path) -> None:
+    """A client that retries a scale request whose answer was lost (the master
+    died after applying it) must not cause a second change (Elan §V-D)."""
+    from tidal.runtime.master import JobMaster
+    from tidal.runtime.persistence import open_backend
+    from tidal.runtime.server import MasterServer
+
+    spawned: list[list[str]] = []
+    url = f"file://{tmp_path / 'm.json'}"
+    m = JobMaster("j", 2, backend=open_backend(url), spawner=lambda ids, hosts: spawned.append(ids))
+    m.register("w0")
+    m.register("w1")
+    m.spawned = 2
+    s = MasterServer(m).start()
+    try:
+        c = MasterClient(s.url, patience_s=5)
+        first = c.post("/scale_out", {"n": 1, "request_id": "r1"})
+        again = c.post("/scale_out", {"n": 1, "request_id": "r1"})
+        assert first == again and first["status"] == "accepted" and spawned == [["w2"]]
+        assert c.post("/scale_out", {"n": 1, "request_id": "r2"})["status"] == "retry"  # a new request is new
+    finally:
+        s.stop()
+    m2 = JobMaster("j", 2, backend=open_backend(url), resume=True, spawner=lambda ids, hosts: spawned.append(ids))
+    assert m2.scale_out(1, request_id="r1").to_json() == first and spawned == [["w2"]]
+    m2.register("w2")
+    m2.switched(m2.plan.target.gen, 10)  # type: ignore[union-attr]
+    assert m2.scale_in(1, request_id="r3").accepted and m2.scale_in(1, request_id="r3").accepted
+    assert m2.plan is not None and m2.plan.leavers == ("w2",)  # one removal, not two
