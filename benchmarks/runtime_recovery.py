@@ -1,0 +1,155 @@
+"""Benchmark of the runtime's failure recovery (issue 5): a worker is killed
+with SIGKILL (``kill -9``, via ``$TIDAL_FAULTS``) in a 3-worker job under
+``tidal run``; the survivors detect it, re-form without it and redo the step
+(EDL §4.2 forced exit as a scale-in, Elan §V-D, DLRover §5.3).
+
+One file, two roles:
+
+* driver (default): runs ``--repeats`` jobs (victim and step drawn with
+  :func:`tidal.runtime.faults.random_kill`, seeded) and prints a report, or
+  one JSON object with ``--json``;
+* ``--role worker``: the training script (an MLP on synthetic data) that logs,
+  per applied step, the dataset indices it consumed.
+
+Definitions (medians over the repeats; wall clocks of one host):
+
+* ``detect_s``: from the kill (the victim logs its wall time just before
+  SIGKILL) until the *last* survivor's collective failed (``job.summary()
+  ["failures"]``);
+* ``regroup_s``: from that moment until the last survivor finished recovery
+  (new process group formed and state taken from the most advanced survivor);
+* ``lost_steps``: global steps never applied; ``duplicated_samples`` /
+  ``lost_samples``: sample indices used more than once / never, per epoch
+  (summed over repeats: all must be 0).
+
+Not implemented in this session (``null`` in the JSON): straggler detection
+and removal (``straggler_detect_s``, ``straggler_remove_s``) and
+``profile()`` (``profile_s``, ``profile_separate_jobs_s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("runtime_recovery")
+
+N, BATCH, EPOCHS, WORKERS, DIM = 960, 48, 3, 3, 64
+
+
+def role_worker(a: argparse.Namespace) -> None:
+    import torch
+
+    import tidal.runtime
+
+    job = tidal.runtime.init()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(N, DIM, generator=g), torch.randint(0, 10, (N,), generator=g)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    job.register_state(model, opt)
+    data = [(x[i], y[i]) for i in range(N)]
+    out = Path(a.out)
+    loader = job.data(data, batch_size=BATCH, epochs=EPOCHS, seed=0)
+    with open(out / f"steps-{job.worker_id}.jsonl", "w") as f:
+        for xb, yb in loader:
+            rec = {"step": job.step_count, "epoch": loader.epoch, "idx": loader.last_indices}
+            torch.nn.functional.cross_entropy(model(xb), yb).backward()
+            if job.step():
+                f.write(json.dumps(rec) + "\n")
+                f.flush()  # the victim is SIGKILLed: no buffered lines may be lost
+    (out / f"summary-{job.worker_id}.json").write_text(json.dumps(job.summary()))
+    job.close()
+
+
+def _env(fault: str, flog: Path, home: Path) -> dict[str, str]:
+    e = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TIDAL_HOME=str(home),
+             TIDAL_FAULTS=fault, TIDAL_FAULT_LOG=str(flog))
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    e["PYTHONPATH"] = os.pathsep.join([src, e.get("PYTHONPATH", "")])
+    return e
+
+
+def one_run(seed: int, tmp: Path) -> dict[str, Any]:
+    from tidal.runtime.faults import random_kill
+
+    steps_total = EPOCHS * (-(-N // BATCH))
+    fault = random_kill(seed, WORKERS, steps_total)
+    out, flog = tmp / f"run{seed}", tmp / f"faults{seed}.jsonl"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "tidal.runtime.launch", "run", "--workers", str(WORKERS), "--job", f"rec{seed}",
+           "--timeout", "120", __file__, "--role", "worker", "--out", str(out)]
+    p = subprocess.run(cmd, env=_env(fault.to_spec(), flog, tmp / "home"), capture_output=True, text=True, timeout=150)
+    if p.returncode != 0:
+        raise RuntimeError(f"job failed ({fault}): {p.stdout[-2000:]} {p.stderr[-2000:]}")
+    killed_at = [json.loads(l) for l in flog.read_text().splitlines()][0]["wall"]
+    survivors = [w for w in (f"w{i}" for i in range(WORKERS)) if w != fault.target]
+    summ = [json.loads((out / f"summary-{w}.json").read_text()) for w in survivors]
+    detected = max(s["failures"][0]["detected_at"] for s in summ)
+    recovered = max(pz["wall_start"] + pz["pause_s"] for s in summ for pz in s["pauses"] if pz.get("kind") == "recover")
+    applied: set[int] = set()
+    used: dict[int, list[int]] = {e: [] for e in range(EPOCHS)}
+    for f in out.glob("steps-*.jsonl"):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            applied.add(r["step"])
+            used[r["epoch"]].extend(r["idx"])
+    dup = sum(len(v) - len(set(v)) for v in used.values())
+    lost = sum(N - len(set(v)) for v in used.values())
+    return {"fault": fault.to_spec(), "detect_s": detected - killed_at, "regroup_s": recovered - detected,
+            "lost_steps": steps_total - len(applied & set(range(steps_total))), "duplicated_samples": dup,
+            "lost_samples": lost}
+
+
+def measure(repeats: int, seed: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as d:
+        runs = [one_run(seed + i, Path(d)) for i in range(repeats)]
+    for r in runs:
+        log.info("run %s", r)
+    return {
+        "detect_s": statistics.median(r["detect_s"] for r in runs),
+        "regroup_s": statistics.median(r["regroup_s"] for r in runs),
+        "lost_steps": sum(r["lost_steps"] for r in runs),
+        "duplicated_samples": sum(r["duplicated_samples"] for r in runs),
+        "lost_samples": sum(r["lost_samples"] for r in runs),
+        "straggler_detect_s": None,
+        "straggler_remove_s": None,
+        "profile_s": None,
+        "profile_separate_jobs_s": None,
+        "repeats": repeats,
+        "runs": runs,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--role", choices=["driver", "worker"], default="driver")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    if a.role == "worker":
+        role_worker(a)
+        return
+    logging.basicConfig(level=logging.INFO if not a.json else logging.WARNING, format="%(message)s")
+    res = measure(a.repeats, a.seed)
+    if a.json:
+        sys.stdout.write(json.dumps(res) + "\n")
+        return
+    for k, v in res.items():
+        if k != "runs":
+            log.warning("%-24s %s", k, v)
+
+
+if __name__ == "__main__":
+    main()
