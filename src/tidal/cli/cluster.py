@@ -116,13 +116,19 @@ def up(
         raise typer.Exit(2)
     h = home or tidal_home()
     c = LocalCluster(h, nodes=nodes, gpus_per_node=gpus // nodes, policy=policy, port=port, tick_s=1.0)
-    c.start()
-    user_token = c.api().add_user("user")
-    (Path(h) / "token").write_text(user_token)
-    console.print(f"Tidal cluster up: {c.url} — {nodes} node(s) × {gpus // nodes} virtual GPU(s), policy {policy}")
-    console.print(f"state in {h}; user token in {Path(h) / 'token'}; admin token in {Path(h) / 'admin.token'}")
-    console.print("submit with: tidal submit job.yaml   (Ctrl-C stops the cluster)")
+    import signal
+
+    def _term(*_args) -> None:  # `kill` stops the cluster like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)
     try:
+        c.start()
+        user_token = c.api().add_user("user")
+        (Path(h) / "token").write_text(user_token)
+        console.print(f"Tidal cluster up: {c.url} — {nodes} node(s) × {gpus // nodes} virtual GPU(s), policy {policy}")
+        console.print(f"state in {h}; user token in {Path(h) / 'token'}; admin token in {Path(h) / 'admin.token'}")
+        console.print("submit with: tidal submit job.yaml   (Ctrl-C stops the cluster)")
         while True:
             time.sleep(1)
     except KeyboardInterrupt:

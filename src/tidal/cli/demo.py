@@ -77,15 +77,21 @@ def live_demo(con: Console, home: Optional[Path], policy: str, timeout_s: float)
               f"real elastic PyTorch jobs (CPU, gloo) scheduled by the [bold]{policy}[/] policy. State in {root}")
     cluster = LocalCluster(root / "home", nodes=2, gpus_per_node=4, policy=policy, tick_s=1.0)
     t0 = time.time()
-    with con.status("starting server and agents…"):
-        cluster.start()
-    api = cluster.api(cluster.api().add_user("demo"))
-    plan = _workload(demo_job.__file__, root / "records")
+    import signal
+
+    def _term(*_args) -> None:  # `kill` stops the embedded cluster too
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)
     colors: dict[str, str] = {}
     ids: list[str] = []
-    next_at = time.time()
     rc = 0
     try:
+        with con.status("starting server and agents…"):
+            cluster.start()
+        api = cluster.api(cluster.api().add_user("demo"))
+        plan = _workload(demo_job.__file__, root / "records")
+        next_at = time.time()
         with Live(console=con, refresh_per_second=4, transient=False) as live:
             while True:
                 if plan and time.time() >= next_at:
