@@ -22,9 +22,18 @@ Definitions (medians over the repeats; wall clocks of one host):
   ``lost_samples``: sample indices used more than once / never, per epoch
   (summed over repeats: all must be 0).
 
-Not implemented in this session (``null`` in the JSON): straggler detection
-and removal (``straggler_detect_s``, ``straggler_remove_s``) and
-``profile()`` (``profile_s``, ``profile_separate_jobs_s``).
+Stragglers (EDL §5.2, DLRover §5.4): a job (``--straggler-policy remove``,
+10 epochs, 10 ms of non-compute time per step) in which ``w2`` becomes 100 %
+slower (``slow:w2@10=100``) at step 10:
+
+* ``straggler_detect_s``: from the start of the slowdown (fault log) until
+  rank 0 flagged it (slower than 1.2x the median compute time for 10
+  consecutive steps);
+* ``straggler_remove_s``: from that detection until the survivors finished
+  the scale-in switch without it.
+
+Not implemented (``null`` in the JSON): ``profile()`` (``profile_s``,
+``profile_separate_jobs_s``).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +69,7 @@ def role_worker(a: argparse.Namespace) -> None:
     job.register_state(model, opt)
     data = [(x[i], y[i]) for i in range(N)]
     out = Path(a.out)
-    loader = job.data(data, batch_size=BATCH, epochs=EPOCHS, seed=0)
+    loader = job.data(data, batch_size=BATCH, epochs=a.epochs, seed=0)
     with open(out / f"steps-{job.worker_id}.jsonl", "w") as f:
         for xb, yb in loader:
             rec = {"step": job.step_count, "epoch": loader.epoch, "idx": loader.last_indices}
@@ -67,6 +77,8 @@ def role_worker(a: argparse.Namespace) -> None:
             if job.step():
                 f.write(json.dumps(rec) + "\n")
                 f.flush()  # the victim is SIGKILLed: no buffered lines may be lost
+            if a.sleep:
+                time.sleep(a.sleep)  # non-compute time per step (I/O), not counted as compute
     (out / f"summary-{job.worker_id}.json").write_text(json.dumps(job.summary()))
     job.close()
 
@@ -110,9 +122,30 @@ def one_run(seed: int, tmp: Path) -> dict[str, Any]:
             "lost_samples": lost}
 
 
+def straggler_run(tmp: Path) -> dict[str, Any]:
+    out, flog = tmp / "strag", tmp / "faults-strag.jsonl"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "tidal.runtime.launch", "run", "--workers", str(WORKERS), "--job", "strag",
+           "--timeout", "120", "--straggler-policy", "remove", __file__, "--role", "worker", "--out", str(out),
+           "--epochs", "10", "--sleep", "0.01"]
+    p = subprocess.run(cmd, env=_env("slow:w2@10=100", flog, tmp / "home"), capture_output=True, text=True, timeout=150)
+    if p.returncode != 0:
+        raise RuntimeError(f"straggler job failed: {p.stdout[-2000:]} {p.stderr[-2000:]}")
+    slow_at = [json.loads(l) for l in flog.read_text().splitlines()][0]["wall"]
+    summ = [json.loads(f.read_text()) for f in sorted(out.glob("summary-*.json"))]
+    reps = [r for s in summ for r in s["stragglers"]]
+    if [r["worker_id"] for r in reps] != ["w2"]:
+        raise RuntimeError(f"expected exactly w2 to be flagged, got {reps}")
+    detected = reps[0]["detected_at"]
+    switched = max(pz["wall_start"] + pz["pause_s"] for s in summ for pz in s["pauses"] if pz["to"] == WORKERS - 1)
+    return {"straggler_detect_s": detected - slow_at, "straggler_remove_s": switched - detected,
+            "straggler_step": reps[0]["step"], "straggler_ratio": reps[0]["ratio"]}
+
+
 def measure(repeats: int, seed: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         runs = [one_run(seed + i, Path(d)) for i in range(repeats)]
+        strag = straggler_run(Path(d))
     for r in runs:
         log.info("run %s", r)
     return {
@@ -121,12 +154,13 @@ def measure(repeats: int, seed: int) -> dict[str, Any]:
         "lost_steps": sum(r["lost_steps"] for r in runs),
         "duplicated_samples": sum(r["duplicated_samples"] for r in runs),
         "lost_samples": sum(r["lost_samples"] for r in runs),
-        "straggler_detect_s": None,
-        "straggler_remove_s": None,
+        "straggler_detect_s": strag["straggler_detect_s"],
+        "straggler_remove_s": strag["straggler_remove_s"],
         "profile_s": None,
         "profile_separate_jobs_s": None,
         "repeats": repeats,
         "runs": runs,
+        "straggler": strag,
     }
 
 
@@ -137,6 +171,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--epochs", type=int, default=EPOCHS, help="(worker role)")
+    ap.add_argument("--sleep", type=float, default=0.0, help="(worker role) non-compute seconds per step")
     a = ap.parse_args()
     if a.role == "worker":
         role_worker(a)

@@ -23,9 +23,9 @@ def env(tidal_home: Path) -> dict[str, str]:
 
 
 def launch(job: str, workers: int, out: Path, home: Path, *script_args: str, timeout: float = 150,
-           extra_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+           extra_env: dict[str, str] | None = None, launcher_args: tuple[str, ...] = ()) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "tidal.runtime.launch", "run", "--workers", str(workers), "--job", job,
-           "--timeout", str(timeout), str(TRAIN), "--out", str(out), *script_args]
+           "--timeout", str(timeout), *launcher_args, str(TRAIN), "--out", str(out), *script_args]
     return subprocess.Popen(cmd, env=dict(env(home), **(extra_env or {})), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 

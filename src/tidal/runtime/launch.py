@@ -99,12 +99,14 @@ def run_job(
     progress_every_s: float = 1.0,
     timeout_s: float | None = None,
     out: Callable[[str], None] = print,
+    straggler_policy: str = "report",
 ) -> int:
     """Run one elastic job to completion; returns the exit code."""
     job = job or Path(script).stem
     backend = open_backend(state_url) if state_url else None
     spawner = LocalSpawner(script, args)
-    master = JobMaster(job, workers, backend=backend, spawner=spawner, switch_lead_s=switch_lead_s, max_workers=max_workers)
+    master = JobMaster(job, workers, backend=backend, spawner=spawner, switch_lead_s=switch_lead_s, max_workers=max_workers,
+                       straggler_policy=straggler_policy)
     server = MasterServer(master).start()
     spawner.master_url = server.url
     jf = jobs_dir() / f"{job}.json"
@@ -155,6 +157,8 @@ def run_job(
     for c in st.changes:
         out(f"  gen {c['gen']}: {c['kind']} {c['from_size']}->{c['to_size']} at step {c['switch_step']}, "
             f"pause {1e3 * c['pause_s']:.1f} ms, {c['switched_at'] - c['requested_at']:.2f}s after request")
+    for s in st.stragglers:
+        out(f"  straggler {s['worker_id']} in gen {s['gen']} at step {s['step']} ({s['ratio']:.2f}x median): {s['action']}")
     return rc
 
 
@@ -226,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--state", default=None, help="master state backend URL (file://..., sqlite://...)")
     r.add_argument("--switch-lead", type=float, default=0.5, help="T_a in seconds (EDL §4.2)")
     r.add_argument("--timeout", type=float, default=None)
+    r.add_argument("--straggler-policy", choices=["report", "remove"], default="report",
+                   help="a worker >1.2x the median compute time for 10 steps is reported, or removed (EDL §5.2)")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     m = sub.add_parser("master", help="host only the job master (workers are started elsewhere)")
@@ -245,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.cmd == "run":
         return run_job(a.script, a.args, a.workers, max_workers=a.max_workers, job=a.job, state_url=a.state,
-                       switch_lead_s=a.switch_lead, timeout_s=a.timeout)
+                       switch_lead_s=a.switch_lead, timeout_s=a.timeout, straggler_policy=a.straggler_policy)
     if a.cmd == "master":
         return serve_master(a.job, a.workers, state_url=a.state, port=a.port, store_port=a.store_port,
                             resume=a.resume, timeout_s=a.timeout)

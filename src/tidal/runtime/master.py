@@ -55,6 +55,7 @@ class JobMaster:
         shard_manager: ShardManager | None = None,
         max_workers: int | None = None,
         recovery_window_s: float = 20.0,
+        straggler_policy: str = "report",
     ) -> None:
         import torch.distributed as dist  # heavy import, only where needed
 
@@ -68,6 +69,10 @@ class JobMaster:
         self.max_workers = max_workers
         self.recovery_window_s = float(recovery_window_s)
         self.recovery: dict[str, Any] | None = None  # survivors of a failed generation reporting in
+        if straggler_policy not in ("report", "remove"):
+            raise ValueError(f"straggler_policy must be 'report' or 'remove', not {straggler_policy!r}")
+        self.straggler_policy = straggler_policy  # EDL §5.2: report only, or remove by scale-in
+        self.stragglers: list[dict[str, Any]] = []
         self._lock = threading.RLock()
         self.store = dist.TCPStore(
             store_host, store_port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
@@ -127,6 +132,7 @@ class JobMaster:
                 "last_gen": self.last_gen,
                 "shards": self.shards.snapshot() if self.shards else None,
                 "answers": dict(list(self.answers.items())[-64:]),
+                "stragglers": self.stragglers[-64:],
             }
 
     def restore(self, snap: dict[str, Any]) -> None:
@@ -149,6 +155,7 @@ class JobMaster:
         self.spawned = s.get("spawned", 0)
         self.last_gen = int(s.get("last_gen", 0))
         self.answers = dict(s.get("answers") or {})
+        self.stragglers = list(s.get("stragglers") or [])
         if s.get("shards"):
             self.shards = ShardManager.from_snapshot(s["shards"])
         if self.plan is not None:  # a pending switch now rendezvouses on this master's store
@@ -336,6 +343,7 @@ class JobMaster:
                 pending=None if self.change is None else f"{self.change['kind']}:{self.change['status']}",
                 changes=tuple(self.changes),
                 master_url=self.url,
+                stragglers=tuple(self.stragglers),
             )
 
     def handover(self, url: str) -> dict[str, Any]:
@@ -492,6 +500,26 @@ class JobMaster:
         self.recovery = None
         log.warning("recovered: gen %d with %s", self.gen.gen, survivors)
         self._save()
+
+    def straggler(self, worker_id: str, gen: int, step: int, ratio: float, detected_at: float | None = None) -> dict[str, Any]:
+        """Rank 0 found ``worker_id`` slower than 1.2x the median compute time
+        for 10 consecutive steps (EDL §5.2, DLRover §5.4). Recorded; with the
+        ``remove`` policy it is removed by a scale-in if no change is running
+        and it is not the last worker."""
+        with self._lock:
+            if any(s["worker_id"] == worker_id and s["gen"] == gen for s in self.stragglers):
+                return {"status": "ok"}  # a retried report
+            rec: dict[str, Any] = {"worker_id": worker_id, "gen": int(gen), "step": int(step), "ratio": float(ratio),
+                                   "detected_at": float(detected_at or time.time()), "reported_at": time.time(),
+                                   "action": "reported"}
+            self.stragglers.append(rec)
+            log.warning("straggler %s in gen %d at step %d (%.2fx the median)", worker_id, gen, step, ratio)
+            if (self.straggler_policy == "remove" and self.gen is not None and gen == self.gen.gen
+                    and worker_id in self.gen.members):
+                ans = self.scale_in(ranks=[self.gen.rank_of(worker_id)])
+                rec["action"] = "removed" if ans.accepted else f"not removed: {ans.message}"
+            self._save()
+            return {"status": "ok", "action": rec["action"]}
 
     def left(self, worker_id: str) -> dict[str, Any]:
         with self._lock:

@@ -123,11 +123,13 @@ class Status:
     pending: str | None
     changes: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     master_url: str = ""
+    stragglers: tuple[dict[str, Any], ...] = field(default_factory=tuple)  # detected stragglers (EDL §5.2)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["members"] = list(self.members)
         d["changes"] = list(self.changes)
+        d["stragglers"] = list(self.stragglers)
         return d
 
     @classmethod
@@ -135,6 +137,7 @@ class Status:
         d = _clean(d, cls)
         d["members"] = tuple(d.get("members", ()))
         d["changes"] = tuple(d.get("changes", ()))
+        d["stragglers"] = tuple(d.get("stragglers", ()))
         return cls(**d)
 
 

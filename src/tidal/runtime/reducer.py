@@ -20,7 +20,7 @@ all-reduce, so the result is always correct.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,7 @@ class GradReducer:
         self.distributed = False
         self.redo = False
         self.last_redo = False  # whether the last step took the synchronous fallback (on every rank)
+        self.last_extra: list[float] = []
         self._next = 0
 
     def abort(self) -> None:
@@ -122,9 +123,11 @@ class GradReducer:
             self._launch(self.buckets[self._next])
             self._next += 1
 
-    def finish(self, ctrl: tuple[float, float]) -> tuple[float, float]:
+    def finish(self, ctrl: tuple[float, float], extra: Sequence[float] = ()) -> tuple[float, float]:
         """Complete the reduction, write the gradients back and return the
-        reduced control pair (target generation, switch step)."""
+        reduced control pair (target generation, switch step). ``extra``
+        numbers ride along in the same control tensor (summed); their reduced
+        values are in ``last_extra`` (e.g. per-rank compute times)."""
         self.active = False
         for b in self.buckets[self._next :]:  # buckets whose hooks did not all fire (unused params, no overlap)
             for p in b.params:
@@ -132,13 +135,14 @@ class GradReducer:
                     self._fill(b, p)
             self._launch(b)
         self._next = len(self.buckets)
-        c = torch.tensor([ctrl[0], ctrl[1], 1.0 if self.redo else 0.0], dtype=torch.float64)
+        c = torch.tensor([ctrl[0], ctrl[1], 1.0 if self.redo else 0.0, *extra], dtype=torch.float64)
         if self.distributed:
             dist.all_reduce(c)
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
         self.last_redo = c[2].item() > 0
+        self.last_extra = c[3:].tolist()
         if self.last_redo:  # some rank saw late gradients: redo synchronously, identically everywhere
             log.debug("gradient changed after its bucket was sent; synchronous all-reduce")
             for b in self.buckets:

@@ -103,6 +103,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(200, m.agreed(int(body["gen"]), int(body["switch_step"])))
             if p == "/switched":
                 return self._send(200, m.switched(int(body["gen"]), int(body["step"]), float(body.get("pause_s", 0.0))))
+            if p == "/straggler":
+                return self._send(200, m.straggler(body["worker_id"], int(body["gen"]), int(body["step"]),
+                                                   float(body.get("ratio", 0.0)), body.get("detected_at")))
             if p == "/left":
                 return self._send(200, m.left(body["worker_id"]))
             if p == "/done":

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from tidal.runtime.client import MasterClient
 from tidal.runtime.data import ElasticBatchIterator, StepSlice, default_collate
 from tidal.runtime.faults import FaultInjector
+from tidal.runtime.stragglers import StragglerDetector
 from tidal.runtime.messages import Generation, Plan
 from tidal.runtime.scaling import BatchPolicy, make_policy
 from tidal.runtime.reducer import GradReducer
@@ -120,6 +121,11 @@ class Job:
         self.failures: list[dict[str, Any]] = []  # detected peer failures (wall time, step)
         self.faults = FaultInjector.from_env()  # $TIDAL_FAULTS (tests, users): see tidal.runtime.faults
         self._batch_t0 = 0.0
+        self._compute_s = 0.0  # this step's compute time (batch start to job.step())
+        self.stragglers = StragglerDetector()  # rank 0: per-rank compute times (EDL §5.2)
+        self._straggler_gen = 0
+        self._report_stragglers: list[dict[str, Any]] = []
+        self.straggler_reports: list[dict[str, Any]] = []  # what this worker (as rank 0) reported
         # heartbeat thread
         self._hb_event = threading.Event()
         self._hb_stop = threading.Event()
@@ -187,6 +193,7 @@ class Job:
         sl = self._slice
         if self.faults:
             self.faults.slowdown(time.perf_counter() - self._batch_t0)
+        self._compute_s = time.perf_counter() - self._batch_t0
         try:
             self._allreduce(sl)
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError subclasses
@@ -252,6 +259,7 @@ class Job:
             "coord_rtt_ms_p99": _pctl(list(self.rtts_ms), 0.99),
             "heartbeats": len(self.rtts_ms),
             "failures": self.failures,
+            "stragglers": self.straggler_reports,
         }
 
     # ------------------------------------------------------------------ iterator hooks
@@ -511,7 +519,13 @@ class Job:
         plan = self._seen_plan
         if self.rank == 0 and plan is not None and self.gen is not None and plan.target.gen > self.gen.gen and self._agreed is None:
             ctrl = (float(plan.target.gen), float(plan.switch_step))
-        gen_f, step_f = self.reducer.finish(ctrl)
+        track = self.client is not None and self.world_size > 1 and dist.is_initialized()
+        extra = [0.0] * self.world_size if track else []
+        if track:
+            extra[self.rank] = self._compute_s
+        gen_f, step_f = self.reducer.finish(ctrl, extra)
+        if track and self.rank == 0 and self.gen is not None:
+            self._check_stragglers(self.reducer.last_extra)
         gen_c, step_c = int(round(gen_f)), int(round(step_f))
         if gen_c > 0 and self._agreed is None:
             switch = max(step_c, self.step_count + 1)  # a pure function of values every rank holds
@@ -519,6 +533,22 @@ class Job:
                 self._agreed = (plan if self.rank == 0 else None, gen_c, switch)
             if self.rank == 0:
                 self._report_agreed = (gen_c, switch)
+            self._hb_event.set()
+
+    def _check_stragglers(self, times: list[float]) -> None:
+        """Rank 0: feed the per-rank compute times of this step to the
+        detector; new stragglers are reported by the heartbeat thread."""
+        assert self.gen is not None
+        if self._straggler_gen != self.gen.gen:
+            self.stragglers.reset()
+            self._straggler_gen = self.gen.gen
+        for r, ratio in self.stragglers.update(times):
+            log.warning("worker %s: rank %d (%s) is a straggler (%.2fx the median compute time)",
+                        self.worker_id, r, self.gen.members[r], ratio)
+            rep = {"worker_id": self.gen.members[r], "gen": self.gen.gen, "step": self.step_count, "ratio": ratio,
+                   "detected_at": time.time()}
+            self._report_stragglers.append(rep)
+            self.straggler_reports.append(rep)
             self._hb_event.set()
 
     def _apply_lr(self) -> None:
@@ -561,6 +591,8 @@ class Job:
                 if self._report_switched is not None:
                     body, self._report_switched = self._report_switched, None
                     self.client.post("/switched", body)
+                while self._report_stragglers:
+                    self.client.post("/straggler", self._report_stragglers.pop(0))
                 if self._report_agreed is not None:
                     gen, sw = self._report_agreed
                     self._report_agreed = None
