@@ -442,7 +442,14 @@ class Coordinator:
                     return
                 if time.time() > deadline:
                     for p in left:
-                        p.desired = "stop"
+                        p.desired = "stop"  # the agent terminates them
+                if time.time() > deadline + self.change_timeout_s:
+                    # their node does not answer: the GPUs stay with the job
+                    # (never handed out while a process may still use them)
+                    j = s.get(Job, jid)
+                    if j.state == "resizing":
+                        j.state = "running"
+                    raise TimeoutError(f"workers {[p.name for p in left]} of {jid} did not exit")
             time.sleep(0.1)
 
     def _retry(self, call):
