@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from tidal.runtime import checkpoint as ckpt
 from tidal.runtime.client import MasterClient
 from tidal.runtime.data import ElasticBatchIterator, StepSlice, default_collate
 from tidal.runtime.faults import FaultInjector
@@ -77,8 +78,22 @@ class Job:
         pg_timeout_s: float = 60.0,
         join_timeout_s: float = 300.0,
         heartbeat_interval_s: float | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_keep: int = 2,
     ) -> None:
         self.worker_id = worker_id
+        # periodic checkpoints (consistent recovery when every worker died): see tidal.runtime.checkpoint
+        cdir = checkpoint_dir if checkpoint_dir is not None else os.environ.get(ckpt.ENV_DIR) or None
+        self.checkpoint_dir: str | None = os.fspath(cdir) if cdir is not None else None
+        every = checkpoint_every if checkpoint_every is not None else int(os.environ.get(ckpt.ENV_EVERY, "0") or 0)
+        if self.checkpoint_dir is not None and every <= 0:
+            every = 100
+        self.checkpoint_every = int(every) if self.checkpoint_dir is not None else 0
+        self.checkpoint_keep = checkpoint_keep
+        self.resumed_from: int | None = None  # step of the checkpoint this job resumed from
+        self.checkpoints: list[dict[str, Any]] = []  # what this worker (as rank 0) wrote
+        self._ckpt_last = -1
         self.client = MasterClient(master_url) if master_url else None
         self.pg_timeout = datetime.timedelta(seconds=pg_timeout_s)
         self.join_timeout_s = join_timeout_s
@@ -260,6 +275,8 @@ class Job:
             "heartbeats": len(self.rtts_ms),
             "failures": self.failures,
             "stragglers": self.straggler_reports,
+            "resumed_from": self.resumed_from,
+            "checkpoints": self.checkpoints,
         }
 
     # ------------------------------------------------------------------ iterator hooks
@@ -288,7 +305,54 @@ class Job:
             self._switch()
             if self.left:
                 return False
+        # A periodic checkpoint is taken at the same boundary, for the same reason.
+        if self.checkpoint_every and self.rank == 0 and self.step_count % self.checkpoint_every == 0 \
+                and self.step_count != self._ckpt_last and self.step_count > 0:
+            self._write_checkpoint()
         return True
+
+    # ------------------------------------------------------------------ checkpoints
+    def _payload(self) -> dict[str, Any]:
+        """Everything the next step starts from (state broadcast and checkpoints)."""
+        assert self.state is not None
+        return {
+            "state": self.state.state_dict(),
+            "cursor": self.cursor,
+            "step": self.step_count,
+            "policy": self.policy.state_dict(),
+            "lr_applied": self._lr_applied,
+        }
+
+    def _load_payload(self, p: dict[str, Any]) -> None:
+        assert self.state is not None
+        self.state.load_state_dict(p["state"])
+        self.cursor, self.step_count = int(p["cursor"]), int(p["step"])
+        self.policy.load_state_dict(p["policy"])
+        self.global_batch_size = self.policy.batch
+        self._lr_applied = float(p["lr_applied"])
+
+    def _write_checkpoint(self) -> None:
+        assert self.checkpoint_dir is not None
+        t0 = time.perf_counter()
+        payload = dict(self._payload(), world_size=self.world_size, worker=self.worker_id, wall=time.time())
+        path = ckpt.save_checkpoint(self.checkpoint_dir, self.step_count, payload, keep=self.checkpoint_keep)
+        self._ckpt_last = self.step_count
+        self.checkpoints.append({"step": self.step_count, "cursor": self.cursor, "path": str(path),
+                                 "write_s": time.perf_counter() - t0})
+        self._last_step_end = None  # do not count the write in step-time statistics
+        log.info("worker %s: checkpoint of step %d written to %s", self.worker_id, self.step_count, path)
+
+    def _resume_from_checkpoint(self) -> None:
+        """A (re)started job: continue from the newest checkpoint, if any."""
+        if self.checkpoint_dir is None:
+            return
+        p = ckpt.load_latest(self.checkpoint_dir)
+        if p is None:
+            return
+        self._load_payload(p)
+        self.resumed_from = self._ckpt_last = self.step_count
+        log.warning("worker %s: resumed from the checkpoint of step %d (cursor %d)", self.worker_id, self.step_count,
+                    self.cursor)
 
     def _begin_batch(self, sl: StepSlice) -> None:
         self._slice = sl
@@ -339,22 +403,12 @@ class Job:
         assert self.state is not None
         payload: list[dict[str, Any] | None] = [None]
         if self.rank == src:
-            payload = [{
-                "state": self.state.state_dict(),
-                "cursor": self.cursor,
-                "step": self.step_count,
-                "policy": self.policy.state_dict(),
-                "lr_applied": self._lr_applied,
-            }]
+            payload = [self._payload()]
         payload = [broadcast_state(payload[0], src=src)]
         if self.rank != src:
             p = payload[0]
             assert p is not None
-            self.state.load_state_dict(p["state"])
-            self.cursor, self.step_count = int(p["cursor"]), int(p["step"])
-            self.policy.load_state_dict(p["policy"])
-            self.global_batch_size = self.policy.batch
-            self._lr_applied = float(p["lr_applied"])
+            self._load_payload(p)
 
     def _start(self) -> None:
         """Join the job: wait for a generation, rendezvous, receive state."""
@@ -362,6 +416,7 @@ class Job:
         if self.state is None:
             raise RuntimeError("call job.register_state(model, optimizer) before iterating")
         if self.client is None:  # local mode: a single process, no master
+            self._resume_from_checkpoint()
             self.global_batch_size = self.policy.start(1)
             return
         # Register only now, when model and data pipeline are built: a newcomer
@@ -399,9 +454,13 @@ class Job:
             return
         t0 = time.perf_counter()
         log.debug("worker %s: go for gen %d", self.worker_id, g.gen)
+        if not a.get("joining"):  # the job's first generation: a restarted job resumes (rank 0's copy is sent)
+            self._resume_from_checkpoint()
         self._init_group(g)
         log.debug("worker %s: group formed", self.worker_id)
         self._sync_state()
+        if self.resumed_from is not None:
+            self._ckpt_last = self.resumed_from
         if a.get("joining"):
             self.joined_at_step = self.step_count
         else:

@@ -1,0 +1,94 @@
+"""Periodic checkpoints for "consistent recovery" (EDL §4.2, issue 5).
+
+When every worker of a job dies there is no survivor to take the state from;
+the job is started again and resumes from the newest checkpoint on disk.
+Rank 0 writes one every ``checkpoint_every`` steps at the batch boundary
+(after the user's per-step code such as ``scheduler.step()``, the same point
+where a rescale happens), so the file holds exactly the state the next step
+starts from: model, optimizer, LR scheduler, RNG states, user extras, the data
+cursor, the step and the batch-policy state.
+
+Files are ``ckpt-<step>.pt`` in the checkpoint directory, written to a
+temporary name in the same directory, fsynced and renamed (atomic on POSIX),
+so a worker killed while writing never leaves a torn newest checkpoint. The
+newest ``keep`` checkpoints are kept; a file that fails to load is skipped
+in favour of the previous one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_DIR = "TIDAL_CHECKPOINT_DIR"
+ENV_EVERY = "TIDAL_CHECKPOINT_EVERY"
+_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+
+
+def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
+    return Path(directory) / f"ckpt-{int(step):09d}.pt"
+
+
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the complete checkpoints, oldest first (temporary files are ignored)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    out = []
+    for p in d.iterdir():
+        m = _NAME.match(p.name)
+        if m:
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def save_checkpoint(directory: str | os.PathLike[str], step: int, payload: dict[str, Any], keep: int = 2) -> Path:
+    """Write ``payload`` atomically as the checkpoint of ``step`` (temp + fsync + rename)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(d, step)
+    fd, tmp = tempfile.mkstemp(prefix=".ckpt-", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # make the rename itself durable
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+    for _, old in list_checkpoints(d)[:-keep] if keep > 0 else []:
+        try:
+            old.unlink()
+        except OSError:
+            pass
+    return final
+
+
+def load_latest(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The newest checkpoint that loads, or None."""
+    for step, p in reversed(list_checkpoints(directory)):
+        try:
+            return torch.load(p, map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 - a damaged file: fall back to the previous one
+            log.warning("checkpoint %s (step %d) unreadable (%s); trying an older one", p, step, e)
+    return None

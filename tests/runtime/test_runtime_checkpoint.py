@@ -1,0 +1,116 @@
+"""Periodic checkpoints and consistent recovery (issue 5, EDL §4.2): when every
+worker dies the job is started again and resumes from the newest checkpoint
+with the same data positions and the parameters of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime_helpers import check_exactly_once, launch, read_steps
+from test_runtime_elastic import TOL, max_rel_diff, reference_run
+from tidal.runtime.checkpoint import list_checkpoints, load_latest, save_checkpoint
+
+N, BATCH, EPOCHS, WORKERS, EVERY, KILL = 120, 12, 2, 2, 5, 12
+STEPS = EPOCHS * (-(-N // BATCH))
+
+
+def test_atomic_save_keep_and_fallback(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    for step in (5, 10, 15):
+        save_checkpoint(d, step, {"step": step, "t": torch.arange(3)}, keep=2)
+    (d / ".ckpt-junk.tmp").write_bytes(b"partial")  # a writer killed before its rename
+    assert [s for s, _ in list_checkpoints(d)] == [10, 15]
+    assert load_latest(d)["step"] == 15
+    (d / "ckpt-000000020.pt").write_bytes(b"torn")  # damaged newest file: the previous one is used
+    assert load_latest(d)["step"] == 15
+    assert load_latest(tmp_path / "none") is None
+
+
+def _run(tmp_path: Path, tag: str, ck: Path, faults: str | None) -> tuple[int, str, Path]:
+    out, home = tmp_path / f"out-{tag}", tmp_path / f"home-{tag}"
+    out.mkdir()
+    env = {"TIDAL_CHECKPOINT_DIR": str(ck), "TIDAL_CHECKPOINT_EVERY": str(EVERY)}
+    if faults:
+        env["TIDAL_FAULTS"] = faults
+    proc = launch(f"ckpt-{tag}", WORKERS, out, home, "--n", str(N), "--batch", str(BATCH), "--epochs", str(EPOCHS),
+                  "--seed", "0", timeout=60, extra_env=env)
+    try:
+        text, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, text, out
+
+
+@pytest.mark.timeout(130)
+def test_all_workers_killed_then_resume_from_checkpoint(tmp_path: Path) -> None:
+    ck = tmp_path / "ckpt"
+    # every worker SIGKILLs itself at the start of step 12; the last checkpoint is step 10's
+    rc, text, out1 = _run(tmp_path, "a", ck, ";".join(f"kill:w{i}@{KILL}" for i in range(WORKERS)))
+    assert rc != 0, text
+    last = (KILL // EVERY) * EVERY
+    assert [s for s, _ in list_checkpoints(ck)] == [last - EVERY, last]
+    steps1 = read_steps(out1)
+    assert all([r["step"] for r in recs] == list(range(KILL)) for recs in steps1.values()), steps1.keys()
+    assert not list(out1.glob("final-*.pt"))
+    # the job is started again: it continues from step 10's checkpoint, steps 10 and 11 are redone
+    rc, text, out2 = _run(tmp_path, "b", ck, None)
+    assert rc == 0, text
+    steps2 = read_steps(out2)
+    assert {min(r["step"] for r in recs) for recs in steps2.values()} == {last}
+    summ = [json.loads(p.read_text()) for p in sorted(out2.glob("summary-*.json"))]
+    assert any(s["resumed_from"] == last for s in summ)
+    # exactly once relative to the checkpoint: run 1 up to it + run 2 from it
+    merged = {w: [r for r in steps1.get(w, []) if r["step"] < last] + steps2.get(w, []) for w in set(steps1) | set(steps2)}
+    assert check_exactly_once(merged, N, BATCH, EPOCHS) == STEPS
+    ref = reference_run(n=N, batch=BATCH, epochs=EPOCHS)
+    finals = sorted(out2.glob("final-*.pt"))
+    assert len(finals) == WORKERS
+    for p in finals:
+        assert max_rel_diff(torch.load(p), ref) <= TOL
+    assert max(list_checkpoints(ck))[0] > last  # the resumed run kept checkpointing
+
+
+def test_local_mode_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a master (plain ``python script.py``) the same options apply."""
+    from tidal.runtime import init
+    from elastic_train import Pairs, make_data, make_model, make_opt
+
+    x, y = make_data(60, 0)
+    ck = tmp_path / "ck"
+
+    def train(stop_at: int | None) -> tuple[torch.nn.Module, list[list[int]]]:
+        job = init(master_url=None, worker_id="solo", checkpoint_dir=ck, checkpoint_every=3)
+        model = make_model(0)
+        opt, sched = make_opt(model)
+        job.register_state(model, opt, sched)
+        seen = []
+        it = job.data(Pairs(x, y), batch_size=8, epochs=2, seed=0)
+        for xb, yb in it:
+            if stop_at is not None and job.step_count == stop_at:
+                break  # "dies" here
+            seen.append(it.last_indices)
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            job.step()
+            sched.step()
+        return model, seen
+
+    _, first = train(stop_at=7)   # checkpoint of step 6 is the newest
+    model, second = train(stop_at=None)
+    assert len(second) == 16 - 6 and first[:6] + second == train_ref(x, y)
+    ref = reference_run(n=60, batch=8, epochs=2)
+    assert max_rel_diff(model.state_dict(), ref) <= TOL
+
+
+def train_ref(x: torch.Tensor, y: torch.Tensor) -> list[list[int]]:
+    from tidal.runtime.data import epoch_permutation
+    out = []
+    for e in range(2):
+        p = epoch_permutation(60, 0, e).tolist()
+        out += [p[i:i + 8] for i in range(0, 60, 8)]
+    return out
