@@ -32,8 +32,16 @@ slower (``slow:w2@10=100``) at step 10:
 * ``straggler_remove_s``: from that detection until the survivors finished
   the scale-in switch without it.
 
-Not implemented (``null`` in the JSON): ``profile()`` (``profile_s``,
-``profile_separate_jobs_s``).
+Profiling (EDL §5.2): ``profile(1, 3)`` on one job started at 3 workers,
+measuring ``PROFILE_STEPS`` steps (after ``PROFILE_WARMUP``) at 3, 2 and 1
+workers with a scale-in between sizes, vs one separate ``tidal run`` job per
+size running the same number of steps:
+
+* ``profile_s``: from launching the job until the curve is written;
+* ``profile_separate_jobs_s``: the summed wall time of the separate jobs
+  (launch to exit, each includes its start-up, like the profile job).
+
+``--profile-only`` runs only this part.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from typing import Any
 log = logging.getLogger("runtime_recovery")
 
 N, BATCH, EPOCHS, WORKERS, DIM = 960, 48, 3, 3, 64
+PROFILE_STEPS, PROFILE_WARMUP = 20, 3
 
 
 def role_worker(a: argparse.Namespace) -> None:
@@ -62,12 +71,13 @@ def role_worker(a: argparse.Namespace) -> None:
 
     job = tidal.runtime.init()
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(N, DIM, generator=g), torch.randint(0, 10, (N,), generator=g)
+    n = a.n or N
+    x, y = torch.randn(n, DIM, generator=g), torch.randint(0, 10, (n,), generator=g)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(DIM, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     job.register_state(model, opt)
-    data = [(x[i], y[i]) for i in range(N)]
+    data = [(x[i], y[i]) for i in range(n)]
     out = Path(a.out)
     loader = job.data(data, batch_size=BATCH, epochs=a.epochs, seed=0)
     with open(out / f"steps-{job.worker_id}.jsonl", "w") as f:
@@ -77,7 +87,7 @@ def role_worker(a: argparse.Namespace) -> None:
             if job.step():
                 f.write(json.dumps(rec) + "\n")
                 f.flush()  # the victim is SIGKILLed: no buffered lines may be lost
-            if a.sleep:
+            if a.sleep and not (out / "fast").exists():
                 time.sleep(a.sleep)  # non-compute time per step (I/O), not counted as compute
     (out / f"summary-{job.worker_id}.json").write_text(json.dumps(job.summary()))
     job.close()
@@ -142,8 +152,62 @@ def straggler_run(tmp: Path) -> dict[str, Any]:
             "straggler_step": reps[0]["step"], "straggler_ratio": reps[0]["ratio"]}
 
 
-def measure(repeats: int, seed: int) -> dict[str, Any]:
+def profile_run(tmp: Path, min_p: int = 1, max_p: int = WORKERS) -> dict[str, Any]:
+    from tidal.core.profile import load_profiles
+    from tidal.runtime.client import MasterClient
+    from tidal.runtime.profiling import profile
+
+    out, home = tmp / "prof", tmp / "home"
+    out.mkdir()
+    env = _env("", tmp / "faults-prof.jsonl", home)
+    # 5 ms of non-compute time per step keeps the scale-ins' 0.5 s switch lead within the data
+    cmd = [sys.executable, "-m", "tidal.runtime.launch", "run", "--workers", str(max_p), "--job", "prof",
+           "--timeout", "120", __file__, "--role", "worker", "--out", str(out), "--epochs", "200", "--sleep", "0.005"]
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        f = home / "jobs" / "prof.json"
+        while not f.exists():
+            if p.poll() is not None or time.perf_counter() - t0 > 60:
+                raise RuntimeError("profile job did not start")
+            time.sleep(0.01)
+        c = MasterClient(json.loads(f.read_text())["url"], patience_s=10)
+        res = profile(c, min_p, max_p, BATCH, steps=PROFILE_STEPS, warmup=PROFILE_WARMUP, out_dir=tmp / "profiles",
+                      model="mlp64", poll_s=0.005)
+        profile_s = time.perf_counter() - t0
+        (out / "fast").write_text("")
+        p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    curve = load_profiles(tmp / "profiles").curves["mlp64"][BATCH]
+    separate, sep_its = 0.0, {}
+    n_sep = BATCH * (PROFILE_STEPS + PROFILE_WARMUP)  # one epoch = the same number of steps
+    for w in range(max_p, min_p - 1, -1):
+        o = tmp / f"sep{w}"
+        o.mkdir()
+        cmd = [sys.executable, "-m", "tidal.runtime.launch", "run", "--workers", str(w), "--job", f"sep{w}",
+               "--timeout", "120", __file__, "--role", "worker", "--out", str(o), "--epochs", "1", "--n", str(n_sep),
+               "--sleep", "0.005"]
+        t1 = time.perf_counter()
+        q = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+        separate += time.perf_counter() - t1
+        if q.returncode != 0:
+            raise RuntimeError(f"separate job at {w} failed: {q.stdout[-2000:]}")
+        s0 = json.loads((o / "summary-w0.json").read_text())
+        sep_its[w] = 1.0 / s0["step_time_s"] if s0["step_time_s"] else None
+    return {"profile_s": profile_s, "profile_separate_jobs_s": separate, "profile_call_s": res.total_s,
+            "its": {str(k): v for k, v in sorted(res.its.items())}, "csv_counts": list(curve.counts),
+            "separate_its_median_step": {str(k): v for k, v in sorted(sep_its.items())}}
+
+
+def measure(repeats: int, seed: int, profile_only: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
+        prof = profile_run(Path(d))
+        if profile_only:
+            return {"profile_s": prof["profile_s"], "profile_separate_jobs_s": prof["profile_separate_jobs_s"],
+                    "profile": prof}
         runs = [one_run(seed + i, Path(d)) for i in range(repeats)]
         strag = straggler_run(Path(d))
     for r in runs:
@@ -156,11 +220,12 @@ def measure(repeats: int, seed: int) -> dict[str, Any]:
         "lost_samples": sum(r["lost_samples"] for r in runs),
         "straggler_detect_s": strag["straggler_detect_s"],
         "straggler_remove_s": strag["straggler_remove_s"],
-        "profile_s": None,
-        "profile_separate_jobs_s": None,
+        "profile_s": prof["profile_s"],
+        "profile_separate_jobs_s": prof["profile_separate_jobs_s"],
         "repeats": repeats,
         "runs": runs,
         "straggler": strag,
+        "profile": prof,
     }
 
 
@@ -171,6 +236,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile-only", action="store_true", help="only profile() vs separate jobs")
+    ap.add_argument("--n", type=int, default=0, help="(worker role) dataset size (default %d)" % N)
     ap.add_argument("--epochs", type=int, default=EPOCHS, help="(worker role)")
     ap.add_argument("--sleep", type=float, default=0.0, help="(worker role) non-compute seconds per step")
     a = ap.parse_args()
@@ -178,7 +245,7 @@ def main() -> None:
         role_worker(a)
         return
     logging.basicConfig(level=logging.INFO if not a.json else logging.WARNING, format="%(message)s")
-    res = measure(a.repeats, a.seed)
+    res = measure(a.repeats, a.seed, a.profile_only)
     if a.json:
         sys.stdout.write(json.dumps(res) + "\n")
         return

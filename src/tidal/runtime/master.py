@@ -199,7 +199,8 @@ class JobMaster:
         p = json.loads(self.store.get(self.progress_key))
         if int(p.get("gen", -1)) == self.gen.gen and int(p["step"]) >= int(self.progress.get("step", 0)):
             self.progress.update(step=int(p["step"]), cursor=int(p["cursor"]), epoch=int(p["epoch"]),
-                                 gen=int(p["gen"]), step_time_s=float(p["step_time_s"]))
+                                 gen=int(p["gen"]), step_time_s=float(p["step_time_s"]),
+                                 last_step=list(p.get("last_step") or []))
 
     def _form_initial(self) -> None:
         members = self.queue[: self.initial_workers]
@@ -344,6 +345,7 @@ class JobMaster:
                 changes=tuple(self.changes),
                 master_url=self.url,
                 stragglers=tuple(self.stragglers),
+                last_step=tuple(self.progress.get("last_step") or ()),
             )
 
     def handover(self, url: str) -> dict[str, Any]:

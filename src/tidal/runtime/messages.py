@@ -124,12 +124,15 @@ class Status:
     changes: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     master_url: str = ""
     stragglers: tuple[dict[str, Any], ...] = field(default_factory=tuple)  # detected stragglers (EDL §5.2)
+    # rank 0's latest step: (step, wall time at its end, world size), or () (used by profile())
+    last_step: tuple[Any, ...] = field(default_factory=tuple)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["members"] = list(self.members)
         d["changes"] = list(self.changes)
         d["stragglers"] = list(self.stragglers)
+        d["last_step"] = list(self.last_step)
         return d
 
     @classmethod
@@ -138,6 +141,7 @@ class Status:
         d["members"] = tuple(d.get("members", ()))
         d["changes"] = tuple(d.get("changes", ()))
         d["stragglers"] = tuple(d.get("stragglers", ()))
+        d["last_step"] = tuple(d.get("last_step", ()))
         return cls(**d)
 
 

@@ -657,9 +657,11 @@ class Job:
                     self._report_agreed = None
                     self.client.post("/agreed", {"gen": gen, "switch_step": sw})
                 store = self._store(*self._store_addr, tag="hb")
+                ls = self.step_ends[-1] if self.step_ends else None  # (step, wall time at its end, world size)
                 progress = json.dumps({
                     "gen": g.gen, "step": self.step_count, "cursor": self.cursor, "epoch": self.epoch,
                     "step_time_s": self.step_time_s, "world_size": self.world_size,
+                    "last_step": list(ls) if ls is not None else [],
                 })
                 t = time.perf_counter()
                 store.set(self._keys["progress"], progress)
