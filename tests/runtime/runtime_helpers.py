@@ -67,3 +67,14 @@ def check_exactly_once(steps: dict[str, list[dict[str, Any]]], n: int, batch: in
         steps_per_epoch = -(-n // batch)
         assert sorted(by_step) == list(range(epochs * steps_per_epoch))
     return len(by_step)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 100) -> str:
+    """Wait for a launched job; kill it if it overruns. Returns its output."""
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return text

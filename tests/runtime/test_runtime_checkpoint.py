@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime_helpers import check_exactly_once, launch, read_steps
+from runtime_helpers import check_exactly_once, finish, launch, read_steps
 from test_runtime_elastic import TOL, max_rel_diff, reference_run
 from tidal.runtime.checkpoint import list_checkpoints, load_latest, save_checkpoint
 
@@ -38,12 +38,7 @@ def _run(tmp_path: Path, tag: str, ck: Path, faults: str | None) -> tuple[int, s
         env["TIDAL_FAULTS"] = faults
     proc = launch(f"ckpt-{tag}", WORKERS, out, home, "--n", str(N), "--batch", str(BATCH), "--epochs", str(EPOCHS),
                   "--seed", "0", timeout=60, extra_env=env)
-    try:
-        text, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    text = finish(proc, 60)
     return proc.returncode, text, out
 
 

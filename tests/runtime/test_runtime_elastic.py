@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime_helpers import check_exactly_once, launch, master_url, read_steps
+from runtime_helpers import check_exactly_once, finish, launch, master_url, read_steps
 from elastic_train import make_data, make_model, make_opt
 from tidal.runtime.client import MasterClient
 from tidal.runtime.data import epoch_permutation, split_sizes
@@ -140,12 +140,7 @@ def test_a_dying_worker_is_survived_with_exactly_once_data_and_equal_parameters(
     n, batch, epochs = 300, 20, 4
     proc = launch("crash", 3, out, home, "--n", str(n), "--batch", str(batch), "--epochs", str(epochs),
                   "--crash-at", "7", "--crash-worker", "w2", timeout=100)
-    try:
-        text, _ = proc.communicate(timeout=100)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    text = finish(proc, 100)
     assert proc.returncode == 0, text
     assert "worker w2 failed with exit code 3" in text and "recover 3->2" in text, text
     steps = read_steps(out)

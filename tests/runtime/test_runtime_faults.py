@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime_helpers import check_exactly_once, launch, read_steps
+from runtime_helpers import check_exactly_once, finish, launch, read_steps
 from test_runtime_elastic import TOL, max_rel_diff, reference_run
 from tidal.runtime.faults import Fault, FaultInjector, parse_faults, random_kill
 
@@ -63,12 +63,7 @@ def run_kill(tmp_path: Path, seed: int) -> None:
     flog = tmp_path / "faults.jsonl"
     proc = launch(f"kill{seed}", WORKERS, out, home, "--n", str(N), "--batch", str(BATCH), "--epochs", str(EPOCHS),
                   "--seed", "0", timeout=100, extra_env={"TIDAL_FAULTS": fault.to_spec(), "TIDAL_FAULT_LOG": str(flog)})
-    try:
-        text, _ = proc.communicate(timeout=100)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    text = finish(proc, 100)
     assert proc.returncode == 0, text
     assert f"worker {fault.target} failed with exit code -9" in text and "recover 3->2" in text, (fault, text)
     fired = [json.loads(l) for l in flog.read_text().splitlines()]

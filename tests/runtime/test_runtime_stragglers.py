@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime_helpers import check_exactly_once, launch, read_steps
+from runtime_helpers import check_exactly_once, finish, launch, read_steps
 from test_runtime_elastic import TOL, max_rel_diff, reference_run
 from tidal.runtime.master import JobMaster
 from tidal.runtime.stragglers import StragglerConfig, StragglerDetector
@@ -55,12 +55,7 @@ def test_slow_worker_is_detected_and_removed(tmp_path: Path) -> None:
     proc = launch("strag", 3, out, home, "--n", str(n), "--batch", str(batch), "--epochs", str(epochs),
                   "--sleep", "0.02", timeout=100, extra_env={"TIDAL_FAULTS": "slow:w2@0=2000"},
                   launcher_args=("--straggler-policy", "remove"))
-    try:
-        text, _ = proc.communicate(timeout=100)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    text = finish(proc, 100)
     assert proc.returncode == 0, text
     assert "straggler w2 in gen 1" in text and ": removed" in text, text
     assert "scale_in 3->2" in text, text
