@@ -257,12 +257,9 @@ class JobMaster:
         their model while the others keep training (EDL §4.2). A repeated
         ``request_id`` gets the first answer again (idempotent retry)."""
         with self._lock:
-            again = self._replay(request_id)
-            if again:
-                return again
-            busy = self._busy()
-            if busy:
-                return busy
+            early = self._replay(request_id) or self._busy()
+            if early:
+                return early
             count = len(hosts) if hosts else int(n or 0)
             if count <= 0:
                 return ScaleAnswer("error", "scale_out needs n > 0 or hosts")
@@ -290,12 +287,9 @@ class JobMaster:
         leave after the agreed switch step, the others do not stop. A repeated
         ``request_id`` gets the first answer again (idempotent retry)."""
         with self._lock:
-            again = self._replay(request_id)
-            if again:
-                return again
-            busy = self._busy()
-            if busy:
-                return busy
+            early = self._replay(request_id) or self._busy()
+            if early:
+                return early
             assert self.gen is not None
             members = list(self.gen.members)
             if ranks:
