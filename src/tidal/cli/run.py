@@ -23,13 +23,41 @@ def run(
     state: Optional[str] = typer.Option(None, "--state", help="Master state backend: file://PATH or sqlite://PATH."),
     switch_lead: float = typer.Option(0.5, "--switch-lead", help="T_a in seconds: lead time of a planned switch."),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop the job after this many seconds."),
+    straggler_policy: str = typer.Option(
+        "report", "--straggler-policy",
+        help="A worker >1.2x the median compute time for 10 steps: report | remove | replace | share (EDL §5.2)."),
+    replication: str = typer.Option(
+        "topology", "--replication",
+        help="How newcomers get the state: topology (nearest live worker, concurrent) | single | broadcast."),
+    hang_timeout: float = typer.Option(30.0, "--hang-timeout", help="Kill a worker hung this many seconds (0: never)."),
 ) -> None:
     """Run SCRIPT as an elastic job with a local job master (torchrun-like)."""
     from tidal.runtime.launch import run_job
+    from tidal.runtime.master import STRAGGLER_POLICIES
+    from tidal.runtime.replication import MODES
 
+    if straggler_policy not in STRAGGLER_POLICIES:
+        raise typer.BadParameter(f"one of {', '.join(STRAGGLER_POLICIES)}", param_hint="--straggler-policy")
+    if replication not in MODES:
+        raise typer.BadParameter(f"one of {', '.join(MODES)}", param_hint="--replication")
     rc = run_job(script, list(ctx.args), workers, max_workers=max_workers, job=job, state_url=state,
-                 switch_lead_s=switch_lead, timeout_s=timeout, out=typer.echo)
+                 switch_lead_s=switch_lead, timeout_s=timeout, out=typer.echo, straggler_policy=straggler_policy,
+                 replication=replication, hang_timeout_s=hang_timeout)
     raise typer.Exit(rc)
+
+
+@app.command("migrate")
+def migrate(
+    job: str = typer.Argument(..., help="The name given to `tidal run` (or its master URL)."),
+    ranks: list[int] = typer.Argument(..., help="Ranks to move."),
+    timeout: float = typer.Option(120.0, "--timeout", help="Give up after this many seconds."),
+) -> None:
+    """Move workers of a `tidal run` job in one change (EDL §5.2): replacements
+    start and warm up while the job trains, then the old ones leave and the
+    new ones join at one agreed step."""
+    from tidal.runtime.launch import migrate_job
+
+    raise typer.Exit(migrate_job(job, list(ranks), timeout_s=timeout, out=typer.echo))
 
 
 @app.command("scale")

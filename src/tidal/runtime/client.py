@@ -87,6 +87,12 @@ class MasterClient:
     def scale_in(self, n: int | None = None, ranks: list[int] | None = None) -> ScaleAnswer:
         return ScaleAnswer.from_json(self.post("/scale_in", {"n": n, "ranks": ranks, "request_id": uuid.uuid4().hex}))
 
+    def migrate(self, ranks: list[int], hosts: list[str] | None = None) -> ScaleAnswer:
+        return ScaleAnswer.from_json(self.post("/migrate", {"ranks": ranks, "hosts": hosts, "request_id": uuid.uuid4().hex}))
+
+    def reshare(self, shares: dict[str, float]) -> ScaleAnswer:
+        return ScaleAnswer.from_json(self.post("/reshare", {"shares": shares, "request_id": uuid.uuid4().hex}))
+
     def status(self) -> Status:
         return Status.from_json(self.get("/status"))
 

@@ -57,11 +57,35 @@ class StepSlice:
         return self.hi - self.lo
 
 
-def step_slice(cursor: int, n: int, batch_size: int, rank: int, world_size: int) -> StepSlice:
-    """The positions step ``cursor`` consumes and this rank's share."""
+def split_weighted(total: int, shares: Sequence[float]) -> list[int]:
+    """Split ``total`` in proportion to ``shares`` (largest remainder), every
+    rank getting at least one sample while ``total`` allows it (a straggler
+    with a smaller share, EDL §5.2). Sums to ``total``."""
+    parts = len(shares)
+    w = [max(float(x), 0.0) for x in shares]
+    tot_w = sum(w)
+    if tot_w <= 0:
+        return split_sizes(total, parts)
+    floor = 1 if total >= parts else 0
+    free = total - floor * parts
+    exact = [free * x / tot_w for x in w]
+    sizes = [int(e) for e in exact]
+    order = sorted(range(parts), key=lambda i: (-(exact[i] - sizes[i]), i))
+    for i in order[: free - sum(sizes)]:
+        sizes[i] += 1
+    return [floor + s for s in sizes]
+
+
+def step_slice(cursor: int, n: int, batch_size: int, rank: int, world_size: int,
+               shares: Sequence[float] = ()) -> StepSlice:
+    """The positions step ``cursor`` consumes and this rank's share (even, or
+    in proportion to ``shares``)."""
     epoch, start = divmod(cursor, n)
     stop = min(start + batch_size, n)
-    sizes = split_sizes(stop - start, world_size)
+    if shares and len(shares) == world_size:
+        sizes = split_weighted(stop - start, shares)
+    else:
+        sizes = split_sizes(stop - start, world_size)
     lo = start + sum(sizes[:rank])
     return StepSlice(epoch, start, stop, lo, lo + sizes[rank])
 
@@ -134,7 +158,8 @@ class ElasticBatchIterator:
         while True:
             if not self.job._ready_for_next_batch(self):
                 return
-            sl = step_slice(self.job.cursor, self.n, self.job.global_batch_size, self.job.rank, self.job.world_size)
+            sl = step_slice(self.job.cursor, self.n, self.job.global_batch_size, self.job.rank, self.job.world_size,
+                            self.job.shares)
             self.epoch = sl.epoch
             perm = self._perms.get(sl.epoch)
             idx = perm[sl.lo : sl.hi].tolist()

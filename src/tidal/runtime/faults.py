@@ -142,8 +142,16 @@ class FaultInjector:
 def _stop_self(seconds: float) -> None:
     """SIGSTOP this process; a detached helper sends SIGCONT after ``seconds``."""
     pid = os.getpid()
-    subprocess.Popen([sys.executable, "-c", f"import os,signal,time; time.sleep({float(seconds)!r}); os.kill({pid}, signal.SIGCONT)"],
-                     start_new_session=True)
+    # the helper gives up early if the stopped process is killed meanwhile (e.g. found hung);
+    # it must not hold the worker's stdout, or whoever reads that would wait for it
+    code = (f"import os,signal,time\nend=time.monotonic()+{float(seconds)!r}\n"
+            f"while time.monotonic()<end:\n"
+            f"    time.sleep(0.2)\n"
+            f"    try: os.kill({pid},0)\n"
+            f"    except OSError: raise SystemExit\n"
+            f"os.kill({pid},signal.SIGCONT)\n")
+    subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.05)  # let the helper start before we stop
     os.kill(pid, signal.SIGSTOP)
 

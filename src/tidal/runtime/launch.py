@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from tidal.runtime.client import MasterClient
-from tidal.runtime.master import JobMaster
+from tidal.runtime.master import STRAGGLER_POLICIES, JobMaster
+from tidal.runtime.replication import MODES
 from tidal.runtime.server import MasterServer
 from tidal.runtime.persistence import open_backend
 from tidal.runtime.worker import ENV_MASTER, ENV_WORKER
@@ -67,6 +68,13 @@ class LocalSpawner:
                 self.procs[wid] = p
             log.info("started worker %s (pid %d)", wid, p.pid)
 
+    def kill(self, worker_id: str) -> None:
+        """SIGKILL a worker (the master found it hung)."""
+        with self._lock:
+            p = self.procs.get(worker_id)
+        if p is not None and p.poll() is None:
+            p.kill()
+
     def dead(self) -> list[str]:
         """Workers whose process exited with an error."""
         return [w for w, c in self.poll().items() if c not in (None, 0)]
@@ -100,13 +108,15 @@ def run_job(
     timeout_s: float | None = None,
     out: Callable[[str], None] = print,
     straggler_policy: str = "report",
+    replication: str = "topology",
+    hang_timeout_s: float = 30.0,
 ) -> int:
     """Run one elastic job to completion; returns the exit code."""
     job = job or Path(script).stem
     backend = open_backend(state_url) if state_url else None
     spawner = LocalSpawner(script, args)
     master = JobMaster(job, workers, backend=backend, spawner=spawner, switch_lead_s=switch_lead_s, max_workers=max_workers,
-                       straggler_policy=straggler_policy)
+                       straggler_policy=straggler_policy, replication=replication, hang_timeout_s=hang_timeout_s)
     server = MasterServer(master).start()
     spawner.master_url = server.url
     jf = jobs_dir() / f"{job}.json"
@@ -121,9 +131,11 @@ def run_job(
     try:
         while True:
             time.sleep(0.1)
+            for w in master.check_health():
+                out(f"tidal run: worker {w} is hung; killed it so the others re-form without it")
             codes = spawner.poll()
             for w, c in codes.items():
-                if c not in (None, 0) and w not in reported:
+                if c not in (None, 0) and w not in reported and not any(h["worker_id"] == w for h in master.hung):
                     reported.add(w)
                     out(f"tidal run: worker {w} failed with exit code {c}; the survivors re-form without it")
             if codes and all(c is not None for c in codes.values()):
@@ -157,6 +169,8 @@ def run_job(
     for c in st.changes:
         out(f"  gen {c['gen']}: {c['kind']} {c['from_size']}->{c['to_size']} at step {c['switch_step']}, "
             f"pause {1e3 * c['pause_s']:.1f} ms, {c['switched_at'] - c['requested_at']:.2f}s after request")
+    for h in st.hung:
+        out(f"  hung worker {h['worker_id']} in gen {h['gen']}: {h['reason']}; {h['action']}")
     for s in st.stragglers:
         out(f"  straggler {s['worker_id']} in gen {s['gen']} at step {s['step']} ({s['ratio']:.2f}x median): {s['action']}")
     return rc
@@ -189,6 +203,7 @@ def serve_master(
     try:
         while not master.finished:
             time.sleep(0.1)
+            master.check_health()
             if timeout_s is not None and time.time() - t0 > timeout_s:
                 out("tidal master: timeout")
                 return 1
@@ -220,6 +235,34 @@ def scale_job(job: str, workers: int, timeout_s: float = 120.0, wait: bool = Tru
     return 0
 
 
+def migrate_job(job: str, ranks: list[int], timeout_s: float = 120.0, out: Callable[[str], None] = print) -> int:
+    """Move the workers at ``ranks`` of ``job`` in one change (retrying while
+    another change is in progress) and wait until the switch happened."""
+    try:
+        c = MasterClient(resolve_master(job))
+    except FileNotFoundError as e:
+        out(f"tidal migrate: {e}")
+        return 2
+    deadline = time.monotonic() + timeout_s
+    before = c.status()
+    while True:
+        ans = c.migrate(ranks)
+        if ans.status != "retry" or time.monotonic() > deadline:
+            break
+        time.sleep(max(0.05, ans.retry_after_s))
+    out(f"tidal migrate: {ans.status}: {ans.message}")
+    if ans.status != "accepted":
+        return 1
+    while time.monotonic() < deadline:
+        st = c.status()
+        if st.state == "finished" or (not st.changing and any(ch["kind"] == "migrate" for ch in st.changes[len(before.changes):])):
+            out(f"tidal migrate: job {st.job} members {', '.join(st.members)} at step {st.step} ({st.state})")
+            return 0
+        time.sleep(0.1)
+    out("tidal migrate: timeout waiting for the switch")
+    return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tidal.runtime.launch")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -230,8 +273,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--state", default=None, help="master state backend URL (file://..., sqlite://...)")
     r.add_argument("--switch-lead", type=float, default=0.5, help="T_a in seconds (EDL §4.2)")
     r.add_argument("--timeout", type=float, default=None)
-    r.add_argument("--straggler-policy", choices=["report", "remove"], default="report",
-                   help="a worker >1.2x the median compute time for 10 steps is reported, or removed (EDL §5.2)")
+    r.add_argument("--straggler-policy", choices=list(STRAGGLER_POLICIES), default="report",
+                   help="a worker >1.2x the median compute time for 10 steps is reported, removed, replaced "
+                        "(migrated), or given a smaller batch share (EDL §5.2)")
+    r.add_argument("--replication", choices=list(MODES), default="topology",
+                   help="how newcomers get the state: from their nearest live worker, concurrently (Elan §IV), "
+                        "from rank 0 only, or by one broadcast")
+    r.add_argument("--hang-timeout", type=float, default=30.0,
+                   help="kill a worker that stops beating (or computes) this long while its peers wait; 0: never")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     m = sub.add_parser("master", help="host only the job master (workers are started elsewhere)")
@@ -251,7 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.cmd == "run":
         return run_job(a.script, a.args, a.workers, max_workers=a.max_workers, job=a.job, state_url=a.state,
-                       switch_lead_s=a.switch_lead, timeout_s=a.timeout, straggler_policy=a.straggler_policy)
+                       switch_lead_s=a.switch_lead, timeout_s=a.timeout, straggler_policy=a.straggler_policy,
+                       replication=a.replication, hang_timeout_s=a.hang_timeout)
     if a.cmd == "master":
         return serve_master(a.job, a.workers, state_url=a.state, port=a.port, store_port=a.store_port,
                             resume=a.resume, timeout_s=a.timeout)

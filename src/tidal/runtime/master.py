@@ -18,6 +18,9 @@ import datetime
 import json
 import logging
 import math
+import os
+import signal
+import socket
 import threading
 import time
 from typing import Any, Callable
@@ -25,8 +28,11 @@ from typing import Any, Callable
 from tidal.runtime.data import ShardManager
 from tidal.runtime.messages import ChangeRecord, Generation, Plan, ScaleAnswer, Status
 from tidal.runtime.persistence import StateBackend
+from tidal.runtime.replication import MODES, Location, assign_sources
 
 log = logging.getLogger(__name__)
+
+STRAGGLER_POLICIES = ("report", "remove", "replace", "share")
 
 Spawner = Callable[[list[str], "list[str] | None"], None]
 """Starts worker processes with the given ids (optionally on given hosts)."""
@@ -56,6 +62,8 @@ class JobMaster:
         max_workers: int | None = None,
         recovery_window_s: float = 20.0,
         straggler_policy: str = "report",
+        replication: str = "topology",
+        hang_timeout_s: float = 30.0,
     ) -> None:
         import torch.distributed as dist  # heavy import, only where needed
 
@@ -69,9 +77,18 @@ class JobMaster:
         self.max_workers = max_workers
         self.recovery_window_s = float(recovery_window_s)
         self.recovery: dict[str, Any] | None = None  # survivors of a failed generation reporting in
-        if straggler_policy not in ("report", "remove"):
-            raise ValueError(f"straggler_policy must be 'report' or 'remove', not {straggler_policy!r}")
-        self.straggler_policy = straggler_policy  # EDL §5.2: report only, or remove by scale-in
+        if straggler_policy not in STRAGGLER_POLICIES:
+            raise ValueError(f"straggler_policy must be one of {list(STRAGGLER_POLICIES)}, not {straggler_policy!r}")
+        # EDL §5.2: report only, remove by scale-in, replace (migrate), or a smaller batch share
+        self.straggler_policy = straggler_policy
+        if replication not in MODES:
+            raise ValueError(f"replication must be one of {list(MODES)}, not {replication!r}")
+        self.replication = replication  # how newcomers get the state (Elan §IV)
+        # a member that stops beating (or is stuck in compute while its peers
+        # wait) for this long is killed, so the others recover (0: never)
+        self.hang_timeout_s = float(hang_timeout_s)
+        self._alive: dict[str, dict[str, Any]] = {}
+        self.hung: list[dict[str, Any]] = []
         self.stragglers: list[dict[str, Any]] = []
         self._lock = threading.RLock()
         self.store = dist.TCPStore(
@@ -133,6 +150,7 @@ class JobMaster:
                 "shards": self.shards.snapshot() if self.shards else None,
                 "answers": dict(list(self.answers.items())[-64:]),
                 "stragglers": self.stragglers[-64:],
+                "hung": self.hung[-64:],
             }
 
     def restore(self, snap: dict[str, Any]) -> None:
@@ -156,6 +174,7 @@ class JobMaster:
         self.last_gen = int(s.get("last_gen", 0))
         self.answers = dict(s.get("answers") or {})
         self.stragglers = list(s.get("stragglers") or [])
+        self.hung = list(s.get("hung") or [])
         if s.get("shards"):
             self.shards = ShardManager.from_snapshot(s["shards"])
         if self.plan is not None:  # a pending switch now rendezvouses on this master's store
@@ -171,20 +190,34 @@ class JobMaster:
             self.backend.save(self.snapshot())
 
     # ------------------------------------------------------------------ helpers
-    def _new_gen(self, members: list[str]) -> Generation:
+    def _new_gen(self, members: list[str], shares: dict[str, float] | None = None) -> Generation:
+        """The next generation; a member keeps its batch share (if any) unless
+        ``shares`` sets it; all-equal shares collapse to the even split."""
         # generation numbers (and store prefixes) are never reused, even for an abandoned plan
         g = max(self.last_gen, self.gen.gen if self.gen else 0) + 1
         self.last_gen = g
-        return Generation(g, tuple(members), self.store_host, self.store_port, f"tidal/{self.job}/g{g}/")
+        old = dict(zip(self.gen.members, self.gen.shares)) if self.gen is not None and self.gen.shares else {}
+        old.update(shares or {})
+        sh = tuple(float(old.get(m, 1.0)) for m in members)
+        if all(x == 1.0 for x in sh):
+            sh = ()
+        return Generation(g, tuple(members), self.store_host, self.store_port, f"tidal/{self.job}/g{g}/", sh)
 
     def _k(self) -> int:
         st = float(self.progress.get("step_time_s") or 0.0)
         return max(1, math.ceil(self.switch_lead_s / st)) if st > 0 else 1
 
+    def _where(self, worker_id: str) -> Location:
+        w = self.workers.get(worker_id) or {}
+        return Location(str(w.get("host") or ""), str(w.get("switch") or ""))
+
     def _publish(self, target: Generation, joiners: list[str], leavers: list[str], kind: str) -> None:
         self._read_progress()
         k = self._k()
-        self.plan = Plan(target, int(self.progress["step"]) + k, k, tuple(joiners), tuple(leavers), kind)
+        stay = [w for w in target.members if w not in joiners]
+        src = assign_sources(stay, joiners, {w: self._where(w) for w in target.members}, self.replication) if joiners else {}
+        self.plan = Plan(target, int(self.progress["step"]) + k, k, tuple(joiners), tuple(leavers), kind,
+                         tuple(src.items()))
         self.plans[target.gen] = self.plan.to_json()
         self.store.set(self.plan_key, json.dumps(self.plan.to_json()))
         assert self.change is not None
@@ -311,6 +344,61 @@ class JobMaster:
             self._save()
             return self._remember(request_id, ScaleAnswer("accepted", f"removing {leavers}", target_size=len(stay)))
 
+    def migrate(self, ranks: list[int], hosts: list[str] | None = None, request_id: str | None = None) -> ScaleAnswer:
+        """Move the workers at ``ranks`` (to ``hosts`` if given) as one change
+        (EDL §5.2): as many newcomers start and warm up while everyone trains;
+        then, at one agreed step, the old ones leave and the new ones join in a
+        single group switch, receiving the state from their nearest live
+        worker. The size does not change."""
+        with self._lock:
+            early = self._replay(request_id) or self._busy()
+            if early:
+                return early
+            assert self.gen is not None
+            members = list(self.gen.members)
+            if not ranks or any(r < 0 or r >= len(members) for r in ranks):
+                return ScaleAnswer("error", f"migrate needs ranks in [0, {len(members)}), got {ranks}")
+            leavers = [members[r] for r in sorted(set(ranks))]
+            if hosts is not None and len(hosts) != len(leavers):
+                return ScaleAnswer("error", f"{len(leavers)} workers to move but {len(hosts)} hosts")
+            if len(leavers) == len(members):
+                return ScaleAnswer("error", "cannot move every worker at once: no live worker would hold the state")
+            if self.spawner is None:
+                return ScaleAnswer("error", "migrate needs a spawner to start the replacements")
+            ids = [f"w{self.spawned + i}" for i in range(len(leavers))]
+            self.spawned += len(ids)
+            self.change = {"kind": "migrate", "status": "waiting", "requested_at": time.time(), "expect": ids,
+                           "joiners": [], "leavers": leavers}
+            self._save()
+        try:
+            self.spawner(ids, hosts)
+        except Exception as e:  # noqa: BLE001
+            with self._lock:
+                self.change = None
+                self._save()
+            return ScaleAnswer("error", f"spawn failed: {e}")
+        with self._lock:
+            return self._remember(request_id, ScaleAnswer("accepted", f"moving {leavers} to {ids}",
+                                                          target_size=len(members)))
+
+    def reshare(self, shares: dict[str, float], request_id: str | None = None) -> ScaleAnswer:
+        """Give workers a different share of the global batch (relative
+        weights; 1.0 is an even share) from an agreed step on, e.g. a smaller
+        one to a straggler (EDL §5.2). The weighted all-reduce keeps the update
+        the fixed-size one; the data stay exactly once per epoch."""
+        with self._lock:
+            early = self._replay(request_id) or self._busy()
+            if early:
+                return early
+            assert self.gen is not None
+            bad = [w for w, x in shares.items() if w not in self.gen.members or not (float(x) > 0)]
+            if bad:
+                return ScaleAnswer("error", f"shares need current members and positive weights: {bad}")
+            self.change = {"kind": "reshare", "status": "waiting", "requested_at": time.time(), "expect": [], "joiners": []}
+            self._publish(self._new_gen(list(self.gen.members), {w: float(x) for w, x in shares.items()}), [], [], "reshare")
+            self._save()
+            return self._remember(request_id, ScaleAnswer("accepted", f"shares {shares}", target_size=self.gen.world_size))
+
     def status(self) -> Status:
         with self._lock:
             self._check_timeout()
@@ -339,6 +427,7 @@ class JobMaster:
                 changes=tuple(self.changes),
                 master_url=self.url,
                 stragglers=tuple(self.stragglers),
+                hung=tuple(self.hung),
                 last_step=tuple(self.progress.get("last_step") or ()),
             )
 
@@ -353,18 +442,22 @@ class JobMaster:
             return snap
 
     # ------------------------------------------------------------------ worker API
-    def register(self, worker_id: str, pid: int = 0, host: str = "") -> dict[str, Any]:
+    def register(self, worker_id: str, pid: int = 0, host: str = "", switch: str = "") -> dict[str, Any]:
         with self._lock:
             w = self.workers.setdefault(worker_id, {"state": "registered", "pid": pid, "host": host, "registered_at": time.time()})
-            w.update(pid=pid, host=host)
+            w.update(pid=pid, host=host, switch=switch)
             in_gen = self.gen is not None and worker_id in self.gen.members
             if not in_gen and worker_id not in self.queue:
                 c = self.change
-                if c and c["kind"] == "scale_out" and c["status"] == "waiting" and worker_id in c["expect"]:
+                if c and c["kind"] in ("scale_out", "migrate") and c["status"] == "waiting" and worker_id in c["expect"]:
                     c["joiners"].append(worker_id)
                     if len(c["joiners"]) == len(c["expect"]):
                         assert self.gen is not None
-                        self._publish(self._new_gen(list(self.gen.members) + c["joiners"]), c["joiners"], [], "scale_out")
+                        leavers = list(c.get("leavers") or [])
+                        for w in leavers:
+                            self.workers[w]["state"] = "leaving"
+                        stay = [m for m in self.gen.members if m not in leavers]
+                        self._publish(self._new_gen(stay + c["joiners"]), c["joiners"], leavers, c["kind"])
                 else:
                     self.queue.append(worker_id)
                     if self.gen is None and len(self.queue) >= self.initial_workers:
@@ -389,7 +482,8 @@ class JobMaster:
             if after_gen and self.gen is not None and worker_id not in self.gen.members:
                 return {"status": "finished"}  # declared dead: do not come back
             if self.plan is not None and worker_id in self.plan.joiners:
-                return {"status": "assigned", "generation": self.plan.target.to_json(), "joining": True}
+                return {"status": "assigned", "generation": self.plan.target.to_json(), "joining": True,
+                        "plan": self.plan.to_json()}
             if self.gen is not None and worker_id in self.gen.members:
                 return {"status": "assigned", "generation": self.gen.to_json(), "joining": False}
             return {"status": "wait"}
@@ -439,6 +533,8 @@ class JobMaster:
                 requested_at=float(self.change["requested_at"]),
                 switched_at=time.time(),
                 pause_s=float(pause_s),
+                sources=plan.sources,
+                shares=plan.target.shares,
             )
             self.changes.append(rec.__dict__)
             self.change = None
@@ -510,12 +606,89 @@ class JobMaster:
                                    "action": "reported"}
             self.stragglers.append(rec)
             log.warning("straggler %s in gen %d at step %d (%.2fx the median)", worker_id, gen, step, ratio)
-            if (self.straggler_policy == "remove" and self.gen is not None and gen == self.gen.gen
-                    and worker_id in self.gen.members):
-                ans = self.scale_in(ranks=[self.gen.rank_of(worker_id)])
-                rec["action"] = "removed" if ans.accepted else f"not removed: {ans.message}"
+            if self.straggler_policy != "report" and self.gen is not None and gen == self.gen.gen \
+                    and worker_id in self.gen.members:
+                r = self.gen.rank_of(worker_id)
+                if self.straggler_policy == "remove":
+                    ans, done = self.scale_in(ranks=[r]), "removed"
+                elif self.straggler_policy == "replace":
+                    ans, done = self.migrate(ranks=[r]), "replaced"
+                else:  # share: compute time ~ local batch, so divide its share by the slowdown
+                    cur = self.gen.shares[r] if self.gen.shares else 1.0
+                    ans, done = self.reshare({worker_id: cur / max(float(ratio), 1.0)}), "smaller share"
+                rec["action"] = done if ans.accepted else f"not {done}: {ans.message}"
             self._save()
             return {"status": "ok", "action": rec["action"]}
+
+    # ------------------------------------------------------------------ hung workers
+    def check_health(self, now: float | None = None) -> list[str]:
+        """Find hung members (issue 5, "missed heartbeat") and kill them, so
+        that their peers' collective fails at once and the usual recovery
+        (a forced scale-in, EDL §4.2) runs instead of waiting for the process
+        group timeout. A member is hung if its liveness beat did not change
+        for ``hang_timeout_s`` (e.g. a stopped process), or if it has been in
+        the compute phase of a step for that long while a peer waits in the
+        all-reduce of the same step. Called periodically by the host process
+        (``now``: the master's clock, passed in for tests). Returns the
+        workers found hung in this call."""
+        if self.hang_timeout_s <= 0:
+            return []
+        with self._lock:
+            if self.gen is None or self.finished or self.recovery is not None:
+                return []
+            now = time.time() if now is None else now
+            members = list(self.gen.members)
+            for w in members:
+                key = f"tidal/{self.job}/alive/{w}"
+                raw = self.store.get(key) if self.store.check([key]) else None
+                rec = self._alive.get(w)
+                if rec is None:
+                    rec = self._alive[w] = {"raw": raw, "changed": now, "state": None, "since": now}
+                if raw != rec["raw"]:
+                    rec["raw"], rec["changed"] = raw, now
+                if raw is not None:
+                    beat = json.loads(raw)
+                    state = (int(beat[1]), str(beat[2]))
+                    if state != rec["state"]:
+                        rec["state"], rec["since"] = state, now
+            waiting = {self._alive[w]["state"][0] for w in members
+                       if self._alive[w]["state"] is not None and self._alive[w]["state"][1] == "sync"}
+            found: list[tuple[str, str]] = []
+            gone = {h["worker_id"] for h in self.hung if h["gen"] == self.gen.gen}  # killed already
+            for w in members:
+                rec = self._alive[w]
+                if w in gone:
+                    continue
+                if now - rec["changed"] > self.hang_timeout_s:
+                    found.append((w, f"no liveness beat for {now - rec['changed']:.1f}s"))
+                elif rec["state"] is not None and rec["state"][1] == "compute" and rec["state"][0] in waiting \
+                        and now - rec["since"] > self.hang_timeout_s:
+                    found.append((w, f"in compute of step {rec['state'][0]} for {now - rec['since']:.1f}s while peers wait"))
+            if len(found) == len([w for w in members if w not in gone]):
+                return []  # everyone silent at once: the master's view is stale (e.g. it just restarted), not a hang
+            for w, why in found:
+                action = self._kill(w)
+                self.hung.append({"worker_id": w, "gen": self.gen.gen, "reason": why, "detected_at": now, "action": action})
+                log.warning("worker %s is hung (%s): %s", w, why, action)
+            if found:
+                self._save()
+            return [w for w, _ in found]
+
+    def _kill(self, worker_id: str) -> str:
+        """Stop a hung worker for good: through the spawner if it can, else by
+        pid when the worker runs on this host."""
+        kill = getattr(self.spawner, "kill", None)
+        try:
+            if kill is not None:
+                kill(worker_id)
+                return "killed"
+            w = self.workers.get(worker_id) or {}
+            if w.get("pid") and w.get("host") in (socket.gethostname(), "localhost", "127.0.0.1"):
+                os.kill(int(w["pid"]), signal.SIGKILL)
+                return "killed"
+        except (OSError, RuntimeError) as e:
+            return f"kill failed: {e}"
+        return "reported (cannot kill it from here)"
 
     def left(self, worker_id: str) -> dict[str, Any]:
         with self._lock:

@@ -25,6 +25,9 @@ class Generation:
     store_host: str
     store_port: int
     prefix: str
+    # relative share of the global batch per rank (empty: even); a straggler
+    # may get a smaller one (EDL §5.2, issue 5 item 3)
+    shares: tuple[float, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -36,12 +39,14 @@ class Generation:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["members"] = list(self.members)
+        d["shares"] = list(self.shares)
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Generation":
         d = _clean(d, cls)
         d["members"] = tuple(d["members"])
+        d["shares"] = tuple(float(x) for x in d.get("shares", ()))
         return cls(**d)
 
 
@@ -57,6 +62,14 @@ class Plan:
     joiners: tuple[str, ...] = ()
     leavers: tuple[str, ...] = ()
     kind: str = "scale_out"
+    # (joiner, source worker) pairs: who sends each newcomer its state (Elan §IV);
+    # empty: a broadcast over the new group
+    sources: tuple[tuple[str, str], ...] = ()
+
+    def source_ranks(self) -> dict[int, int]:
+        """Destination rank -> source rank in the target generation."""
+        t = self.target
+        return {t.rank_of(j): t.rank_of(s) for j, s in self.sources}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,6 +79,7 @@ class Plan:
             "joiners": list(self.joiners),
             "leavers": list(self.leavers),
             "kind": self.kind,
+            "sources": [list(p) for p in self.sources],
         }
 
     @classmethod
@@ -77,6 +91,7 @@ class Plan:
             joiners=tuple(d.get("joiners", ())),
             leavers=tuple(d.get("leavers", ())),
             kind=str(d.get("kind", "scale_out")),
+            sources=tuple((str(a), str(b)) for a, b in d.get("sources", ())),
         )
 
 
@@ -104,6 +119,8 @@ class ChangeRecord:
     requested_at: float
     switched_at: float
     pause_s: float = 0.0
+    sources: tuple[tuple[str, str], ...] = ()  # (newcomer, worker that sent it the state)
+    shares: tuple[float, ...] = ()  # batch shares of the new generation (empty: even)
 
 
 @dataclass(frozen=True)
@@ -126,6 +143,7 @@ class Status:
     stragglers: tuple[dict[str, Any], ...] = field(default_factory=tuple)  # detected stragglers (EDL §5.2)
     # rank 0's latest step: (step, wall time at its end, world size), or () (used by profile())
     last_step: tuple[Any, ...] = field(default_factory=tuple)
+    hung: tuple[dict[str, Any], ...] = field(default_factory=tuple)  # hung workers found and killed
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -133,6 +151,7 @@ class Status:
         d["changes"] = list(self.changes)
         d["stragglers"] = list(self.stragglers)
         d["last_step"] = list(self.last_step)
+        d["hung"] = list(self.hung)
         return d
 
     @classmethod
@@ -142,6 +161,7 @@ class Status:
         d["changes"] = tuple(d.get("changes", ()))
         d["stragglers"] = tuple(d.get("stragglers", ()))
         d["last_step"] = tuple(d.get("last_step", ()))
+        d["hung"] = tuple(d.get("hung", ()))
         return cls(**d)
 
 

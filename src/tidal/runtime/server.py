@@ -6,6 +6,8 @@ object, errors carry ``{"status": "error", "message": ...}``):
 Scheduler-facing
   ``POST /scale_out {"n": int} | {"hosts": [str]}``  -> ScaleAnswer
   ``POST /scale_in  {"n": int} | {"ranks": [int]}``  -> ScaleAnswer
+  ``POST /migrate   {"ranks": [int], "hosts": [str]?}`` -> ScaleAnswer (one switch, EDL §5.2)
+  ``POST /reshare   {"shares": {worker: weight}}``   -> ScaleAnswer (batch shares)
   ``GET  /status``                                   -> Status
   ``POST /handover  {"url": str}``                   -> snapshot; the old
   master then answers every request with ``{"status": "moved", "url": ...}``.
@@ -84,6 +86,14 @@ class _Handler(BaseHTTPRequestHandler):
                     ans = m.scale_in(n=body.get("n"), ranks=body.get("ranks"), request_id=body.get("request_id"))
                 code = {"accepted": 200, "retry": 409}.get(ans.status, 400)
                 return self._send(code, ans.to_json())
+            if p == "/migrate":
+                ans = m.migrate([int(r) for r in body.get("ranks") or []], hosts=body.get("hosts"),
+                                request_id=body.get("request_id"))
+                return self._send({"accepted": 200, "retry": 409}.get(ans.status, 400), ans.to_json())
+            if p == "/reshare":
+                ans = m.reshare({str(k): float(v) for k, v in (body.get("shares") or {}).items()},
+                                request_id=body.get("request_id"))
+                return self._send({"accepted": 200, "retry": 409}.get(ans.status, 400), ans.to_json())
             if p == "/handover":
                 return self._send(200, m.handover(body["url"]))
             if p == "/store":
@@ -92,7 +102,8 @@ class _Handler(BaseHTTPRequestHandler):
                 plan = m.plans.get(int(q.get("gen", -1)))
                 return self._send(200 if plan else 404, {"status": "ok" if plan else "error", "plan": plan})
             if p == "/register":
-                return self._send(200, m.register(body["worker_id"], int(body.get("pid", 0)), str(body.get("host", ""))))
+                return self._send(200, m.register(body["worker_id"], int(body.get("pid", 0)), str(body.get("host", "")),
+                                                  str(body.get("switch", ""))))
             if p == "/assignment":
                 return self._send(200, m.assignment(q.get("worker_id") or body["worker_id"], int(q.get("after_gen", 0))))
             if p == "/failed":

@@ -1,6 +1,10 @@
 """Sending the full elastic state to newcomers (EDL §4.2: "each newcomer
 receives the full state from an existing worker").
 
+Two ways: :func:`broadcast_state`, a collective over the whole new group, and
+:func:`replicate_state`, point-to-point transfers from several sources at once
+(Elan §IV; the sources are chosen by :mod:`tidal.runtime.replication`).
+
 Pickling a large state dict through ``broadcast_object_list`` is slow; here
 only the structure (with tensors replaced by references) is pickled, and the
 tensors travel as one flat buffer per dtype with ``dist.broadcast``.
@@ -8,6 +12,7 @@ tensors travel as one flat buffer per dtype with ``dist.broadcast``.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,3 +89,66 @@ def broadcast_state(obj: Any, src: int = 0) -> Any:
     if rank == src:
         return obj
     return _fill(meta[0], received)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- point to point (Elan §IV)
+
+
+def _flat_buffers(tensors: list[torch.Tensor], refs: list[_Ref]) -> list[torch.Tensor]:
+    """One flat buffer per dtype (sorted by name), in the order both sides use."""
+    out = []
+    for dtype in sorted({r.dtype for r in refs}, key=str):
+        group = [r for r in refs if r.dtype == dtype]
+        out.append(torch.cat([tensors[r.index].reshape(-1) for r in group]))
+    return out
+
+
+def send_state(obj: Any, dsts: list[int]) -> None:
+    """Send ``obj`` to each rank in ``dsts``; all transfers are posted at once
+    (``isend``) and progress concurrently. Pairs with :func:`recv_state`."""
+    if not dsts:
+        return
+    tensors: list[torch.Tensor] = []
+    meta = _strip(obj, tensors)
+    raw = pickle.dumps(meta)
+    head = torch.tensor([len(raw)], dtype=torch.int64)
+    body = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    bufs = _flat_buffers(tensors, sorted(_refs(meta, []), key=lambda r: r.index))
+    works = []
+    for d in dsts:
+        for tag, t in enumerate([head, body, *bufs]):
+            works.append(dist.isend(t, dst=d, tag=tag))
+    for w in works:
+        w.wait()
+
+
+def recv_state(src: int) -> Any:
+    """Receive what :func:`send_state` sends from ``src``."""
+    head = torch.zeros(1, dtype=torch.int64)
+    dist.recv(head, src=src, tag=0)
+    body = torch.empty(int(head.item()), dtype=torch.uint8)
+    dist.recv(body, src=src, tag=1)
+    meta = pickle.loads(body.numpy().tobytes())
+    refs = sorted(_refs(meta, []), key=lambda r: r.index)
+    received: list[torch.Tensor | None] = [None] * len(refs)
+    for tag, dtype in enumerate(sorted({r.dtype for r in refs}, key=str), start=2):
+        group = [r for r in refs if r.dtype == dtype]
+        buf = torch.empty(sum(int(torch.Size(r.shape).numel()) for r in group), dtype=dtype)
+        dist.recv(buf, src=src, tag=tag)
+        off = 0
+        for r in group:
+            n = int(torch.Size(r.shape).numel())
+            received[r.index] = buf[off : off + n].view(r.shape)
+            off += n
+    return _fill(meta, received)  # type: ignore[arg-type]
+
+
+def replicate_state(obj: Any, sources: dict[int, int]) -> Any:
+    """``sources``: destination rank -> source rank. Sources send to their
+    destinations concurrently, destinations receive, other ranks return at
+    once. Returns the received object on a destination, ``obj`` elsewhere."""
+    rank = dist.get_rank()
+    if rank in sources:
+        return recv_state(sources[rank])
+    send_state(obj, sorted(d for d, s in sources.items() if s == rank))
+    return obj

@@ -52,12 +52,15 @@ from tidal.runtime.messages import Generation, Plan
 from tidal.runtime.scaling import BatchPolicy, make_policy
 from tidal.runtime.reducer import GradReducer
 from tidal.runtime.state import ElasticState, RescaleHook
-from tidal.runtime.transfer import broadcast_state
+from tidal.runtime.transfer import broadcast_state, replicate_state
 
 log = logging.getLogger(__name__)
 
 ENV_MASTER = "TIDAL_MASTER_URL"
 ENV_WORKER = "TIDAL_WORKER_ID"
+ENV_HOST = "TIDAL_HOST"  # this worker's host name for topology-aware replication (default: the hostname)
+ENV_SWITCH = "TIDAL_SWITCH"  # the switch (rack) of that host, if known
+ALIVE_EVERY_S = 0.5  # liveness beats of every rank (hung-worker detection)
 
 
 def _pctl(xs: Sequence[float], q: float) -> float:
@@ -146,6 +149,11 @@ class Job:
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._store_addr: tuple[str, int] = ("", 0)
+        # what the training thread is doing, for the master's hung-worker check:
+        # ("compute" | "sync" | "idle", step); beaten by the heartbeat thread
+        self._phase: tuple[str, int] = ("idle", 0)
+        self._beats = 0
+        self._last_beat = 0.0
 
     # ------------------------------------------------------------------ user API
     def register_state(
@@ -184,6 +192,11 @@ class Job:
         return ElasticBatchIterator(self, dataset, epochs, seed, collate_fn)
 
     @property
+    def shares(self) -> tuple[float, ...]:
+        """Relative batch shares of the ranks (empty: even split)."""
+        return self.gen.shares if self.gen is not None else ()
+
+    @property
     def step_time_s(self) -> float:
         return _pctl(list(self.step_times), 0.5)
 
@@ -209,6 +222,7 @@ class Job:
         if self.faults:
             self.faults.slowdown(time.perf_counter() - self._batch_t0)
         self._compute_s = time.perf_counter() - self._batch_t0
+        self._phase = ("sync", self.step_count)
         try:
             self._allreduce(sl)
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError subclasses
@@ -243,6 +257,7 @@ class Job:
             self.step_times.append(now - self._last_step_end)
         self._last_step_end = now
         self.step_ends.append((self.step_count, time.time(), self.world_size))
+        self._phase = ("idle", self.step_count)
         self._hb_event.set()
         return True
 
@@ -361,6 +376,7 @@ class Job:
         if self.faults:
             self.faults.before_step(self.worker_id, self.rank, self.step_count)
         self._batch_t0 = time.perf_counter()
+        self._phase = ("compute", self.step_count)
         if self.reducer is None:
             self.reducer = GradReducer(list(self.state.model.parameters()), overlap=self.overlap)
         weight = sl.local_size / sl.global_size if sl.global_size else 0.0
@@ -397,10 +413,18 @@ class Job:
         dist.init_process_group("gloo", store=store, rank=g.rank_of(self.worker_id), world_size=g.world_size, timeout=self.pg_timeout)
         self.gen, self.rank, self.world_size = g, g.rank_of(self.worker_id), g.world_size
 
-    def _sync_state(self, src: int = 0) -> None:
-        """Broadcast the full state from ``src`` (the new rank 0, an existing
-        worker; after a failure, the most advanced survivor)."""
+    def _sync_state(self, src: int = 0, sources: dict[int, int] | None = None) -> None:
+        """Give newcomers the full state: point to point from the sources the
+        master chose (destination rank -> source rank, Elan §IV), all at once,
+        or else by broadcast from ``src`` (the new rank 0, an existing worker;
+        after a failure, the most advanced survivor)."""
         assert self.state is not None
+        if sources:
+            if self.rank in sources:
+                self._load_payload(replicate_state(None, sources))
+            elif self.rank in sources.values():
+                replicate_state(self._payload(), sources)
+            return
         payload: list[dict[str, Any] | None] = [None]
         if self.rank == src:
             payload = [self._payload()]
@@ -421,9 +445,11 @@ class Job:
             return
         # Register only now, when model and data pipeline are built: a newcomer
         # is "ready" and the others have not waited for its imports (EDL §4.2).
-        info = self.client.post("/register", {"worker_id": self.worker_id, "pid": os.getpid(), "host": socket.gethostname()})
+        info = self.client.post("/register", {"worker_id": self.worker_id, "pid": os.getpid(),
+                                              "host": os.environ.get(ENV_HOST) or socket.gethostname(),
+                                              "switch": os.environ.get(ENV_SWITCH, "")})
         self._store_addr = (info["store_host"], int(info["store_port"]))
-        self._keys = {"plan": info["plan_key"], "progress": info["progress_key"]}
+        self._keys = {"plan": info["plan_key"], "progress": info["progress_key"], "job": info["job"]}
         log.debug("worker %s registered (ready)", self.worker_id)
         deadline = time.monotonic() + self.join_timeout_s
         while True:
@@ -458,7 +484,8 @@ class Job:
             self._resume_from_checkpoint()
         self._init_group(g)
         log.debug("worker %s: group formed", self.worker_id)
-        self._sync_state()
+        joining_plan = Plan.from_json(a["plan"]) if a.get("joining") and a.get("plan") else None
+        self._sync_state(sources=joining_plan.source_ranks() if joining_plan is not None else None)
         if self.resumed_from is not None:
             self._ckpt_last = self.resumed_from
         if a.get("joining"):
@@ -487,15 +514,20 @@ class Job:
             log.info("worker %s left at step %d", self.worker_id, self.step_count)
             return
         g = plan.target
-        if g.rank_of(self.worker_id) == 0:
-            self._store(g.store_host, g.store_port).set(g.prefix + "go", "go")
-        dist.destroy_process_group()
-        t1 = time.perf_counter()
-        self._init_group(g)
-        t2 = time.perf_counter()
+        if self.gen is not None and g.members == self.gen.members:
+            # same group, new batch shares (a reshare): no new process group needed
+            self.gen = g
+            t1 = t2 = time.perf_counter()
+        else:
+            if g.rank_of(self.worker_id) == 0:
+                self._store(g.store_host, g.store_port).set(g.prefix + "go", "go")
+            dist.destroy_process_group()
+            t1 = time.perf_counter()
+            self._init_group(g)
+            t2 = time.perf_counter()
         self.global_batch_size = self.policy.rescale(self.step_count, old_world, self.world_size)
         if plan.joiners:
-            self._sync_state()
+            self._sync_state(sources=plan.source_ranks() or None)
         t3 = time.perf_counter()
         for h in self.hooks:
             h(old_world, self.world_size)
@@ -618,6 +650,21 @@ class Job:
             self._lr_applied = f
 
     # ------------------------------------------------------------------ heartbeat (off the critical path)
+    def _beat_alive(self) -> None:
+        """Every rank: write (beat count, step, phase) to the master's store,
+        where its hung-worker check watches it (issue 5: a missed heartbeat).
+        A stopped process stops beating; a training thread stuck in compute
+        keeps the same (step, "compute") while its peers wait in "sync"."""
+        self._last_beat = time.perf_counter()
+        self._beats += 1
+        try:
+            store = self._store(*self._store_addr, tag="hb")
+            store.set(f"tidal/{self._keys['job']}/alive/{self.worker_id}",
+                      json.dumps([self._beats, self._phase[1], self._phase[0]]))
+        except Exception as e:  # noqa: BLE001 - the master may be restarting
+            log.debug("liveness beat failed: %s", e)
+            self._stores.pop((*self._store_addr, "hb"), None)
+
     def _heartbeat_loop(self) -> None:
         """Rank 0 only, in a background thread, at most once per step and per
         ``heartbeat_interval_s``: write progress to and read the published plan
@@ -632,6 +679,8 @@ class Job:
             if self._hb_stop.is_set():
                 break
             g = self.gen
+            if g is not None and time.perf_counter() - self._last_beat >= ALIVE_EVERY_S:
+                self._beat_alive()
             ag = self._agreed
             if ag is not None and ag[0] is None:  # non-zero ranks: fetch the agreed plan before the switch step
                 try:
@@ -681,7 +730,7 @@ class Job:
                     self.client.url = str(obj["moved"])
                     info = self.client.get("/store")
                     self._store_addr = (info["store_host"], int(info["store_port"]))
-                    self._keys = {"plan": info["plan_key"], "progress": info["progress_key"]}
+                    self._keys = {"plan": info["plan_key"], "progress": info["progress_key"], "job": info["job"]}
                     seen_raw = b""
                     continue
                 plan = Plan.from_json(obj)
