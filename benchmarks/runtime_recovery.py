@@ -42,6 +42,17 @@ size running the same number of steps:
   (launch to exit, each includes its start-up, like the profile job).
 
 ``--profile-only`` runs only this part.
+
+Hung worker: ``w1`` is stopped (SIGSTOP) at step 8 under ``--hang-timeout 5``:
+
+* ``hang_detect_s``: from the stop until the last survivor's collective
+  failed (the master killed ``w1`` after 5 s without liveness beats);
+* ``hang_regroup_s``: from then until the survivors re-formed.
+
+State replication (Elan §IV): ``benchmarks/state_replication.py`` with its
+defaults (64 MiB to 4 newcomers from 4 live workers): ``replication_single_s``
+vs ``replication_concurrent_s`` on raw loopback, and the ``capped`` pair with
+each source's egress capped at 100 MB/s (see that file).
 """
 
 from __future__ import annotations
@@ -152,6 +163,27 @@ def straggler_run(tmp: Path) -> dict[str, Any]:
             "straggler_step": reps[0]["step"], "straggler_ratio": reps[0]["ratio"]}
 
 
+HANG_TIMEOUT_S = 5.0
+
+
+def hang_run(tmp: Path) -> dict[str, Any]:
+    """A worker stopped (SIGSTOP) at step 8 for longer than the job: the
+    master finds it hung after ``HANG_TIMEOUT_S`` without liveness beats and
+    kills it; the survivors then recover as after a crash."""
+    out, flog = tmp / "hang", tmp / "faults-hang.jsonl"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "tidal.runtime.launch", "run", "--workers", str(WORKERS), "--job", "hang",
+           "--timeout", "120", "--hang-timeout", str(HANG_TIMEOUT_S), __file__, "--role", "worker", "--out", str(out)]
+    p = subprocess.run(cmd, env=_env("stop:w1@8=300", flog, tmp / "home"), capture_output=True, text=True, timeout=150)
+    if p.returncode != 0 or "worker w1 is hung" not in p.stdout:
+        raise RuntimeError(f"hung-worker job failed: {p.stdout[-2000:]} {p.stderr[-2000:]}")
+    stopped_at = [json.loads(l) for l in flog.read_text().splitlines()][0]["wall"]
+    summ = [json.loads((out / f"summary-{w}.json").read_text()) for w in ("w0", "w2")]
+    detected = max(s["failures"][0]["detected_at"] for s in summ)
+    recovered = max(pz["wall_start"] + pz["pause_s"] for s in summ for pz in s["pauses"] if pz.get("kind") == "recover")
+    return {"hang_timeout_s": HANG_TIMEOUT_S, "hang_detect_s": detected - stopped_at, "hang_regroup_s": recovered - detected}
+
+
 def profile_run(tmp: Path, min_p: int = 1, max_p: int = WORKERS) -> dict[str, Any]:
     from tidal.core.profile import load_profiles
     from tidal.runtime.client import MasterClient
@@ -210,6 +242,10 @@ def measure(repeats: int, seed: int, profile_only: bool = False) -> dict[str, An
                     "profile": prof}
         runs = [one_run(seed + i, Path(d)) for i in range(repeats)]
         strag = straggler_run(Path(d))
+        hang = hang_run(Path(d))
+    import state_replication  # beside this file
+
+    repl = state_replication.measure()
     for r in runs:
         log.info("run %s", r)
     return {
@@ -222,10 +258,18 @@ def measure(repeats: int, seed: int, profile_only: bool = False) -> dict[str, An
         "straggler_remove_s": strag["straggler_remove_s"],
         "profile_s": prof["profile_s"],
         "profile_separate_jobs_s": prof["profile_separate_jobs_s"],
+        "replication_single_s": repl["replication_single_s"],
+        "replication_concurrent_s": repl["replication_concurrent_s"],
+        "replication_capped_single_s": repl["replication_capped_single_s"],
+        "replication_capped_concurrent_s": repl["replication_capped_concurrent_s"],
+        "hang_detect_s": hang["hang_detect_s"],
+        "hang_regroup_s": hang["hang_regroup_s"],
         "repeats": repeats,
         "runs": runs,
         "straggler": strag,
         "profile": prof,
+        "replication": repl,
+        "hang": hang,
     }
 
 

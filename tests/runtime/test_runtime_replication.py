@@ -292,3 +292,38 @@ def test_a_hung_worker_is_killed_and_the_others_recover(tmp_path: Path) -> None:
     check_exactly_once(steps, n, batch, epochs)
     assert max(r["step"] for r in steps["w1"]) == 5
     assert _params_equal(out, n, batch, epochs) == ["final-w0.pt", "final-w2.pt"]
+
+
+# ----------------------------------------------------------------------------- transfer (real gloo group)
+
+
+def _transfer_worker(rank: int, world: int, store_path: str, cap: float) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from tidal.runtime.transfer import replicate_state
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    g = torch.Generator().manual_seed(7)
+    state = {"w": torch.rand(1_200_003, generator=g), "b": torch.arange(11, dtype=torch.int64),
+             "nested": [torch.rand(3, 5, generator=g, dtype=torch.float64), "text", 4], "step": 9}
+    sources = {2: 0, 3: 1, 4: 0}  # two sources at once, one of them serving two newcomers
+    got = replicate_state(state if rank < 2 else None, sources, max_bytes_per_s=cap)
+    if rank >= 2:
+        assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+        assert torch.equal(got["nested"][0], state["nested"][0]) and got["nested"][1:] == ["text", 4]
+        assert got["step"] == 9 and got["w"].dtype == torch.float32 and got["nested"][0].shape == (3, 5)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cap", [0.0, 20e6])
+def test_point_to_point_replication_delivers_the_exact_state(tmp_path: Path, cap: float) -> None:
+    """Newcomers get a bit-exact copy (several dtypes, nesting, non-tensor
+    values) from two sources at once, unpaced and paced in 4 MiB chunks (the 4.8 MB tensor takes two)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_transfer_worker, args=(5, str(tmp_path / "store"), cap), nprocs=5, join=True,
+                       start_method="spawn")

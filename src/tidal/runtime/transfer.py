@@ -13,6 +13,7 @@ tensors travel as one flat buffer per dtype with ``dist.broadcast``.
 from __future__ import annotations
 
 import pickle
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,38 +104,66 @@ def _flat_buffers(tensors: list[torch.Tensor], refs: list[_Ref]) -> list[torch.T
     return out
 
 
-def send_state(obj: Any, dsts: list[int]) -> None:
+def _chunks(buf: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
+    if chunk_bytes <= 0 or buf.numel() == 0:
+        return [buf]
+    step = max(1, chunk_bytes // buf.element_size())
+    return [buf[i : i + step] for i in range(0, buf.numel(), step)]
+
+
+def send_state(obj: Any, dsts: list[int], max_bytes_per_s: float = 0.0, chunk_bytes: int = 4 << 20) -> None:
     """Send ``obj`` to each rank in ``dsts``; all transfers are posted at once
-    (``isend``) and progress concurrently. Pairs with :func:`recv_state`."""
+    (``isend``) and progress concurrently. Pairs with :func:`recv_state`.
+
+    ``max_bytes_per_s`` caps this sender's total egress (0: no cap), e.g. to
+    leave a host's NIC to the training traffic of other jobs: the tensors go
+    in ``chunk_bytes`` pieces, round robin over the destinations, paced."""
     if not dsts:
         return
     tensors: list[torch.Tensor] = []
     meta = _strip(obj, tensors)
     raw = pickle.dumps(meta)
-    head = torch.tensor([len(raw)], dtype=torch.int64)
+    chunk = int(chunk_bytes) if max_bytes_per_s > 0 else 0
+    head = torch.tensor([len(raw), chunk], dtype=torch.int64)
     body = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    bufs = _flat_buffers(tensors, sorted(_refs(meta, []), key=lambda r: r.index))
+    pieces = [c for b in _flat_buffers(tensors, sorted(_refs(meta, []), key=lambda r: r.index)) for c in _chunks(b, chunk)]
     works = []
     for d in dsts:
-        for tag, t in enumerate([head, body, *bufs]):
+        works.append(dist.isend(head, dst=d, tag=0))
+        works.append(dist.isend(body, dst=d, tag=1))
+    t0, sent = time.perf_counter(), 0
+    for tag, t in enumerate(pieces, start=2):
+        for d in dsts:
             works.append(dist.isend(t, dst=d, tag=tag))
+            sent += t.numel() * t.element_size()
+        if max_bytes_per_s > 0:  # pace: wait until the bytes posted so far fit the cap
+            for w in works:
+                w.wait()
+            works = []
+            ahead = sent / max_bytes_per_s - (time.perf_counter() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
     for w in works:
         w.wait()
 
 
 def recv_state(src: int) -> Any:
     """Receive what :func:`send_state` sends from ``src``."""
-    head = torch.zeros(1, dtype=torch.int64)
+    head = torch.zeros(2, dtype=torch.int64)
     dist.recv(head, src=src, tag=0)
-    body = torch.empty(int(head.item()), dtype=torch.uint8)
+    body = torch.empty(int(head[0].item()), dtype=torch.uint8)
     dist.recv(body, src=src, tag=1)
+    chunk = int(head[1].item())
     meta = pickle.loads(body.numpy().tobytes())
     refs = sorted(_refs(meta, []), key=lambda r: r.index)
     received: list[torch.Tensor | None] = [None] * len(refs)
-    for tag, dtype in enumerate(sorted({r.dtype for r in refs}, key=str), start=2):
+    tag = 2
+    for dtype in sorted({r.dtype for r in refs}, key=str):
         group = [r for r in refs if r.dtype == dtype]
         buf = torch.empty(sum(int(torch.Size(r.shape).numel()) for r in group), dtype=dtype)
-        dist.recv(buf, src=src, tag=tag)
+        for piece in _chunks(buf, chunk):
+            dist.recv(piece, src=src, tag=tag)
+            tag += 1
         off = 0
         for r in group:
             n = int(torch.Size(r.shape).numel())
@@ -143,12 +172,12 @@ def recv_state(src: int) -> Any:
     return _fill(meta, received)  # type: ignore[arg-type]
 
 
-def replicate_state(obj: Any, sources: dict[int, int]) -> Any:
+def replicate_state(obj: Any, sources: dict[int, int], max_bytes_per_s: float = 0.0) -> Any:
     """``sources``: destination rank -> source rank. Sources send to their
     destinations concurrently, destinations receive, other ranks return at
     once. Returns the received object on a destination, ``obj`` elsewhere."""
     rank = dist.get_rank()
     if rank in sources:
         return recv_state(sources[rank])
-    send_state(obj, sorted(d for d, s in sources.items() if s == rank))
+    send_state(obj, sorted(d for d, s in sources.items() if s == rank), max_bytes_per_s)
     return obj

@@ -60,6 +60,7 @@ ENV_MASTER = "TIDAL_MASTER_URL"
 ENV_WORKER = "TIDAL_WORKER_ID"
 ENV_HOST = "TIDAL_HOST"  # this worker's host name for topology-aware replication (default: the hostname)
 ENV_SWITCH = "TIDAL_SWITCH"  # the switch (rack) of that host, if known
+ENV_STATE_CAP = "TIDAL_STATE_MAX_MBPS"  # cap on a source's state-transfer egress, MB/s (0: none)
 ALIVE_EVERY_S = 0.5  # liveness beats of every rank (hung-worker detection)
 
 
@@ -420,10 +421,11 @@ class Job:
         after a failure, the most advanced survivor)."""
         assert self.state is not None
         if sources:
+            cap = float(os.environ.get(ENV_STATE_CAP, 0) or 0) * 1e6  # per-source egress cap, MB/s
             if self.rank in sources:
                 self._load_payload(replicate_state(None, sources))
             elif self.rank in sources.values():
-                replicate_state(self._payload(), sources)
+                replicate_state(self._payload(), sources, max_bytes_per_s=cap)
             return
         payload: list[dict[str, Any] | None] = [None]
         if self.rank == src:
