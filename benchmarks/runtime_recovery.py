@@ -154,13 +154,16 @@ def straggler_run(tmp: Path) -> dict[str, Any]:
         raise RuntimeError(f"straggler job failed: {p.stdout[-2000:]} {p.stderr[-2000:]}")
     slow_at = [json.loads(l) for l in flog.read_text().splitlines()][0]["wall"]
     summ = [json.loads(f.read_text()) for f in sorted(out.glob("summary-*.json"))]
-    reps = [r for s in summ for r in s["stragglers"]]
+    allreps = sorted((r for s in summ for r in s["stragglers"]), key=lambda r: r["detected_at"])
+    reps = [r for r in allreps if r["gen"] == 1]
     if [r["worker_id"] for r in reps] != ["w2"]:
-        raise RuntimeError(f"expected exactly w2 to be flagged, got {reps}")
+        raise RuntimeError(f"expected exactly w2 to be flagged in generation 1, got {allreps}")
+    # (after w2 left, 2-core scheduling noise can flag another worker later on: reported in "later_reports")
     detected = reps[0]["detected_at"]
     switched = max(pz["wall_start"] + pz["pause_s"] for s in summ for pz in s["pauses"] if pz["to"] == WORKERS - 1)
     return {"straggler_detect_s": detected - slow_at, "straggler_remove_s": switched - detected,
-            "straggler_step": reps[0]["step"], "straggler_ratio": reps[0]["ratio"]}
+            "straggler_step": reps[0]["step"], "straggler_ratio": reps[0]["ratio"],
+            "later_reports": [r for r in allreps if r["gen"] != 1]}
 
 
 HANG_TIMEOUT_S = 5.0

@@ -122,3 +122,62 @@ def test_scaling_requests_with_ids_are_idempotent_across_a_restart(tmp_path: Pat
     m2.switched(m2.plan.target.gen, 10)  # type: ignore[union-attr]
     assert m2.scale_in(1, request_id="r3").accepted and m2.scale_in(1, request_id="r3").accepted
     assert m2.plan is not None and m2.plan.leavers == ("w2",)  # one removal, not two
+
+
+@pytest.mark.timeout(150)
+def test_master_killed_during_a_scale_out(tmp_path: Path) -> None:
+    """The master dies after publishing a scale-out plan (the newcomer is
+    waiting for its generation's go, rank 0 may already have agreed on the
+    switch step): the restarted master re-publishes the plan on its new
+    store, the newcomer reconnects, the switch completes and the job
+    finishes with exactly-once data and the fixed-size run's parameters."""
+    out = tmp_path / "out"
+    out.mkdir()
+    port, store_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs: list[subprocess.Popen[str]] = []
+
+    def worker(wid: str) -> subprocess.Popen[str]:
+        e = dict(env(tmp_path / "home"), TIDAL_MASTER_URL=url, TIDAL_WORKER_ID=wid)
+        p = subprocess.Popen([sys.executable, str(TRAIN), "--out", str(out), "--n", str(N), "--batch", str(BATCH),
+                              "--epochs", str(EPOCHS), "--sleep", "0.05"], env=e, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        procs.append(p)
+        return p
+
+    try:
+        m1 = start_master(tmp_path, port, store_port, resume=False)
+        procs.append(m1)
+        workers = [worker(f"w{i}") for i in range(WORKERS)]
+        c = MasterClient(url, patience_s=60)
+        wait_for_step(c.status, 3, timeout_s=60)
+        workers.append(worker("w3"))  # registers on its own: the master plans a scale-out for it
+        deadline = time.monotonic() + 60
+        while not (c.status().pending or "").startswith("scale_out"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        kill_process(m1.pid)
+        m1.wait(timeout=10)
+        time.sleep(0.5)
+        m2 = start_master(tmp_path, port, store_port, resume=True)
+        procs.append(m2)
+        st = c.wait_for(4, timeout_s=90)
+        assert st.state == "running" and st.members[-1] == "w3", st
+        (out / "fast").touch()
+        texts = [w.communicate(timeout=60)[0] for w in workers]
+        assert [w.returncode for w in workers] == [0] * len(workers), texts
+        mtext, _ = m2.communicate(timeout=30)
+        assert m2.returncode == 0 and "finished" in mtext, mtext
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    steps = read_steps(out)
+    assert check_exactly_once(steps, N, BATCH, EPOCHS) == STEPS
+    assert {r["world"] for r in steps["w3"]} == {4}
+    ref = reference_run(n=N, batch=BATCH, epochs=EPOCHS)
+    finals = sorted(out.glob("final-*.pt"))
+    assert [f.name for f in finals] == [f"final-w{i}.pt" for i in range(4)]
+    for f in finals:
+        assert max_rel_diff(torch.load(f), ref) <= TOL

@@ -18,7 +18,7 @@ from tidal.runtime.stragglers import StragglerConfig, StragglerDetector
 
 def test_detector_needs_ten_consecutive_slow_steps() -> None:
     d = StragglerDetector()
-    assert d.config == StragglerConfig(1.2, 10)
+    assert (d.config.factor, d.config.window) == (1.2, 10)
     for _ in range(9):
         assert d.update([1.0, 1.0, 1.3]) == []
     assert d.update([1.0, 1.0, 1.1]) == []  # not slow enough: the streak restarts
@@ -28,6 +28,9 @@ def test_detector_needs_ten_consecutive_slow_steps() -> None:
     assert d.update([1.0, 1.0, 1.3]) == []  # reported once
     d.reset()
     assert d.update([2.0]) == []  # a single rank has no median to compare with
+    d = StragglerDetector(StragglerConfig(min_excess_s=0.002))
+    for _ in range(20):  # 1.5x but only 0.5 ms slower than the median: below the optional absolute floor
+        assert d.update([0.001, 0.001, 0.0015]) == []
 
 
 @pytest.mark.parametrize("policy", ["report", "remove"])

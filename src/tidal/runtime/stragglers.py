@@ -17,10 +17,13 @@ from typing import Sequence
 
 @dataclass(frozen=True)
 class StragglerConfig:
-    """``factor`` × median compute time for ``window`` consecutive steps."""
+    """``factor`` × median compute time (and ``min_excess_s`` more) for
+    ``window`` consecutive steps."""
 
     factor: float = 1.2
     window: int = 10
+    # optionally also this much slower in absolute terms (0: EDL's relative rule only)
+    min_excess_s: float = 0.0
 
 
 @dataclass
@@ -45,7 +48,7 @@ class StragglerDetector:
         med = statistics.median(times)
         out: list[tuple[int, float]] = []
         for r, t in enumerate(times):
-            slow = med > 0 and t > self.config.factor * med
+            slow = med > 0 and t > self.config.factor * med and t - med > self.config.min_excess_s
             self.streak[r] = self.streak.get(r, 0) + 1 if slow else 0
             if self.streak[r] >= self.config.window and r not in self.reported:
                 self.reported.add(r)

@@ -470,14 +470,26 @@ class Job:
         # the generation's go key: set by the master (gen 1) or the old rank 0 at the switch;
         # polled (a few µs per check) so that the job ending meanwhile is noticed too
         next_ask = time.monotonic() + 1.0
-        while not store.check([g.prefix + "go"]):
+        while True:
+            try:
+                if store.check([g.prefix + "go"]):
+                    go = store.get(g.prefix + "go")
+                    break
+            except Exception as e:  # noqa: BLE001 - the master (and its store) restarts: reconnect (Elan §V-D)
+                log.warning("worker %s: store lost while waiting for gen %d (%s); reconnecting", self.worker_id, g.gen, e)
+                self._stores.pop((g.store_host, g.store_port, ""), None)
+                time.sleep(0.2)
+                try:
+                    store = self._store(g.store_host, g.store_port)
+                except Exception as e2:  # noqa: BLE001
+                    log.debug("store reconnect failed: %s", e2)
             time.sleep(0.002)
             if time.monotonic() > next_ask:
                 next_ask = time.monotonic() + 1.0
                 if self.client.get("/assignment", worker_id=self.worker_id)["status"] == "finished" or time.monotonic() > deadline:
                     self.finished = True
                     return
-        if store.get(g.prefix + "go") == b"cancel":
+        if go == b"cancel":
             self.finished = True
             return
         t0 = time.perf_counter()
