@@ -237,9 +237,9 @@ def profile_run(tmp: Path, min_p: int = 1, max_p: int = WORKERS) -> dict[str, An
             "separate_its_median_step": {str(k): v for k, v in sorted(sep_its.items())}}
 
 
-def measure(repeats: int, seed: int, profile_only: bool = False) -> dict[str, Any]:
+def measure(repeats: int, seed: int, profile_only: bool = False, profile_max: int = WORKERS) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
-        prof = profile_run(Path(d))
+        prof = profile_run(Path(d), max_p=profile_max)
         if profile_only:
             return {"profile_s": prof["profile_s"], "profile_separate_jobs_s": prof["profile_separate_jobs_s"],
                     "profile": prof}
@@ -284,6 +284,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile-only", action="store_true", help="only profile() vs separate jobs")
+    ap.add_argument("--profile-max", type=int, default=WORKERS, help="profile sizes 1..this (default %d)" % WORKERS)
     ap.add_argument("--n", type=int, default=0, help="(worker role) dataset size (default %d)" % N)
     ap.add_argument("--epochs", type=int, default=EPOCHS, help="(worker role)")
     ap.add_argument("--sleep", type=float, default=0.0, help="(worker role) non-compute seconds per step")
@@ -292,7 +293,7 @@ def main() -> None:
         role_worker(a)
         return
     logging.basicConfig(level=logging.INFO if not a.json else logging.WARNING, format="%(message)s")
-    res = measure(a.repeats, a.seed, a.profile_only)
+    res = measure(a.repeats, a.seed, a.profile_only, a.profile_max)
     if a.json:
         sys.stdout.write(json.dumps(res) + "\n")
         return

@@ -180,9 +180,15 @@ def test_failure_recovery_forms_a_generation_of_the_survivors() -> None:
     a = m.assignment("w2", after_gen=1)
     assert a["status"] == "assigned" and a["generation"]["members"] == ["w0", "w2"]
     assert m.assignment("w1", after_gen=1)["status"] == "finished"
-    assert m.store.get(cancelled + "go") == b"cancel"  # the pending scale-out's newcomer exits
+    assert m.store.get(cancelled + "go") == b"cancel"  # the newcomer stops waiting for the old plan ...
     st = m.status()
-    assert st.state == "running" and st.gen == 3 and st.changes[-1]["kind"] == "recover"
+    assert st.gen == 3 and st.changes[-1]["kind"] == "recover"
+    # ... and is planned into the survivors' generation right away (the scale-out is not lost)
+    assert st.state == "changing" and st.pending == "scale_out:published"
+    a3 = m.assignment("w3")
+    assert a3["joining"] and a3["generation"]["members"] == ["w0", "w2", "w3"]
+    assert m.scale_out(1).status == "retry"
+    m.switched(a3["generation"]["gen"], 10)
     assert m.scale_out(1).accepted  # the job takes requests again
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import select
 
 from tidal.core.overhead import OverheadModel
-from tidal.control.db import GPU, Job, Store, Worker
+from tidal.control.db import GPU, Event, Job, Store, Worker
 from tidal.control.snapshot import build_snapshot
 from tidal.scheduler.api import Policy, get_policy
 
@@ -186,7 +186,9 @@ class Coordinator:
                         j.state, j.end_time = "cancelled", now
                         self.store.log(s, "job.cancelled", j.id)
                     continue
-                if master is None or master.state not in ("exited", "failed"):
+                if j.state in ("running", "resizing"):
+                    self._release_dead_workers(s, j, procs)
+                if master is None or master.state not in ("exited", "failed", "lost"):
                     continue
                 workers_live = [p for p in live if p.kind == "worker"]
                 ok = master.exit_code == 0 and (j.progress or {}).get("state") == "finished"
@@ -200,8 +202,27 @@ class Coordinator:
                 j.state = "completed" if ok else "failed"
                 j.end_time = now
                 if not ok:
-                    j.exit_info = f"master exit code {master.exit_code}"
+                    j.exit_info = (f"master lost with node {master.node}" if master.state == "lost"
+                                   else f"master exit code {master.exit_code}")
                 self.store.log(s, f"job.{j.state}", j.id, exit_code=master.exit_code)
+
+    def _release_dead_workers(self, s, j: Job, procs: list[Worker]) -> None:
+        """A worker of a running job died (issue 5: the runtime's survivors
+        re-form without it, a forced scale-in): its GPU goes back to the pool,
+        so the policy can give it to this job again or to another one, unless
+        a live process of the job already uses it."""
+        busy = {p.gpu for p in procs if p.state in ("pending", "running")}
+        dead = [p for p in procs if p.kind == "worker" and p.state in ("failed", "lost") and p.gpu is not None]
+        if not dead:
+            return
+        done = {(e.detail or {}).get("worker") for e in s.scalars(
+            select(Event).where(Event.job_id == j.id, Event.kind == "job.worker_lost"))}
+        held = set(self.store.job_gpus(s, j.id))
+        for p in dead:
+            if p.name in done or p.gpu in busy or p.gpu not in held:
+                continue  # handled once; or the GPU already runs another process of the job
+            self.store.release_gpus(s, j.id, [p.gpu])
+            self.store.log(s, "job.worker_lost", j.id, gpu=p.gpu, worker=p.name, state=p.state, exit_code=p.exit_code)
 
     # -- executing a wave -------------------------------------------------------
     def execute(self, wave: Wave, now: float) -> None:

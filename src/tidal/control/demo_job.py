@@ -58,8 +58,8 @@ def main() -> None:
         epoch, step = loader.epoch, job.step_count
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
-        job.step()
-        if rec is not None:
+        applied = job.step()  # False: a peer died, the step was dropped and is redone by the survivors
+        if rec is not None and applied:
             rec.write(f"{epoch} {step} " + " ".join(str(int(i)) for i in idx) + "\n")
             rec.flush()
         if a.sample_time:

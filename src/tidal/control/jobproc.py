@@ -57,6 +57,12 @@ class RemoteSpawner:
         if not ans.get("ok"):
             raise RuntimeError(ans.get("error", "spawn refused"))
 
+    def kill(self, worker_id: str) -> None:
+        """A hung worker: its agent stops it (the master's check_health)."""
+        ans = self.server.post(f"/internal/jobs/{self.job}/kill", {"name": worker_id}, patience_s=5)
+        if not ans.get("ok"):
+            raise RuntimeError(f"no live worker {worker_id}")
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tidal.control.jobproc")
@@ -96,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                 log.warning("status report failed: %s", e)
             if st.state == "finished":
                 break
-            time.sleep(0.5)
+            for _ in range(5):
+                master.check_health()  # hung workers are killed through their agent
+                time.sleep(0.1)
     finally:
         srv.stop()
     return rc

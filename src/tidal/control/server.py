@@ -291,6 +291,8 @@ def create_app(
                     continue
                 if rep.log:
                     _append_log(logs_dir, w.job_id, w.name, rep.log[-MAX_LOG_CHUNK:])
+                if w.state == "lost" and rep.state == "running":
+                    continue  # its node was down and it was given up: it is being stopped, not resumed
                 if w.state != rep.state:
                     store.log(s, f"proc.{rep.state}", w.job_id, node=name, gpu=w.gpu, proc=w.name,
                               pid=rep.pid, exit_code=rep.exit_code)
@@ -300,11 +302,16 @@ def create_app(
                 g = s.scalar(select(GPU).where(GPU.node == name, GPU.index == int(gi)))
                 if g is not None:
                     g.util = float(u)
-            # nodes that stopped heart-beating are down
+            # nodes that stopped heart-beating are down; their processes are lost
+            # (the jobs' survivors re-form without them, issue 5) and their
+            # workers' GPUs go back to the pool (unschedulable while the node is down)
             for other in s.scalars(select(Node).where(Node.state == "up", Node.last_heartbeat < time.time() - NODE_TIMEOUT_S)):
                 other.state = "down"
                 store.log(s, "node.down", node=other.name)
-            desired = s.scalars(select(Worker).where(Worker.node == name, Worker.state.in_(("pending", "running")))).all()
+                _lose_node_procs(s, store, other.name)
+                finished = True
+            desired = s.scalars(select(Worker).where(Worker.node == name,
+                                                     Worker.state.in_(("pending", "running", "lost")))).all()
             gpu_index = {g.gid: g.index for g in s.scalars(select(GPU).where(GPU.node == name))}
             out = [{"id": w.id, "job": w.job_id, "name": w.name, "kind": w.kind, "argv": w.argv, "cwd": w.cwd,
                     "env": {**(w.env or {}), **({"CUDA_VISIBLE_DEVICES": str(gpu_index[w.gpu])} if w.gpu is not None else {})},
@@ -312,6 +319,18 @@ def create_app(
         if finished:
             coord.wake()
         return {"workers": out}
+
+    @app.post("/internal/jobs/{job_id}/kill", tags=["internal"])
+    def kill_worker(job_id: str, body: dict[str, Any], p: Principal = Depends(admin)) -> dict[str, Any]:
+        """The job master found a worker hung: its agent stops it (SIGTERM,
+        then SIGKILL after 10 s)."""
+        with store.session() as s:
+            ws = s.scalars(select(Worker).where(Worker.job_id == job_id, Worker.name == str(body.get("name", "")),
+                                                Worker.state.in_(("pending", "running")))).all()
+            for w in ws:
+                w.desired = "stop"
+                store.log(s, "worker.kill", job_id, node=w.node, gpu=w.gpu, worker=w.name, reason="hung")
+        return {"ok": bool(ws)}
 
     def any_job(s, job_id: str) -> Job:
         j = s.get(Job, job_id)
@@ -397,7 +416,22 @@ def _job_json(s, store: Store, j: Job, detail: bool = False) -> dict[str, Any]:
     }
     if detail:
         out.update(spec=sub, progress=j.progress, master_url=j.master_url, exit_info=j.exit_info)
+        out["processes"] = [
+            {"name": w.name, "kind": w.kind, "node": w.node, "gpu": w.gpu, "state": w.state, "pid": w.pid,
+             "exit_code": w.exit_code}
+            for w in s.scalars(select(Worker).where(Worker.job_id == j.id).order_by(Worker.id))
+        ]
     return out
+
+
+def _lose_node_procs(s, store: Store, node: str) -> None:
+    """A node went down: its live processes are marked lost (and to be
+    stopped should it come back); the GPUs its workers held are released."""
+    for w in s.scalars(select(Worker).where(Worker.node == node, Worker.state.in_(("pending", "running")))):
+        w.state, w.desired = "lost", "stop"
+        store.log(s, "proc.lost", w.job_id, node=node, gpu=w.gpu, proc=w.name)
+        if w.kind == "worker" and w.gpu is not None:
+            store.release_gpus(s, w.job_id, [w.gpu])
 
 
 def _reset_after_restart(store: Store) -> None:

@@ -87,7 +87,8 @@ class JobMaster:
         # a member that stops beating (or is stuck in compute while its peers
         # wait) for this long is killed, so the others recover (0: never)
         self.hang_timeout_s = float(hang_timeout_s)
-        self._alive: dict[str, dict[str, Any]] = {}
+        self._alive: dict[str, dict[str, Any]] = {}  # liveness beats, on the monotonic clock
+        self._last_health: float | None = None
         self.hung: list[dict[str, Any]] = []
         self.stragglers: list[dict[str, Any]] = []
         self._lock = threading.RLock()
@@ -180,9 +181,12 @@ class JobMaster:
         if self.plan is not None:  # a pending switch now rendezvouses on this master's store
             t = self.plan.target
             self.plan = dataclasses.replace(
-                self.plan, target=Generation(t.gen, t.members, self.store_host, self.store_port, t.prefix))
+                self.plan, target=dataclasses.replace(t, store_host=self.store_host, store_port=self.store_port))
             self.plans[t.gen] = self.plan.to_json()
             self.store.set(self.plan_key, json.dumps(self.plan.to_json()))
+        if self.gen is not None:  # a member that had not seen its go yet finds it on this store
+            self.gen = dataclasses.replace(self.gen, store_host=self.store_host, store_port=self.store_port)
+            self.store.set(self.gen.prefix + "go", "go")
         log.info("master resumed at gen %s step %s", self.gen and self.gen.gen, self.progress.get("step"))
 
     def _save(self) -> None:
@@ -255,9 +259,12 @@ class JobMaster:
     def _check_timeout(self) -> None:
         c = self.change
         if c and c["status"] == "waiting" and time.time() - c["requested_at"] > self.join_timeout_s:
-            log.warning("scale-out abandoned: joiners %s did not register in time", set(c["expect"]) - set(c["joiners"]))
+            log.warning("%s abandoned: joiners %s did not register in time", c["kind"], set(c["expect"]) - set(c["joiners"]))
             for w in c["joiners"]:
-                self.queue.append(w)
+                if c["kind"] == "migrate":  # a half-done move is not a scale-out: its replacements exit
+                    self.workers[w]["state"] = "left"
+                else:
+                    self.queue.append(w)
             self.change = None
             self._save()
 
@@ -270,6 +277,8 @@ class JobMaster:
             return ScaleAnswer("retry", "job is forming", retry_after_s=0.5)
         if self.change is not None:
             return ScaleAnswer("retry", f"a {self.change['kind']} is in progress", retry_after_s=0.5)
+        if self.recovery is not None:
+            return ScaleAnswer("retry", "recovering from a failed worker", retry_after_s=0.5)
         return None
 
     def _replay(self, request_id: str | None) -> ScaleAnswer | None:
@@ -451,13 +460,9 @@ class JobMaster:
                 c = self.change
                 if c and c["kind"] in ("scale_out", "migrate") and c["status"] == "waiting" and worker_id in c["expect"]:
                     c["joiners"].append(worker_id)
-                    if len(c["joiners"]) == len(c["expect"]):
-                        assert self.gen is not None
-                        leavers = list(c.get("leavers") or [])
-                        for w in leavers:
-                            self.workers[w]["state"] = "leaving"
-                        stay = [m for m in self.gen.members if m not in leavers]
-                        self._publish(self._new_gen(stay + c["joiners"]), c["joiners"], leavers, c["kind"])
+                    # during a recovery the plan waits for the survivors' generation
+                    if len(c["joiners"]) == len(c["expect"]) and self.recovery is None:
+                        self._publish_waiting()
                 else:
                     self.queue.append(worker_id)
                     if self.gen is None and len(self.queue) >= self.initial_workers:
@@ -481,6 +486,8 @@ class JobMaster:
                 return {"status": "wait"}  # a survivor waits for the recovery generation
             if after_gen and self.gen is not None and worker_id not in self.gen.members:
                 return {"status": "finished"}  # declared dead: do not come back
+            if (self.workers.get(worker_id) or {}).get("state") == "left":
+                return {"status": "finished"}  # e.g. the replacement of an abandoned migration
             if self.plan is not None and worker_id in self.plan.joiners:
                 return {"status": "assigned", "generation": self.plan.target.to_json(), "joining": True,
                         "plan": self.plan.to_json()}
@@ -536,7 +543,7 @@ class JobMaster:
                 sources=plan.sources,
                 shares=plan.target.shares,
             )
-            self.changes.append(rec.__dict__)
+            self.changes.append(dict(rec.__dict__, sources=[list(p) for p in rec.sources], shares=list(rec.shares)))
             self.change = None
             self.progress.update(step=int(step), gen=gen)
             log.info("switched to gen %d (%d workers) at step %d, pause %.1f ms", gen, plan.target.world_size, step, 1e3 * pause_s)
@@ -549,6 +556,10 @@ class JobMaster:
         Survivors that report within ``recovery_window_s`` (or until every
         member not known dead has reported) form the next generation."""
         with self._lock:
+            if self.plan is not None and gen == self.plan.target.gen and not self.finished:
+                # it failed in the generation being switched to (e.g. a newcomer died while
+                # receiving its state): that group was formed, so the switch happened
+                self.switched(gen, step)
             if self.gen is None or gen != self.gen.gen or self.finished:
                 return {"status": "ok"}
             if self.recovery is None or self.recovery["gen"] != gen:
@@ -564,6 +575,7 @@ class JobMaster:
         if r is None or self.gen is None or r["gen"] != self.gen.gen:
             return
         dead = set(self.spawner.dead()) if self.spawner is not None and hasattr(self.spawner, "dead") else set()
+        dead |= self._silent()  # no liveness beat for a while: do not wait for its report
         expected = [w for w in self.gen.members if w not in dead]
         if set(r["reporters"]) < set(expected) and time.time() - r["started"] < self.recovery_window_s:
             return
@@ -571,13 +583,17 @@ class JobMaster:
         survivors = [w for w in old.members if w in r["reporters"]]
         if not survivors:
             return
-        if self.plan is not None:  # a change in flight is abandoned; its newcomers exit
+        # a change in flight is not lost: its newcomers (warming up, or waiting
+        # for the abandoned plan's go, which is cancelled so they ask again)
+        # join the survivors' generation by a new plan right after it formed
+        carry: dict[str, Any] | None = None
+        if self.change is not None and self.change["kind"] in ("scale_out", "migrate"):
+            carry = dict(self.change, status="waiting")
+        if self.plan is not None:
             self.store.set(self.plan.target.prefix + "go", "cancel")
             self.store.set(self.plan_key, "")
-            for w in self.plan.joiners:
-                self.workers[w]["state"] = "left"
             for w in self.plan.leavers:
-                if w in survivors:
+                if w in survivors and self.plan.kind != "migrate":
                     survivors.remove(w)  # it was leaving anyway
         self.plan = None
         self.change = None
@@ -591,7 +607,26 @@ class JobMaster:
             switch_step=int(r["step"]), requested_at=float(r["started"]), switched_at=time.time()).__dict__)
         self.recovery = None
         log.warning("recovered: gen %d with %s", self.gen.gen, survivors)
+        if carry is not None:
+            carry["leavers"] = [w for w in carry.get("leavers") or [] if w in survivors]
+            if carry["kind"] == "migrate" and not carry["leavers"]:
+                carry["kind"] = "scale_out"  # the workers to move died: their replacements simply join
+            if carry["kind"] == "migrate" and len(carry["leavers"]) >= len(survivors):
+                carry["kind"], carry["leavers"] = "scale_out", []  # keep a live worker to send the state
+            self.change = carry
+            if len(carry["joiners"]) == len(carry["expect"]):
+                self._publish_waiting()
         self._save()
+
+    def _publish_waiting(self) -> None:
+        """Every newcomer of the waiting scale-out/migration registered: publish its plan."""
+        c = self.change
+        assert c is not None and self.gen is not None
+        leavers = list(c.get("leavers") or [])
+        for w in leavers:
+            self.workers[w]["state"] = "leaving"
+        stay = [m for m in self.gen.members if m not in leavers]
+        self._publish(self._new_gen(stay + c["joiners"]), c["joiners"], leavers, c["kind"])
 
     def straggler(self, worker_id: str, gen: int, step: int, ratio: float, detected_at: float | None = None) -> dict[str, Any]:
         """Rank 0 found ``worker_id`` slower than 1.2x the median compute time
@@ -631,48 +666,74 @@ class JobMaster:
         all-reduce of the same step. Called periodically by the host process
         (``now``: the master's clock, passed in for tests). Returns the
         workers found hung in this call."""
-        if self.hang_timeout_s <= 0:
-            return []
         with self._lock:
-            if self.gen is None or self.finished or self.recovery is not None:
+            if self.gen is None or self.finished or self.moved_to:
                 return []
-            now = time.time() if now is None else now
+            now = time.monotonic() if now is None else now
+            if self._last_health is not None and now - self._last_health > self.hang_timeout_s / 2:
+                # this check itself did not run for a while (the host stalled, the lock was
+                # held): what looks like silence may be ours, so start the clocks again
+                for rec in self._alive.values():
+                    rec["changed"] = rec["since"] = now
+            self._last_health = now
+            self._refresh_beats(now)
+            if self.hang_timeout_s <= 0 or self.recovery is not None:
+                return []
             members = list(self.gen.members)
+            # a peer waiting in the all-reduce of step t since when (the earliest)
+            waiting: dict[int, float] = {}
             for w in members:
-                key = f"tidal/{self.job}/alive/{w}"
-                raw = self.store.get(key) if self.store.check([key]) else None
-                rec = self._alive.get(w)
-                if rec is None:
-                    rec = self._alive[w] = {"raw": raw, "changed": now, "state": None, "since": now}
-                if raw != rec["raw"]:
-                    rec["raw"], rec["changed"] = raw, now
-                if raw is not None:
-                    beat = json.loads(raw)
-                    state = (int(beat[1]), str(beat[2]))
-                    if state != rec["state"]:
-                        rec["state"], rec["since"] = state, now
-            waiting = {self._alive[w]["state"][0] for w in members
-                       if self._alive[w]["state"] is not None and self._alive[w]["state"][1] == "sync"}
+                st = self._alive[w]["state"]
+                if st is not None and st[1] == "sync":
+                    waiting[st[0]] = min(waiting.get(st[0], now), self._alive[w]["since"])
             found: list[tuple[str, str]] = []
             gone = {h["worker_id"] for h in self.hung if h["gen"] == self.gen.gen}  # killed already
+            leaving = set(self.plan.leavers) if self.plan is not None else set()
             for w in members:
                 rec = self._alive[w]
-                if w in gone:
-                    continue
+                if w in gone or w in leaving or rec["raw"] is None:
+                    continue  # never beat (e.g. a newcomer still receiving its state): not judged
                 if now - rec["changed"] > self.hang_timeout_s:
                     found.append((w, f"no liveness beat for {now - rec['changed']:.1f}s"))
                 elif rec["state"] is not None and rec["state"][1] == "compute" and rec["state"][0] in waiting \
-                        and now - rec["since"] > self.hang_timeout_s:
-                    found.append((w, f"in compute of step {rec['state'][0]} for {now - rec['since']:.1f}s while peers wait"))
+                        and now - waiting[rec["state"][0]] > self.hang_timeout_s:
+                    found.append((w, f"in compute of step {rec['state'][0]} while a peer waited "
+                                     f"{now - waiting[rec['state'][0]]:.1f}s in the all-reduce"))
             if len(found) == len([w for w in members if w not in gone]):
                 return []  # everyone silent at once: the master's view is stale (e.g. it just restarted), not a hang
             for w, why in found:
                 action = self._kill(w)
-                self.hung.append({"worker_id": w, "gen": self.gen.gen, "reason": why, "detected_at": now, "action": action})
+                self.hung.append({"worker_id": w, "gen": self.gen.gen, "reason": why, "detected_at": time.time(),
+                                  "action": action})
                 log.warning("worker %s is hung (%s): %s", w, why, action)
             if found:
                 self._save()
             return [w for w, _ in found]
+
+    def _refresh_beats(self, now: float) -> None:
+        """Read the members' liveness beats; note on the master's clock when
+        each last changed (and when its (step, phase) last changed)."""
+        assert self.gen is not None
+        for w in self.gen.members:
+            key = f"tidal/{self.job}/alive/{w}"
+            raw = self.store.get(key) if self.store.check([key]) else None
+            rec = self._alive.get(w)
+            if rec is None:
+                rec = self._alive[w] = {"raw": raw, "changed": now, "state": None, "since": now}
+            if raw != rec["raw"]:
+                rec["raw"], rec["changed"] = raw, now
+            if raw is not None:
+                beat = json.loads(raw)
+                state = (int(beat[1]), str(beat[2]))
+                if state != rec["state"]:
+                    rec["state"], rec["since"] = state, now
+
+    def _silent(self, quiet_s: float = 3.0) -> set[str]:
+        """Members that have beaten before but not in the last ``quiet_s``
+        seconds (as last seen by :meth:`check_health`): during a recovery
+        the master does not wait for their report."""
+        now = time.monotonic()
+        return {w for w, r in self._alive.items() if r["raw"] is not None and now - r["changed"] > quiet_s}
 
     def _kill(self, worker_id: str) -> str:
         """Stop a hung worker for good: through the spawner if it can, else by

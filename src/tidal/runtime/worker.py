@@ -155,6 +155,7 @@ class Job:
         self._phase: tuple[str, int] = ("idle", 0)
         self._beats = 0
         self._last_beat = 0.0
+        self._beat_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ user API
     def register_state(
@@ -269,6 +270,9 @@ class Job:
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)
             self._hb_thread = None
+        if self._beat_thread is not None:
+            self._beat_thread.join(timeout=5)
+            self._beat_thread = None
         if self._report_switched is not None and self.client is not None:
             body, self._report_switched = self._report_switched, None
             self.client.post("/switched", body)
@@ -321,6 +325,10 @@ class Job:
             self._switch()
             if self.left:
                 return False
+            if self._failed:  # the switch's state transfer failed: recover like a failed step
+                self._recover()
+                if self.finished:
+                    return False
         # A periodic checkpoint is taken at the same boundary, for the same reason.
         if self.checkpoint_every and self.rank == 0 and self.step_count % self.checkpoint_every == 0 \
                 and self.step_count != self._ckpt_last and self.step_count > 0:
@@ -448,50 +456,30 @@ class Job:
         # Register only now, when model and data pipeline are built: a newcomer
         # is "ready" and the others have not waited for its imports (EDL §4.2).
         info = self.client.post("/register", {"worker_id": self.worker_id, "pid": os.getpid(),
-                                              "host": os.environ.get(ENV_HOST) or socket.gethostname(),
+                                              "host": os.environ.get(ENV_HOST) or os.environ.get("TIDAL_NODE")
+                                              or socket.gethostname(),
                                               "switch": os.environ.get(ENV_SWITCH, "")})
         self._store_addr = (info["store_host"], int(info["store_port"]))
         self._keys = {"plan": info["plan_key"], "progress": info["progress_key"], "job": info["job"]}
         log.debug("worker %s registered (ready)", self.worker_id)
+        self._phase = ("join", 0)
+        self._beat_thread = threading.Thread(target=self._beat_loop, name="tidal-beat", daemon=True)
+        self._beat_thread.start()
         deadline = time.monotonic() + self.join_timeout_s
-        while True:
-            a = self.client.get("/assignment", worker_id=self.worker_id)
-            if a["status"] == "finished":
+        while True:  # until a generation says go; a cancelled plan is re-planned after a recovery
+            a = self._await_assignment(deadline)
+            if a is None:
                 self.finished = True
                 return
-            if a["status"] == "assigned":
+            g = Generation.from_json(a["generation"])
+            log.debug("worker %s assigned to gen %d", self.worker_id, g.gen)
+            go = self._await_go(g, deadline)
+            if go is None:
+                self.finished = True
+                return
+            if go == b"go":
                 break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"worker {self.worker_id} got no generation within {self.join_timeout_s}s")
-            time.sleep(0.01)
-        g = Generation.from_json(a["generation"])
-        log.debug("worker %s assigned to gen %d", self.worker_id, g.gen)
-        store = self._store(g.store_host, g.store_port)
-        # the generation's go key: set by the master (gen 1) or the old rank 0 at the switch;
-        # polled (a few µs per check) so that the job ending meanwhile is noticed too
-        next_ask = time.monotonic() + 1.0
-        while True:
-            try:
-                if store.check([g.prefix + "go"]):
-                    go = store.get(g.prefix + "go")
-                    break
-            except Exception as e:  # noqa: BLE001 - the master (and its store) restarts: reconnect (Elan §V-D)
-                log.warning("worker %s: store lost while waiting for gen %d (%s); reconnecting", self.worker_id, g.gen, e)
-                self._stores.pop((g.store_host, g.store_port, ""), None)
-                time.sleep(0.2)
-                try:
-                    store = self._store(g.store_host, g.store_port)
-                except Exception as e2:  # noqa: BLE001
-                    log.debug("store reconnect failed: %s", e2)
-            time.sleep(0.002)
-            if time.monotonic() > next_ask:
-                next_ask = time.monotonic() + 1.0
-                if self.client.get("/assignment", worker_id=self.worker_id)["status"] == "finished" or time.monotonic() > deadline:
-                    self.finished = True
-                    return
-        if go == b"cancel":
-            self.finished = True
-            return
+            log.info("worker %s: gen %d was cancelled; asking again", self.worker_id, g.gen)
         t0 = time.perf_counter()
         log.debug("worker %s: go for gen %d", self.worker_id, g.gen)
         if not a.get("joining"):  # the job's first generation: a restarted job resumes (rank 0's copy is sent)
@@ -506,9 +494,58 @@ class Job:
             self.joined_at_step = self.step_count
         else:
             self.global_batch_size = self.policy.start(self.world_size)
+        self._phase = ("idle", self.step_count)
         log.info("worker %s joined gen %d as rank %d/%d at step %d (%.1f ms)", self.worker_id, g.gen, self.rank, self.world_size, self.step_count, 1e3 * (time.perf_counter() - t0))
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="tidal-heartbeat", daemon=True)
         self._hb_thread.start()
+
+    def _await_assignment(self, deadline: float) -> dict[str, Any] | None:
+        """Poll the master until it assigns a generation (None: the job finished)."""
+        assert self.client is not None
+        while True:
+            a = self.client.get("/assignment", worker_id=self.worker_id)
+            if a["status"] == "finished":
+                return None
+            if a["status"] == "assigned":
+                return a
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self.worker_id} got no generation within {self.join_timeout_s}s")
+            time.sleep(0.01)
+
+    def _await_go(self, g: Generation, deadline: float) -> bytes | None:
+        """Wait for generation ``g``'s go key: set by the master (gen 1) or the
+        old rank 0 at the switch. Polled (a few µs per check), asking the
+        master once a second whether the job ended (None) or the plan was
+        replaced (``b"cancel"``); survives a master restart (Elan §V-D)."""
+        assert self.client is not None
+        store = self._store(g.store_host, g.store_port)
+        next_ask = time.monotonic() + 1.0
+        while True:
+            try:
+                if store.check([g.prefix + "go"]):
+                    return bytes(store.get(g.prefix + "go"))
+            except Exception as e:  # noqa: BLE001 - the master (and its store) restarts: reconnect
+                log.warning("worker %s: store lost while waiting for gen %d (%s); reconnecting", self.worker_id, g.gen, e)
+                self._stores.pop((g.store_host, g.store_port, ""), None)
+                time.sleep(0.2)
+                try:
+                    store = self._store(g.store_host, g.store_port)
+                except Exception as e2:  # noqa: BLE001
+                    log.debug("store reconnect failed: %s", e2)
+            time.sleep(0.002)
+            if time.monotonic() > next_ask:
+                next_ask = time.monotonic() + 1.0
+                if time.monotonic() > deadline:
+                    return None
+                try:
+                    a = self.client.get("/assignment", worker_id=self.worker_id)
+                except Exception as e:  # noqa: BLE001 - a master down for longer than the client's patience
+                    log.warning("worker %s: master unreachable while waiting (%s)", self.worker_id, e)
+                    continue
+                if a["status"] == "finished":
+                    return None
+                if a["status"] == "assigned" and int(a["generation"]["gen"]) != g.gen:
+                    return b"cancel"  # re-planned meanwhile
 
     def _switch(self) -> None:
         assert self._agreed is not None and self.client is not None
@@ -541,7 +578,18 @@ class Job:
             t2 = time.perf_counter()
         self.global_batch_size = self.policy.rescale(self.step_count, old_world, self.world_size)
         if plan.joiners:
-            self._sync_state(sources=plan.source_ranks() or None)
+            try:
+                self._sync_state(sources=plan.source_ranks() or None)
+            except Exception as e:  # noqa: BLE001 - a newcomer (or source) died during the transfer
+                log.warning("worker %s: state transfer of gen %d failed (%s); recovering", self.worker_id, g.gen, e)
+                self.failures.append({"detected_at": time.time(), "step": self.step_count, "gen": g.gen})
+                self._step_snapshot = None  # the last step was applied in full: nothing to undo
+                self._failed = True
+                try:
+                    dist.destroy_process_group()
+                except Exception as e2:  # noqa: BLE001
+                    log.debug("destroy after failed transfer: %s", e2)
+                return
         t3 = time.perf_counter()
         for h in self.hooks:
             h(old_world, self.world_size)
@@ -664,6 +712,12 @@ class Job:
             self._lr_applied = f
 
     # ------------------------------------------------------------------ heartbeat (off the critical path)
+    def _beat_loop(self) -> None:
+        """Liveness beats, in their own thread so that nothing else (HTTP
+        calls of the heartbeat thread, a long state transfer) delays them."""
+        while not self._hb_stop.wait(ALIVE_EVERY_S):
+            self._beat_alive()
+
     def _beat_alive(self) -> None:
         """Every rank: write (beat count, step, phase) to the master's store,
         where its hung-worker check watches it (issue 5: a missed heartbeat).
@@ -672,12 +726,12 @@ class Job:
         self._last_beat = time.perf_counter()
         self._beats += 1
         try:
-            store = self._store(*self._store_addr, tag="hb")
+            store = self._store(*self._store_addr, tag="beat")
             store.set(f"tidal/{self._keys['job']}/alive/{self.worker_id}",
                       json.dumps([self._beats, self._phase[1], self._phase[0]]))
         except Exception as e:  # noqa: BLE001 - the master may be restarting
             log.debug("liveness beat failed: %s", e)
-            self._stores.pop((*self._store_addr, "hb"), None)
+            self._stores.pop((*self._store_addr, "beat"), None)
 
     def _heartbeat_loop(self) -> None:
         """Rank 0 only, in a background thread, at most once per step and per
@@ -693,8 +747,6 @@ class Job:
             if self._hb_stop.is_set():
                 break
             g = self.gen
-            if g is not None and time.perf_counter() - self._last_beat >= ALIVE_EVERY_S:
-                self._beat_alive()
             ag = self._agreed
             if ag is not None and ag[0] is None:  # non-zero ranks: fetch the agreed plan before the switch step
                 try:
@@ -711,8 +763,10 @@ class Job:
                 time.sleep(wait)
             try:
                 if self._report_switched is not None:
-                    body, self._report_switched = self._report_switched, None
+                    body = self._report_switched
                     self.client.post("/switched", body)
+                    if self._report_switched is body:  # a newer one may have replaced it meanwhile
+                        self._report_switched = None
                 while self._report_stragglers:
                     self.client.post("/straggler", self._report_stragglers.pop(0))
                 if self._report_agreed is not None:

@@ -1,0 +1,73 @@
+"""Failures on the live cluster (issue 5 with the control plane of issue 6):
+server + 2 agents x 2 virtual GPUs, one real elastic job on all 4 GPUs.
+
+1. A worker is killed with SIGKILL: the runtime's survivors re-form without
+   it, the coordinator sees the failed process and gives its GPU back to the
+   pool, and the policy then grows the job onto it again.
+2. The other node "loses power" (its agent and its processes are killed):
+   after the node timeout the server marks it down and its processes lost,
+   releases their GPUs, and the job finishes on the remaining node.
+
+Checked: the job completes, every sample is used exactly once per epoch, and
+the audit trail never shows a GPU held by two jobs."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tidal.control.local import LocalCluster
+from test_e2e import check_exactly_once, job, replay_gpu_holders, wait
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _procs(user, jid, **match):
+    return [p for p in user.job(jid)["processes"] if all(p[k] == v for k, v in match.items())]
+
+
+def test_worker_kill_and_node_loss_are_survived(tmp_path):
+    rec = tmp_path / "records"
+    samples, epochs = 2048, 6
+    with LocalCluster(tmp_path / "home", nodes=2, gpus_per_node=2, policy="edf", tick_s=1.0) as c:
+        admin = c.api()
+        user = c.api(admin.add_user("alice"))
+        a = user.submit(job("a", rec, samples=samples, epochs=epochs, gpus="1-4", deadline=3600))["id"]
+        wait(lambda: len(user.job(a)["gpus"]) == 4 and user.job(a)["world_size"] == 4 and user.job(a)["step"] > 3,
+             120, "A to train on 4 GPUs", user)
+        master_node = _procs(user, a, kind="master")[0]["node"]
+        other = "node-1" if master_node == "node-0" else "node-0"
+
+        # 1. kill -9 one worker on the master's node
+        victim = _procs(user, a, kind="worker", node=master_node, state="running")[0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait(lambda: any(e["kind"] == "job.worker_lost" and e["gpu"] == victim["gpu"] for e in user.job(a)["events"]),
+             30, "the dead worker's GPU to be released", user)
+        wait(lambda: any(ch["kind"] == "recover" for ch in (user.job(a)["progress"] or {}).get("changes", [])),
+             30, "the survivors to re-form", user)
+        # the policy gives the GPU back to the job: a scale-out after the loss, which the
+        # master answers with "retry" until the survivors re-formed, then runs
+        wait(lambda: user.job(a)["world_size"] == 4 and victim["gpu"] in user.job(a)["gpus"], 90,
+             "A to grow back to 4 workers", user)
+        kinds = [e["kind"] for e in user.job(a)["events"]]
+        assert "job.scale_out" in kinds[kinds.index("job.worker_lost"):]
+        assert "job.scale_out_failed" not in kinds
+
+        # 2. the other node loses power: its agent and every process on it die at once
+        doomed = _procs(user, a, node=other, state="running")
+        assert doomed and all(p["kind"] == "worker" for p in doomed)
+        c.agents[int(other[-1])].kill()
+        for p in doomed:
+            os.kill(p["pid"], signal.SIGKILL)
+        wait(lambda: any(n["name"] == other and n["state"] == "down" for n in admin.cluster()["nodes"]), 40,
+             f"{other} to be marked down", user)
+        wait(lambda: not [g for g in user.job(a)["gpus"] if g in {p["gpu"] for p in doomed}], 20,
+             "the lost node's GPUs to leave the job", user)
+        assert {p["state"] for p in _procs(user, a, node=other) if p["pid"] in {d["pid"] for d in doomed}} == {"lost"}
+        wait(lambda: user.job(a)["state"] in ("completed", "failed"), 200, "A to finish", user)
+        final = user.job(a)
+        assert final["state"] == "completed", final
+        replay_gpu_holders(admin.events())
+    check_exactly_once(rec / "a", samples, epochs)
