@@ -60,6 +60,40 @@ def migrate(
     raise typer.Exit(migrate_job(job, list(ranks), timeout_s=timeout, out=typer.echo))
 
 
+@app.command("profile")
+def profile_cmd(
+    job: str = typer.Argument(..., help="The name given to `tidal run` (or its master URL)."),
+    min_p: int = typer.Option(1, "--min", help="Smallest worker count to measure."),
+    max_p: int = typer.Option(..., "--max", help="Largest worker count (the job is scaled there first)."),
+    batch: int = typer.Option(..., "--batch", help="The job's global batch size (the profile's row)."),
+    steps: int = typer.Option(20, "--steps", help="Steps measured per size."),
+    out: str = typer.Option("profiles", "--out", help="Directory of the profile CSV."),
+    model: str = typer.Option("job", "--model", help="Model name: the CSV is OUT/MODEL.csv."),
+) -> None:
+    """Measure a running job's scaling curve in place (EDL §5.2): from --max
+    workers down to --min, one scale-in at a time; writes the scheduler's
+    profile CSV, which `tidal simulate --profiles OUT` reads."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tidal.runtime.launch import resolve_master
+    from tidal.runtime.profiling import profile
+
+    try:
+        url = resolve_master(job)
+    except FileNotFoundError as e:
+        typer.echo(f"tidal profile: {e}", err=True)
+        raise typer.Exit(2)
+    res = profile(url, min_p, max_p, batch, steps=steps, out_dir=out, model=model)
+    t = Table(title=f"{model}: global batch {batch}, {res.total_s:.1f} s")
+    t.add_column("workers", justify="right")
+    t.add_column("iterations/s", justify="right")
+    for n, v in sorted(res.its.items()):
+        t.add_row(str(n), f"{v:.2f}")
+    Console().print(t)
+    typer.echo(f"wrote {res.path}")
+
+
 @app.command("scale")
 def scale(
     job: str = typer.Argument(..., help="Job: a live-cluster job id, or the name given to `tidal run` (or its master URL)."),

@@ -3,6 +3,8 @@ exactly-once data and fixed-run equivalence (issue 4). See ``docs/runtime.md``.
 
 Worker side: :func:`init`, :class:`Job`, :class:`ElasticState`.
 Job master: :class:`JobMaster`, :class:`MasterServer`, :class:`MasterClient`.
+Operations: :func:`profile` (a job's scaling curve), :func:`assign_sources`
+(who sends newcomers their state).
 """
 
 from tidal.runtime.client import MasterClient, MasterUnavailable
@@ -12,12 +14,14 @@ from tidal.runtime.server import MasterServer
 from tidal.runtime.messages import Generation, Plan, ScaleAnswer, Status
 from tidal.runtime.reducer import GradReducer
 from tidal.runtime.persistence import StateBackend, open_backend, register_backend
+from tidal.runtime.profiling import ProfileResult, profile
+from tidal.runtime.replication import Location, assign_sources
 from tidal.runtime.scaling import BatchPolicy, HybridScaling, StrongScaling, WeakScaling, make_policy
 from tidal.runtime.state import ElasticState
 from tidal.runtime.worker import Job, init
 
 __all__ = [
-    "BatchPolicy", "ElasticBatchIterator", "ElasticState", "Generation", "GradReducer", "HybridScaling", "Job", "JobMaster",
+    "BatchPolicy", "ElasticBatchIterator", "Location", "ProfileResult", "assign_sources", "profile", "ElasticState", "Generation", "GradReducer", "HybridScaling", "Job", "JobMaster",
     "MasterClient", "MasterServer", "MasterUnavailable", "Plan", "ScaleAnswer", "ShardManager", "ShardReader", "StateBackend",
     "Status", "StrongScaling", "WeakScaling", "epoch_permutation", "init", "make_policy", "open_backend",
     "register_backend", "split_sizes", "step_slice",

@@ -38,6 +38,16 @@ Spawner = Callable[[list[str], "list[str] | None"], None]
 """Starts worker processes with the given ids (optionally on given hosts)."""
 
 
+def _is_worker(pid: int, worker_id: str) -> bool:
+    """Whether process ``pid`` still is worker ``worker_id`` (its environment
+    names it), so a reused pid is never killed. Linux ``/proc`` only."""
+    try:
+        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return False
+    return f"TIDAL_WORKER_ID={worker_id}".encode() in env
+
+
 class JobMaster:
     """Membership, generations and the plan of the next change.
 
@@ -744,7 +754,8 @@ class JobMaster:
                 kill(worker_id)
                 return "killed"
             w = self.workers.get(worker_id) or {}
-            if w.get("pid") and w.get("host") in (socket.gethostname(), "localhost", "127.0.0.1"):
+            if w.get("pid") and w.get("host") in (socket.gethostname(), "localhost", "127.0.0.1") \
+                    and _is_worker(int(w["pid"]), worker_id):
                 os.kill(int(w["pid"]), signal.SIGKILL)
                 return "killed"
         except (OSError, RuntimeError) as e:

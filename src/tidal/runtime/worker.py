@@ -715,6 +715,7 @@ class Job:
     def _beat_loop(self) -> None:
         """Liveness beats, in their own thread so that nothing else (HTTP
         calls of the heartbeat thread, a long state transfer) delays them."""
+        self._beat_alive()  # at once: from now on this worker can be judged
         while not self._hb_stop.wait(ALIVE_EVERY_S):
             self._beat_alive()
 
