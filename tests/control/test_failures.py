@@ -71,3 +71,30 @@ def test_worker_kill_and_node_loss_are_survived(tmp_path):
         assert final["state"] == "completed", final
         replay_gpu_holders(admin.events())
     check_exactly_once(rec / "a", samples, epochs)
+
+
+def test_preempted_job_is_suspended_and_resumed_from_its_checkpoint(tmp_path):
+    """EDF on one node with 2 GPUs: rigid job A (2 GPUs, late deadline) runs;
+    rigid job B (2 GPUs, early deadline) arrives and takes the GPUs. A is
+    suspended (checkpoint at an agreed step, every process exits, GPUs
+    released), B runs and completes, then A resumes from its checkpoint with
+    new workers and completes. Every sample of both jobs is used exactly once
+    per epoch; no GPU is ever held twice."""
+    rec = tmp_path / "records"
+    with LocalCluster(tmp_path / "home", nodes=1, gpus_per_node=2, policy="edf", tick_s=1.0) as c:
+        admin = c.api()
+        user = c.api(admin.add_user("bob"))
+        a = user.submit(job("a", rec, samples=2048, epochs=4, gpus=2, deadline=3600))["id"]
+        wait(lambda: user.job(a)["state"] == "running" and user.job(a)["step"] > 3, 120, "A to train", user)
+        b = user.submit(job("b", rec, samples=1024, epochs=1, gpus=2, deadline=300))["id"]
+        wait(lambda: any(e["kind"] == "job.suspended" for e in user.job(a)["events"]), 60, "A to be suspended", user)
+        wait(lambda: user.job(b)["state"] == "completed", 120, "B to complete", user)
+        wait(lambda: user.job(a)["state"] == "completed", 180, "A to resume and complete", user)
+        kinds = [e["kind"] for e in user.job(a)["events"]]
+        assert kinds.index("job.suspend") < kinds.index("job.suspended") < kinds.index("job.resume"), kinds
+        # the second incarnation's workers have new names and resumed where the first stopped
+        names = {p["name"] for p in user.job(a)["processes"] if p["kind"] == "worker"}
+        assert names == {"w0", "w1", "w2", "w3"}, names
+        replay_gpu_holders(admin.events())
+    check_exactly_once(rec / "a", 2048, 4)
+    check_exactly_once(rec / "b", 1024, 1)

@@ -5,6 +5,7 @@ with the same data positions and the parameters of an uninterrupted run."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,55 @@ def train_ref(x: torch.Tensor, y: torch.Tensor) -> list[list[int]]:
         p = epoch_permutation(60, 0, e).tolist()
         out += [p[i:i + 8] for i in range(0, 60, 8)]
     return out
+
+
+@pytest.mark.timeout(150)
+def test_suspend_then_resume_loses_and_repeats_nothing(tmp_path: Path) -> None:
+    """A scheduler preempts the job (``suspend``): at an agreed step rank 0
+    writes a checkpoint of exactly the state the next step starts from and
+    every worker leaves; started again (here with 3 workers instead of 2) the
+    job continues at that step. No step is redone or skipped, each sample is
+    used once per epoch over both runs, and the parameters equal the
+    fixed-size run's."""
+    from runtime_helpers import master_url
+    from tidal.runtime.client import MasterClient
+
+    ck = tmp_path / "ckpt"
+    env = {"TIDAL_CHECKPOINT_DIR": str(ck), "TIDAL_CHECKPOINT_EVERY": "1000"}  # only the suspension writes one
+    out1, home = tmp_path / "out-1", tmp_path / "home"
+    out1.mkdir()
+    n, batch, epochs = 120, 12, 6
+    proc = launch("susp", WORKERS, out1, home, "--n", str(n), "--batch", str(batch), "--epochs", str(epochs),
+                  "--sleep", "0.05", timeout=100, extra_env=env)
+    try:
+        c = MasterClient(master_url("susp", home, proc), patience_s=10)
+        c.wait_for(WORKERS, timeout_s=60)
+        while c.status().step < 5:
+            time.sleep(0.02)
+        assert c.suspend().accepted
+        text = finish(proc, 60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "suspended at step" in text, text
+    (stop, _), = list_checkpoints(ck)
+    steps1 = read_steps(out1)
+    assert all([r["step"] for r in recs] == list(range(stop)) for recs in steps1.values())
+    assert not list(out1.glob("final-*.pt"))
+    assert all(json.loads(p.read_text())["suspended"] for p in out1.glob("summary-*.json"))
+    out2 = tmp_path / "out-2"
+    out2.mkdir()
+    proc = launch("susp", WORKERS + 1, out2, home, "--n", str(n), "--batch", str(batch), "--epochs", str(epochs),
+                  timeout=100, extra_env=env)
+    text = finish(proc, 100)
+    assert proc.returncode == 0, text
+    steps2 = read_steps(out2)
+    assert {min(r["step"] for r in recs) for recs in steps2.values()} == {stop}
+    merged = {w: steps1.get(w, []) + steps2.get(w, []) for w in set(steps1) | set(steps2)}
+    total = epochs * (-(-n // batch))
+    assert check_exactly_once(merged, n, batch, epochs) == total
+    ref = reference_run(n=n, batch=batch, epochs=epochs)
+    finals = sorted(out2.glob("final-*.pt"))
+    assert len(finals) == WORKERS + 1
+    for p in finals:
+        assert max_rel_diff(torch.load(p), ref) <= TOL

@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from tidal.core.overhead import OverheadModel
 from tidal.control.db import GPU, Event, Job, Store, Worker
@@ -43,10 +43,11 @@ class Wave:
     shrink: dict[str, list[int]] = field(default_factory=dict)  # job -> gids to give back
     grow: dict[str, list[int]] = field(default_factory=dict)  # job -> gids to add
     start: dict[str, list[int]] = field(default_factory=dict)  # job -> gids
+    suspend: dict[str, list[int]] = field(default_factory=dict)  # job -> all its gids (preempted)
     tags: dict[str, dict] = field(default_factory=dict)
 
     def empty(self) -> bool:
-        return not (self.drops or self.admits or self.shrink or self.grow or self.start or self.tags)
+        return not (self.drops or self.admits or self.shrink or self.grow or self.start or self.suspend or self.tags)
 
 
 class Coordinator:
@@ -126,9 +127,7 @@ class Coordinator:
             if not have and want:
                 wave.start[jid] = sorted(want)
             elif have and not want:
-                # preemption needs checkpoint/restore of the whole job (issue 5);
-                # until then a running elastic job keeps its GPUs
-                log.info("policy would suspend %s; suspension is not supported yet, keeping it", jid)
+                wave.suspend[jid] = sorted(have)  # preempted: checkpoint, stop, resume later
             elif have != want:
                 if have - want:
                     wave.shrink[jid] = sorted(have - want)
@@ -245,7 +244,7 @@ class Coordinator:
         #    shrinking donor reserves them and starts its processes now; they
         #    warm up (interpreter, imports) and wait at a gate while the donor
         #    still trains on those GPUs
-        donor_gpus = {g for gids in wave.shrink.values() for g in gids}
+        donor_gpus = {g for gids in (*wave.shrink.values(), *wave.suspend.values()) for g in gids}
         early = {jid for jid, gids in {**wave.start, **wave.grow}.items() if set(gids) & donor_gpus}
         for jid in early:
             if jid in wave.start:
@@ -254,6 +253,8 @@ class Coordinator:
                 self._guard(self._grow_begin, jid, wave.grow[jid], early=True)
         # 1. reshaping down: shrink donors and wait until their GPUs are free
         threads = [threading.Thread(target=self._guard, args=(self._shrink, jid, gids)) for jid, gids in wave.shrink.items()]
+        threads += [threading.Thread(target=self._guard, args=(self._suspend, jid, gids))
+                    for jid, gids in wave.suspend.items()]
         for t in threads:
             t.start()
         for t in threads:
@@ -341,7 +342,8 @@ class Coordinator:
                 j.start_time = time.time()
                 self.decision_latencies.append(j.start_time - j.submit_time)
             j.target = len(gids)
-            self.store.log(s, "job.start", jid, gpus=gids, early_init=launched)
+            self.store.log(s, "job.resume" if (j.tags or {}).get("_suspended") else "job.start", jid, gpus=gids,
+                           early_init=launched)
 
     def _start_many(self, starts: dict[str, list[int]]) -> None:
         """Start many jobs in one transaction (a savepoint each, so one that
@@ -362,7 +364,8 @@ class Coordinator:
                         if j.start_time is None:
                             j.start_time = time.time()
                             self.decision_latencies.append(j.start_time - j.submit_time)
-                        self.store.log(s, "job.start", jid, gpus=gids, early_init=False)
+                        self.store.log(s, "job.resume" if (j.tags or {}).get("_suspended") else "job.start", jid,
+                                       gpus=gids, early_init=False)
                 except Exception as e:  # noqa: BLE001 - one bad start must not stop the others
                     log.exception("start of %s failed", jid)
                     self.store.log(s, "action.failed", jid, action="start", error=str(e))
@@ -370,8 +373,11 @@ class Coordinator:
     def _launch_master(self, s, j: Job, gids: list[int]) -> None:
         first = s.get(GPU, gids[0])
         sub = j.spec.get("submission", {})
+        # worker ids never repeat within a job, also after a suspension (w0.. then wN..)
+        offset = s.scalar(select(func.count()).select_from(Worker).where(Worker.job_id == j.id,
+                                                                         Worker.kind == "worker")) or 0
         argv = [sys.executable, "-m", "tidal.control.jobproc", "--job", j.id, "--server", self.server_url,
-                "--workers", str(len(gids)), "--hosts", ",".join(str(g) for g in gids)]
+                "--workers", str(len(gids)), "--hosts", ",".join(str(g) for g in gids), "--first-id", str(offset)]
         s.add(Worker(job_id=j.id, name="master", kind="master", node=first.node, gpu=None, argv=argv,
                      env={"TIDAL_AGENT_TOKEN": self.agent_token, **sub.get("env", {})},
                      cwd=sub.get("workdir", ""), created=time.time()))
@@ -471,6 +477,46 @@ class Coordinator:
                     if j.state == "resizing":
                         j.state = "running"
                     raise TimeoutError(f"workers {[p.name for p in left]} of {jid} did not exit")
+            time.sleep(0.1)
+
+    def _suspend(self, jid: str, gids: list[int]) -> None:
+        """Preemption (Tiresias, Gandiva, EDF, ...): the job master checkpoints
+        the job at an agreed step and every worker leaves (docs/runtime.md);
+        once its processes are gone its GPUs are free and the job waits
+        (``pending``) with its attained service; a later start resumes it from
+        the checkpoint (its workers share the job's checkpoint directory)."""
+        c = self._client(jid)
+        with self.store.session() as s:
+            j = s.get(Job, jid)
+            if j is None or j.state not in ("running", "resizing"):
+                return
+            j.state = "suspending"
+            self.store.log(s, "job.suspend", jid, gpus=gids)
+        ans = self._retry(lambda: c.suspend())
+        if ans.status != "accepted":
+            with self.store.session() as s:
+                j = s.get(Job, jid)
+                j.state = "running"
+                self.store.log(s, "job.suspend_failed", jid, answer=ans.message)
+            return
+        deadline = time.time() + self.change_timeout_s
+        while True:
+            with self.store.session() as s:
+                live = s.scalars(select(Worker).where(Worker.job_id == jid, Worker.state.in_(("pending", "running")))).all()
+                j = s.get(Job, jid)
+                if not live:
+                    self.store.release_gpus(s, jid, self.store.job_gpus(s, jid))
+                    j.state, j.master_url, j.waiting_since = "pending", "", time.time()
+                    j.progress = {**(j.progress or {}), "state": "suspended"}
+                    j.rescales += 1
+                    j.tags = {**(j.tags or {}), "_suspended": int((j.tags or {}).get("_suspended", 0)) + 1}
+                    self.store.log(s, "job.suspended", jid, step=(j.progress or {}).get("step"))
+                    return
+                if time.time() > deadline:
+                    for p in live:
+                        p.desired = "stop"
+                if time.time() > deadline + self.change_timeout_s:
+                    raise TimeoutError(f"processes {[p.name for p in live]} of {jid} did not exit after suspend")
             time.sleep(0.1)
 
     def _retry(self, call):

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, required=True)
     ap.add_argument("--hosts", required=True)
     ap.add_argument("--state-dir", default=None)
+    ap.add_argument("--first-id", type=int, default=0, help="number of the first worker id (w<N>)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tidal.runtime import JobMaster, MasterServer
@@ -85,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     srv = MasterServer(master).start()
     server.post(f"/internal/jobs/{a.job}/master", {"url": srv.url, "pid": os.getpid()})
     hosts = a.hosts.split(",")
-    ids = [f"w{i}" for i in range(a.workers)]
-    master.spawned = a.workers
+    ids = [f"w{a.first_id + i}" for i in range(a.workers)]
+    master.spawned = a.first_id + a.workers
     spawner(ids, hosts)
     log.info("job %s master %s, %d workers on GPUs %s", a.job, srv.url, a.workers, hosts)
     rc = 0
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.post(f"/internal/jobs/{a.job}/status", body, patience_s=5)
             except Exception as e:  # noqa: BLE001 - keep training while the server is away
                 log.warning("status report failed: %s", e)
-            if st.state == "finished":
+            if st.state in ("finished", "suspended"):
                 break
             for _ in range(5):
                 master.check_health()  # hung workers are killed through their agent

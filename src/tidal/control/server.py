@@ -372,8 +372,11 @@ def create_app(
                 gated = g.job_id != job_id  # reserved: warm up now, train once the GPU is ours
                 if not gated:
                     g.worker = wid
+                # the job's checkpoints (suspend/resume, consistent recovery) live in one directory
+                # per job; on several machines it must be shared storage (or set it in the job's env)
                 env = {"TIDAL_MASTER_URL": j.master_url, "TIDAL_WORKER_ID": wid, "GLOO_SOCKET_IFNAME": "lo",
-                       "OMP_NUM_THREADS": "1", **sub.get("env", {})}
+                       "OMP_NUM_THREADS": "1", "TIDAL_CHECKPOINT_DIR": str(home / "checkpoints" / job_id),
+                       **sub.get("env", {})}
                 import sys
 
                 s.add(Worker(job_id=job_id, name=wid, kind="worker", node=g.node, gpu=gid, env=env,

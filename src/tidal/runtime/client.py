@@ -90,6 +90,9 @@ class MasterClient:
     def migrate(self, ranks: list[int], hosts: list[str] | None = None) -> ScaleAnswer:
         return ScaleAnswer.from_json(self.post("/migrate", {"ranks": ranks, "hosts": hosts, "request_id": uuid.uuid4().hex}))
 
+    def suspend(self) -> ScaleAnswer:
+        return ScaleAnswer.from_json(self.post("/suspend", {"request_id": uuid.uuid4().hex}))
+
     def reshare(self, shares: dict[str, float]) -> ScaleAnswer:
         return ScaleAnswer.from_json(self.post("/reshare", {"shares": shares, "request_id": uuid.uuid4().hex}))
 

@@ -162,8 +162,11 @@ def run_job(
         st = master.status()
         server.stop()
         jf.unlink(missing_ok=True)
-    if rc == 0 and st.state != "finished":
+    if rc == 0 and st.state not in ("finished", "suspended"):
         rc = 1  # every worker exited but the job did not finish (e.g. all of them failed)
+    if st.state == "suspended" and master.suspended:
+        out(f"tidal run: job {job} suspended at step {master.suspended['step']} (checkpoint "
+            f"{master.suspended['path']}); run it again with the same checkpoint directory to resume")
     out(f"tidal run: summary: job {job} {st.state} after {time.time() - t0:.1f}s, {st.step} steps, "
         f"epoch {st.epoch}, final workers {st.world_size}, {len(st.changes)} rescale(s)")
     for c in st.changes:

@@ -123,6 +123,7 @@ class JobMaster:
         self.plans: dict[int, dict[str, Any]] = {}  # every published plan, by target generation
         self.last_gen = 0
         self.finished = False
+        self.suspended: dict[str, Any] | None = None  # where a suspended job's checkpoint is (step, cursor, path)
         self.spawned = 0
         # answers to accepted scaling requests by request id: a client retrying a
         # request whose answer was lost (e.g. the master died) gets the same answer
@@ -156,6 +157,7 @@ class JobMaster:
                 "changes": self.changes,
                 "plans": {str(k): v for k, v in list(self.plans.items())[-16:]},
                 "finished": self.finished,
+                "suspended": self.suspended,
                 "spawned": self.spawned,
                 "last_gen": self.last_gen,
                 "shards": self.shards.snapshot() if self.shards else None,
@@ -181,6 +183,7 @@ class JobMaster:
         self.changes = s["changes"]
         self.plans = {int(k): v for k, v in s.get("plans", {}).items()}
         self.finished = s["finished"]
+        self.suspended = s.get("suspended")
         self.spawned = s.get("spawned", 0)
         self.last_gen = int(s.get("last_gen", 0))
         self.answers = dict(s.get("answers") or {})
@@ -283,6 +286,8 @@ class JobMaster:
         self._check_timeout()
         if self.finished:
             return ScaleAnswer("error", "job finished")
+        if self.suspended is not None:
+            return ScaleAnswer("error", "job suspended")
         if self.gen is None:
             return ScaleAnswer("retry", "job is forming", retry_after_s=0.5)
         if self.change is not None:
@@ -418,6 +423,44 @@ class JobMaster:
             self._save()
             return self._remember(request_id, ScaleAnswer("accepted", f"shares {shares}", target_size=self.gen.world_size))
 
+    def suspend(self, request_id: str | None = None) -> ScaleAnswer:
+        """Suspend the whole job (preemption by the scheduler): at an agreed
+        step rank 0 writes a checkpoint of exactly the state the next step
+        starts from, and every worker leaves. Started again with the same
+        checkpoint directory, the job resumes there (docs/runtime.md). Needs
+        workers with a checkpoint directory."""
+        with self._lock:
+            early = self._replay(request_id) or self._busy()
+            if early:
+                return early
+            assert self.gen is not None
+            members = list(self.gen.members)
+            if not all((self.workers.get(w) or {}).get("checkpoints") for w in members):
+                return ScaleAnswer("error", "the job's workers have no checkpoint directory (TIDAL_CHECKPOINT_DIR)")
+            self.change = {"kind": "suspend", "status": "waiting", "requested_at": time.time(), "expect": [], "joiners": []}
+            for w in members:
+                self.workers[w]["state"] = "leaving"
+            self._publish(self._new_gen([]), [], members, "suspend")
+            self._save()
+            return self._remember(request_id, ScaleAnswer("accepted", "suspending", target_size=0))
+
+    def suspended_at(self, step: int, cursor: int, path: str) -> dict[str, Any]:
+        """Rank 0 wrote the suspension checkpoint; the job is suspended."""
+        with self._lock:
+            if self.suspended is None:
+                self.suspended = {"step": int(step), "cursor": int(cursor), "path": str(path), "at": time.time()}
+                self.progress.update(step=int(step), cursor=int(cursor))
+                if self.plan is not None and self.change is not None:
+                    self.changes.append(ChangeRecord(
+                        gen=self.plan.target.gen, kind="suspend", from_size=self.gen.world_size if self.gen else 0,
+                        to_size=0, switch_step=int(step), requested_at=float(self.change["requested_at"]),
+                        switched_at=time.time()).__dict__)
+                self.plan, self.change = None, None
+                self.store.set(self.plan_key, "")
+                log.info("job suspended at step %d (checkpoint %s)", step, path)
+                self._save()
+            return {"status": "ok"}
+
     def status(self) -> Status:
         with self._lock:
             self._check_timeout()
@@ -425,6 +468,8 @@ class JobMaster:
                 self._read_progress()
             if self.finished:
                 state = "finished"
+            elif self.suspended is not None:
+                state = "suspended"
             elif self.gen is None:
                 state = "forming"
             elif self.change is not None:
@@ -461,10 +506,11 @@ class JobMaster:
             return snap
 
     # ------------------------------------------------------------------ worker API
-    def register(self, worker_id: str, pid: int = 0, host: str = "", switch: str = "") -> dict[str, Any]:
+    def register(self, worker_id: str, pid: int = 0, host: str = "", switch: str = "",
+                 checkpoints: bool = False) -> dict[str, Any]:
         with self._lock:
             w = self.workers.setdefault(worker_id, {"state": "registered", "pid": pid, "host": host, "registered_at": time.time()})
-            w.update(pid=pid, host=host, switch=switch)
+            w.update(pid=pid, host=host, switch=switch, checkpoints=bool(checkpoints))
             in_gen = self.gen is not None and worker_id in self.gen.members
             if not in_gen and worker_id not in self.queue:
                 c = self.change

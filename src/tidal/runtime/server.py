@@ -8,6 +8,7 @@ Scheduler-facing
   ``POST /scale_in  {"n": int} | {"ranks": [int]}``  -> ScaleAnswer
   ``POST /migrate   {"ranks": [int], "hosts": [str]?}`` -> ScaleAnswer (one switch, EDL §5.2)
   ``POST /reshare   {"shares": {worker: weight}}``   -> ScaleAnswer (batch shares)
+  ``POST /suspend``  -> ScaleAnswer (checkpoint at an agreed step, then every worker leaves)
   ``GET  /status``                                   -> Status
   ``POST /handover  {"url": str}``                   -> snapshot; the old
   master then answers every request with ``{"status": "moved", "url": ...}``.
@@ -94,6 +95,11 @@ class _Handler(BaseHTTPRequestHandler):
                 ans = m.reshare({str(k): float(v) for k, v in (body.get("shares") or {}).items()},
                                 request_id=body.get("request_id"))
                 return self._send({"accepted": 200, "retry": 409}.get(ans.status, 400), ans.to_json())
+            if p == "/suspend":
+                ans = m.suspend(request_id=body.get("request_id"))
+                return self._send({"accepted": 200, "retry": 409}.get(ans.status, 400), ans.to_json())
+            if p == "/suspended":
+                return self._send(200, m.suspended_at(int(body["step"]), int(body["cursor"]), str(body.get("path", ""))))
             if p == "/handover":
                 return self._send(200, m.handover(body["url"]))
             if p == "/store":
@@ -103,7 +109,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(200 if plan else 404, {"status": "ok" if plan else "error", "plan": plan})
             if p == "/register":
                 return self._send(200, m.register(body["worker_id"], int(body.get("pid", 0)), str(body.get("host", "")),
-                                                  str(body.get("switch", ""))))
+                                                  str(body.get("switch", "")), bool(body.get("checkpoints", False))))
             if p == "/assignment":
                 return self._send(200, m.assignment(q.get("worker_id") or body["worker_id"], int(q.get("after_gen", 0))))
             if p == "/failed":

@@ -117,6 +117,7 @@ class Job:
         self.end_cursor: int | None = None
         self.finished = False
         self.left = False
+        self.suspended = False  # left because the job was suspended (it resumes from a checkpoint)
         self._started = False
         self._data: ElasticBatchIterator | None = None
         self._slice: StepSlice | None = None
@@ -288,6 +289,7 @@ class Job:
             "steps": self.step_count,
             "cursor": self.cursor,
             "left": self.left,
+            "suspended": self.suspended,
             "step_time_s": self.step_time_s,
             "pauses": self.pauses,
             "coord_rtt_ms_p50": _pctl(list(self.rtts_ms), 0.5),
@@ -458,7 +460,8 @@ class Job:
         info = self.client.post("/register", {"worker_id": self.worker_id, "pid": os.getpid(),
                                               "host": os.environ.get(ENV_HOST) or os.environ.get("TIDAL_NODE")
                                               or socket.gethostname(),
-                                              "switch": os.environ.get(ENV_SWITCH, "")})
+                                              "switch": os.environ.get(ENV_SWITCH, ""),
+                                              "checkpoints": self.checkpoint_dir is not None})
         self._store_addr = (info["store_host"], int(info["store_port"]))
         self._keys = {"plan": info["plan_key"], "progress": info["progress_key"], "job": info["job"]}
         log.debug("worker %s registered (ready)", self.worker_id)
@@ -557,6 +560,12 @@ class Job:
         if plan is None:  # rank 0 holds the plan; the others prefetched it, or fetch it now
             plan = Plan.from_json(self.client.get("/plan", gen=gen)["plan"])
         old_world = self.world_size
+        if plan.kind == "suspend":  # the whole job stops here and resumes from this checkpoint later
+            if self.rank == 0:
+                self._write_checkpoint()
+                self.client.post("/suspended", {"step": self.step_count, "cursor": self.cursor,
+                                                "path": self.checkpoints[-1]["path"]})
+            self.suspended = True
         if self.worker_id in plan.leavers:
             dist.destroy_process_group()
             self.left = True
