@@ -371,3 +371,25 @@ def test_point_to_point_replication_delivers_the_exact_state(tmp_path: Path, cap
 
     mp.start_processes(_transfer_worker, args=(5, str(tmp_path / "store"), cap), nprocs=5, join=True,
                        start_method="spawn")
+
+
+def test_a_suspension_interrupted_by_a_failure_suspends_the_survivors() -> None:
+    m, _ = _master(3)
+    for w in ("w0", "w1", "w2"):
+        m.workers[w]["checkpoints"] = True
+    assert m.suspend().accepted and m.plan is not None and m.plan.kind == "suspend"
+    assert m.scale_out(1).status == "retry"
+    m.failed("w0", gen=1, step=7)
+    m.failed("w2", gen=1, step=7)
+    m.recovery["started"] -= 60  # type: ignore[index]  # w1 never reports: the window ends
+    m._check_recovery()
+    assert m.gen is not None and m.gen.members == ("w0", "w2")
+    assert m.plan is not None and m.plan.kind == "suspend" and set(m.plan.leavers) == {"w0", "w2"}
+    m.suspended_at(8, 96, "/ck/ckpt-8.pt")
+    st = m.status()
+    assert st.state == "suspended" and st.changes[-1]["kind"] == "suspend"
+    assert m.scale_out(1).status == "error"
+    m2 = JobMaster("j", 2)
+    m2.register("w0")
+    m2.register("w1")
+    assert "checkpoint directory" in m2.suspend().message

@@ -643,13 +643,13 @@ class JobMaster:
         # for the abandoned plan's go, which is cancelled so they ask again)
         # join the survivors' generation by a new plan right after it formed
         carry: dict[str, Any] | None = None
-        if self.change is not None and self.change["kind"] in ("scale_out", "migrate"):
+        if self.change is not None and self.change["kind"] in ("scale_out", "migrate", "suspend"):
             carry = dict(self.change, status="waiting")
         if self.plan is not None:
             self.store.set(self.plan.target.prefix + "go", "cancel")
             self.store.set(self.plan_key, "")
             for w in self.plan.leavers:
-                if w in survivors and self.plan.kind != "migrate":
+                if w in survivors and self.plan.kind not in ("migrate", "suspend"):
                     survivors.remove(w)  # it was leaving anyway
         self.plan = None
         self.change = None
@@ -663,7 +663,12 @@ class JobMaster:
             switch_step=int(r["step"]), requested_at=float(r["started"]), switched_at=time.time()).__dict__)
         self.recovery = None
         log.warning("recovered: gen %d with %s", self.gen.gen, survivors)
-        if carry is not None:
+        if carry is not None and carry["kind"] == "suspend":  # suspend the survivors instead
+            self.change = carry
+            for w in survivors:
+                self.workers[w]["state"] = "leaving"
+            self._publish(self._new_gen([]), [], list(survivors), "suspend")
+        elif carry is not None:
             carry["leavers"] = [w for w in carry.get("leavers") or [] if w in survivors]
             if carry["kind"] == "migrate" and not carry["leavers"]:
                 carry["kind"] = "scale_out"  # the workers to move died: their replacements simply join
