@@ -60,6 +60,8 @@ class Rates:
     max_factor: float = 2.0
     _rate: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
     _counts: dict[str, list[int]] = field(default_factory=dict)
+    _one: dict[str, float] = field(default_factory=dict)
+    _table: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
 
     def counts(self, job: JobView) -> list[int]:
         """The counts a job may run at within [min_res, max_res], ascending."""
@@ -91,7 +93,19 @@ class Rates:
         return self._lookup(job, n)[0]
 
     def one(self, job: JobView) -> float:
-        return self.snap.throughput(job, 1) or 1.0
+        hit = self._one.get(job.job_id)
+        if hit is None:
+            hit = self._one[job.job_id] = self.snap.throughput(job, 1) or 1.0
+        return hit
+
+    def table(self, job: JobView) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """The job's counts and the progress rate at each (cached: the
+        allocation rule runs many times per round inside the fluid estimate)."""
+        hit = self._table.get(job.job_id)
+        if hit is None:
+            cs = tuple(self.counts(job))
+            hit = self._table[job.job_id] = (cs, tuple(self.rate(job, c) for c in cs))
+        return hit
 
     def _lookup(self, job: JobView, n: int) -> tuple[float, int]:
         key = (job.job_id, n)
@@ -128,9 +142,13 @@ def elan_allocation(rates: Rates, jobs: list[JobView], total: int, lookahead: in
     flat before hybrid scaling pays, the step spans to the next count that
     gains (at most ``lookahead`` GPUs): on concave curves it is one GPU."""
     alloc: dict[str, int] = {}
+    pos: dict[str, int] = {}  # index of the job's count in its table
+    tables = {}
     free = total
     for j in jobs:
-        alloc[j.job_id] = rates.counts(j)[0]
+        tables[j.job_id] = rates.table(j)
+        alloc[j.job_id] = tables[j.job_id][0][0]
+        pos[j.job_id] = 0
         free -= alloc[j.job_id]
     if free < 0:
         raise ValueError("min_res of the started jobs exceed the cluster")
@@ -138,29 +156,31 @@ def elan_allocation(rates: Rates, jobs: list[JobView], total: int, lookahead: in
     heap: list[tuple[float, int, str, int]] = []
 
     def push(j: JobView, cap: int) -> None:
-        n = alloc[j.job_id]
-        r0, one = rates.rate(j, n), rates.one(j)
+        jid = j.job_id
+        counts, rs = tables[jid]
+        i = pos[jid]
+        n, r0, one = counts[i], rs[i], rates.one(j)
         best, target = 0.0, 0
-        for c in rates.counts(j):
-            if c <= n:
-                continue
+        for k in range(i + 1, len(counts)):
+            c = counts[k]
             if c > cap or c - n > lookahead:
                 break
-            g = (rates.rate(j, c) - r0) / one / (c - n)
+            g = (rs[k] - r0) / one / (c - n)
             if g > best + _EPS:
-                best, target = g, c
+                best, target = g, k
         if target:
-            heapq.heappush(heap, (-best, j.spec.submit_time, j.job_id, target))
+            heapq.heappush(heap, (-best, j.spec.submit_time, jid, target))
 
     for j in jobs:
         push(j, alloc[j.job_id] + free)
     while heap and free > 0:
-        _, _, jid, target = heapq.heappop(heap)
+        _, _, jid, k = heapq.heappop(heap)
+        target = tables[jid][0][k]
         need = target - alloc[jid]
         if need > free:
             push(by_id[jid], alloc[jid] + free)
             continue
-        alloc[jid] = target
+        alloc[jid], pos[jid] = target, k
         free -= need
         push(by_id[jid], alloc[jid] + free)
     return alloc
