@@ -691,9 +691,10 @@ class JobMaster:
 
     def straggler(self, worker_id: str, gen: int, step: int, ratio: float, detected_at: float | None = None) -> dict[str, Any]:
         """Rank 0 found ``worker_id`` slower than 1.2x the median compute time
-        for 10 consecutive steps (EDL §5.2, DLRover §5.4). Recorded; with the
-        ``remove`` policy it is removed by a scale-in if no change is running
-        and it is not the last worker."""
+        for 10 consecutive steps (EDL §5.2, DLRover §5.4). Recorded, then the
+        policy: ``report`` only; ``remove`` (scale-in); ``replace`` (migrate
+        it: a fresh worker takes its place); ``share`` (a smaller share of the
+        global batch) — if no change is running and it is not the last worker."""
         with self._lock:
             if any(s["worker_id"] == worker_id and s["gen"] == gen for s in self.stragglers):
                 return {"status": "ok"}  # a retried report
@@ -702,17 +703,24 @@ class JobMaster:
                                    "action": "reported"}
             self.stragglers.append(rec)
             log.warning("straggler %s in gen %d at step %d (%.2fx the median)", worker_id, gen, step, ratio)
-            if self.straggler_policy != "report" and self.gen is not None and gen == self.gen.gen \
-                    and worker_id in self.gen.members:
-                r = self.gen.rank_of(worker_id)
-                if self.straggler_policy == "remove":
-                    ans, done = self.scale_in(ranks=[r]), "removed"
-                elif self.straggler_policy == "replace":
-                    ans, done = self.migrate(ranks=[r]), "replaced"
-                else:  # share: compute time ~ local batch, so divide its share by the slowdown
-                    cur = self.gen.shares[r] if self.gen.shares else 1.0
-                    ans, done = self.reshare({worker_id: cur / max(float(ratio), 1.0)}), "smaller share"
+            act = self.straggler_policy != "report" and self.gen is not None and gen == self.gen.gen \
+                and worker_id in self.gen.members
+            r = self.gen.rank_of(worker_id) if act and self.gen is not None else -1
+            if act and self.straggler_policy == "remove":
+                ans, done = self.scale_in(ranks=[r]), "removed"
+            elif act and self.straggler_policy == "share":  # compute time ~ local batch: divide its share by the slowdown
+                cur = self.gen.shares[r] if self.gen is not None and self.gen.shares else 1.0
+                ans, done = self.reshare({worker_id: cur / max(float(ratio), 1.0)}), "smaller share"
+            if act and self.straggler_policy != "replace":
                 rec["action"] = done if ans.accepted else f"not {done}: {ans.message}"
+            self._save()
+            if not (act and self.straggler_policy == "replace"):
+                return {"status": "ok", "action": rec["action"]}
+        # replace: migrate() starts a worker through the spawner, which may take a
+        # while (an HTTP call to the control plane): not under the master's lock
+        ans = self.migrate(ranks=[r])
+        with self._lock:
+            rec["action"] = "replaced" if ans.accepted else f"not replaced: {ans.message}"
             self._save()
             return {"status": "ok", "action": rec["action"]}
 
