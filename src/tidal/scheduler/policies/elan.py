@@ -62,6 +62,24 @@ class Rates:
     _counts: dict[str, list[int]] = field(default_factory=dict)
     _one: dict[str, float] = field(default_factory=dict)
     _table: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
+    _alloc: dict[tuple[int, int], dict[str, int]] = field(default_factory=dict)
+    _bit: dict[str, int] = field(default_factory=dict)
+
+    def allocation(self, jobs: list[JobView], total: int) -> dict[str, int]:
+        """:func:`elan_allocation`, memoised by the set of jobs: the fluid
+        estimates of one round re-run it on many of the same sets (a job's
+        estimate "without w" shares its start with the previous one's "with")."""
+        bits = 0  # the set of jobs as a bitmask (compact, quick to hash)
+        for j in jobs:
+            b = self._bit.get(j.job_id)
+            if b is None:
+                b = self._bit[j.job_id] = 1 << len(self._bit)
+            bits |= b
+        key = (bits, total)
+        hit = self._alloc.get(key)
+        if hit is None:
+            hit = self._alloc[key] = elan_allocation(self, jobs, total)
+        return hit
 
     def counts(self, job: JobView) -> list[int]:
         """The counts a job may run at within [min_res, max_res], ascending."""
@@ -212,7 +230,7 @@ def _fluid_sum(
     t = acc = 0.0
     first = True
     while present:
-        alloc = elan_allocation(rates, present, total)
+        alloc = rates.allocation(present, total)
         speed = {j.job_id: rates.rate(j, alloc[j.job_id]) for j in present}
         if first:
             for j in present:

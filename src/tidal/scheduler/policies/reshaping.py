@@ -259,6 +259,14 @@ def _top2(times: dict[str, float]) -> tuple[tuple[float, str], float]:
 
 def reshaping_allocation(snap: Snapshot, plan: Plan, early_init: bool = True) -> None:
     pred = Predictor(snap)
+    cache: dict[str, list[int]] = {}
+
+    def opts(j: JobView) -> list[int]:  # options() is pure within a round: once per job
+        hit = cache.get(j.job_id)
+        if hit is None:
+            hit = cache[j.job_id] = options(snap, j)
+        return hit
+
     jobs = schedulable(snap, plan)
     running = {j.job_id: j for j in jobs if j.running}
     alloc = {jid: j.n for jid, j in running.items()}
@@ -273,7 +281,7 @@ def reshaping_allocation(snap: Snapshot, plan: Plan, early_init: bool = True) ->
         total = sum(done_at.values())
         ends = sorted((t, alloc[jid]) for jid, t in done_at.items())
         best = None  # (makespan, sum of completion times, GPUs taken, g, donor, donor count, t_w, t_d)
-        for g in options(snap, w):
+        for g in opts(w):
             if g <= free - reserved:
                 t_w = pred.start(w, g)
                 cand = [(max(top_t, t_w), total + t_w, 0, g, None, 0, t_w, 0.0)]
@@ -290,7 +298,7 @@ def reshaping_allocation(snap: Snapshot, plan: Plan, early_init: bool = True) ->
                 need = g - max(0, free - reserved)
                 for jid, d in running.items():
                     left = alloc[jid] - need
-                    if jid in touched or left not in options(snap, d):
+                    if jid in touched or left not in opts(d):
                         continue
                     delay = 0.0 if early_init else pred.downtime(d, left)
                     t_w = pred.start(w, g, delay)
@@ -320,7 +328,7 @@ def reshaping_allocation(snap: Snapshot, plan: Plan, early_init: bool = True) ->
         for jid, j in running.items():
             if jid in touched:
                 continue
-            for c in options(snap, j):
+            for c in opts(j):
                 if c <= alloc[jid] or c - alloc[jid] > free:
                     continue
                 t = pred.resize(j, c)
