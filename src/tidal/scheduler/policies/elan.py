@@ -62,13 +62,14 @@ class Rates:
     _counts: dict[str, list[int]] = field(default_factory=dict)
     _one: dict[str, float] = field(default_factory=dict)
     _table: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
-    _alloc: dict[tuple[int, int], dict[str, int]] = field(default_factory=dict)
+    _alloc: dict[tuple[int, int], tuple[dict[str, int], dict[str, float]]] = field(default_factory=dict)
     _bit: dict[str, int] = field(default_factory=dict)
 
-    def allocation(self, jobs: list[JobView], total: int) -> dict[str, int]:
-        """:func:`elan_allocation`, memoised by the set of jobs: the fluid
-        estimates of one round re-run it on many of the same sets (a job's
-        estimate "without w" shares its start with the previous one's "with")."""
+    def allocation(self, jobs: list[JobView], total: int) -> tuple[dict[str, int], dict[str, float]]:
+        """:func:`elan_allocation` and each job's rate under it, memoised by the
+        set of jobs: the fluid estimates of one round re-run it on many of the
+        same sets (a job's estimate "without w" shares its start with the
+        previous one's "with")."""
         bits = 0  # the set of jobs as a bitmask (compact, quick to hash)
         for j in jobs:
             b = self._bit.get(j.job_id)
@@ -78,7 +79,8 @@ class Rates:
         key = (bits, total)
         hit = self._alloc.get(key)
         if hit is None:
-            hit = self._alloc[key] = elan_allocation(self, jobs, total)
+            alloc = elan_allocation(self, jobs, total)
+            hit = self._alloc[key] = (alloc, {j.job_id: self.rate(j, alloc[j.job_id]) for j in jobs})
         return hit
 
     def counts(self, job: JobView) -> list[int]:
@@ -229,9 +231,9 @@ def _fluid_sum(
     present = list(jobs)
     t = acc = 0.0
     first = True
+    lows = sum(rates.counts(j)[0] for j in present)  # the present jobs' min_res
     while present:
-        alloc = rates.allocation(present, total)
-        speed = {j.job_id: rates.rate(j, alloc[j.job_id]) for j in present}
+        alloc, speed = rates.allocation(present, total)
         if first:
             for j in present:
                 if j.running and alloc[j.job_id] < j.n:
@@ -243,15 +245,18 @@ def _fluid_sum(
         t += dt
         left = []
         for j in present:
-            rem[j.job_id] -= speed[j.job_id] * dt
-            if rem[j.job_id] <= 1e-9 * max(1.0, j.remaining):
+            jid = j.job_id
+            rem[jid] -= speed[jid] * dt
+            if rem[jid] <= 1e-9 * max(1.0, j.remaining):
                 acc += t
+                lows -= rates.counts(j)[0]
             else:
                 left.append(j)
         present = left
-        if late is not None and sum(rates.counts(j)[0] for j in present) + rates.counts(late)[0] <= total:
+        if late is not None and lows + rates.counts(late)[0] <= total:
             present.append(late)
             rem[late.job_id] = late.remaining
+            lows += rates.counts(late)[0]
             late = None
     return acc if late is None else math.inf
 
