@@ -145,3 +145,41 @@ def test_scale_pins_the_count_the_policy_uses(env):
         s.get(Job, jid).state = "completed"
     coord.round()
     assert len(client.get(f"/v1/jobs/{jid2}", headers=hdr(t["alice"])).json()["gpus"]) == 3
+
+
+def test_node_down_judgement_survives_a_server_restart(tmp_path):
+    """A node is declared down when it stopped heart-beating while others did;
+    a restarted server (or one that stalled) must not take its own absence for
+    every node's (that would mark all their processes lost)."""
+    import time
+
+    from sqlalchemy import update
+
+    from tidal.control.db import Node
+
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    store = Store(url)
+    client = TestClient(create_app(store, admin_token="adm", home=tmp_path, start_loop=False))
+    for n in ("n0", "n1"):
+        client.post("/internal/agents/register", json={"name": n, "num_gpus": 2, "virtual": True}, headers=hdr("adm"))
+
+    def beat(node):
+        r = client.post(f"/internal/agents/{node}/heartbeat", json={"procs": [], "utils": {}}, headers=hdr("adm"))
+        assert r.status_code == 200
+
+    def states():
+        return {n["name"]: n["state"] for n in client.get("/v1/cluster", headers=hdr("adm")).json()["nodes"]}
+
+    beat("n0")
+    # the server was away for a minute: both nodes' last heartbeats are old
+    with store.session() as s:
+        s.execute(update(Node).values(last_heartbeat=time.time() - 60))
+    client = TestClient(create_app(store, admin_token="adm", home=tmp_path, start_loop=False))  # restarted
+    beat("n0")
+    beat("n0")
+    assert states() == {"n0": "up", "n1": "up"}
+    # now n1 really is silent while n0 beats: it goes down
+    with store.session() as s:
+        s.execute(update(Node).where(Node.name == "n1").values(last_heartbeat=time.time() - 60))
+    beat("n0")
+    assert states() == {"n0": "up", "n1": "down"}

@@ -115,6 +115,7 @@ class Coordinator:
         with self.store.session() as s:
             snap, gmap, jobs = build_snapshot(s, now, self.overheads)
             snap = self._apply_pins(snap, jobs)
+            unsuspendable = {jid for jid, j in jobs.items() if (j.tags or {}).get("_unsuspendable")}
         if not snap.jobs:
             return Wave()
         plan = self.policy.schedule(snap)
@@ -127,6 +128,8 @@ class Coordinator:
             if not have and want:
                 wave.start[jid] = sorted(want)
             elif have and not want:
+                if jid in unsuspendable:
+                    continue  # its master refused once (no checkpoints): it keeps its GPUs
                 wave.suspend[jid] = sorted(have)  # preempted: checkpoint, stop, resume later
             elif have != want:
                 if have - want:
@@ -169,7 +172,7 @@ class Coordinator:
         """Finish jobs whose master process exited; free GPUs of exited workers
         of finished or cancelled jobs."""
         with self.store.session() as s:
-            jobs = s.scalars(select(Job).where(Job.state.in_(("running", "resizing", "cancelling")))).all()
+            jobs = s.scalars(select(Job).where(Job.state.in_(("running", "resizing", "cancelling", "suspending")))).all()
             by_job: dict[str, list[Worker]] = {}
             for w in s.scalars(select(Worker).where(Worker.job_id.in_([j.id for j in jobs]))):
                 by_job.setdefault(w.job_id, []).append(w)
@@ -185,8 +188,13 @@ class Coordinator:
                         j.state, j.end_time = "cancelled", now
                         self.store.log(s, "job.cancelled", j.id)
                     continue
-                if j.state in ("running", "resizing"):
-                    self._release_dead_workers(s, j, procs)
+                if j.state == "suspending":
+                    if not live:  # every process is gone: the suspension is over (also after a restart)
+                        self._suspended(s, j, now)
+                    continue
+                if j.state in ("running", "resizing") and master is not None:
+                    # this incarnation's workers only (after a resume, the old ones are history)
+                    self._release_dead_workers(s, j, [p for p in procs if p.id > master.id])
                 if master is None or master.state not in ("exited", "failed", "lost"):
                     continue
                 workers_live = [p for p in live if p.kind == "worker"]
@@ -210,8 +218,9 @@ class Coordinator:
         re-form without it, a forced scale-in): its GPU goes back to the pool,
         so the policy can give it to this job again or to another one, unless
         a live process of the job already uses it."""
-        busy = {p.gpu for p in procs if p.state in ("pending", "running")}
-        dead = [p for p in procs if p.kind == "worker" and p.state in ("failed", "lost") and p.gpu is not None]
+        busy = {p.gpu for p in procs if p.state in ("pending", "running", "lost")}
+        # a lost worker's GPU waits until its node reports the process gone (then it is "failed")
+        dead = [p for p in procs if p.kind == "worker" and p.state == "failed" and p.gpu is not None]
         if not dead:
             return
         done = {(e.detail or {}).get("worker") for e in s.scalars(
@@ -374,8 +383,8 @@ class Coordinator:
         first = s.get(GPU, gids[0])
         sub = j.spec.get("submission", {})
         # worker ids never repeat within a job, also after a suspension (w0.. then wN..)
-        offset = s.scalar(select(func.count()).select_from(Worker).where(Worker.job_id == j.id,
-                                                                         Worker.kind == "worker")) or 0
+        names = s.scalars(select(Worker.name).where(Worker.job_id == j.id, Worker.kind == "worker")).all()
+        offset = max((int(n[1:]) + 1 for n in names if n[1:].isdigit()), default=0)
         argv = [sys.executable, "-m", "tidal.control.jobproc", "--job", j.id, "--server", self.server_url,
                 "--workers", str(len(gids)), "--hosts", ",".join(str(g) for g in gids), "--first-id", str(offset)]
         s.add(Worker(job_id=j.id, name="master", kind="master", node=first.node, gpu=None, argv=argv,
@@ -419,6 +428,12 @@ class Coordinator:
         else:
             with self.store.session() as s:
                 if not self._all_free(s, gids):
+                    # the donor did not free them: the early grow lapses (its newcomers are stopped)
+                    j = s.get(Job, jid)
+                    if j is not None and j.state == "resizing":
+                        j.state = "running"
+                    if j is not None:
+                        j.tags = {k: v for k, v in (j.tags or {}).items() if k != "_grow"}
                     return
                 self.store.assign_gpus(s, jid, gids)  # opens the warmed-up newcomers' gate
                 self.store.log(s, "job.gate_open", jid, gpus=gids)
@@ -482,42 +497,56 @@ class Coordinator:
     def _suspend(self, jid: str, gids: list[int]) -> None:
         """Preemption (Tiresias, Gandiva, EDF, ...): the job master checkpoints
         the job at an agreed step and every worker leaves (docs/runtime.md);
-        once its processes are gone its GPUs are free and the job waits
-        (``pending``) with its attained service; a later start resumes it from
-        the checkpoint (its workers share the job's checkpoint directory)."""
-        c = self._client(jid)
+        once its processes are gone (:meth:`_reap` sees it) its GPUs are free
+        and the job waits (``pending``) with its attained service; a later
+        start resumes it from the checkpoint (its workers share the job's
+        checkpoint directory). A job whose master refuses (no checkpoint
+        directory) is not preempted again."""
         with self.store.session() as s:
             j = s.get(Job, jid)
             if j is None or j.state not in ("running", "resizing"):
                 return
             j.state = "suspending"
             self.store.log(s, "job.suspend", jid, gpus=gids)
-        ans = self._retry(lambda: c.suspend())
-        if ans.status != "accepted":
+        try:
+            c = self._client(jid)
+            ans = self._retry(lambda: c.suspend())
+        except Exception as e:  # noqa: BLE001 - e.g. its master is gone: _reap decides what became of the job
+            ans = None
+            log.warning("suspend of %s failed: %s", jid, e)
+        if ans is None or ans.status != "accepted":
             with self.store.session() as s:
                 j = s.get(Job, jid)
-                j.state = "running"
-                self.store.log(s, "job.suspend_failed", jid, answer=ans.message)
+                if j is not None and j.state == "suspending":
+                    j.state = "running"
+                    if ans is not None and ans.status == "error":
+                        j.tags = {**(j.tags or {}), "_unsuspendable": ans.message}
+                    self.store.log(s, "job.suspend_failed", jid, answer=ans.message if ans else "master unreachable")
             return
         deadline = time.time() + self.change_timeout_s
         while True:
             with self.store.session() as s:
-                live = s.scalars(select(Worker).where(Worker.job_id == jid, Worker.state.in_(("pending", "running")))).all()
                 j = s.get(Job, jid)
+                if j is None or j.state != "suspending":
+                    return  # finished by _reap, or cancelled meanwhile
+                live = s.scalars(select(Worker).where(Worker.job_id == jid, Worker.state.in_(("pending", "running")))).all()
                 if not live:
-                    self.store.release_gpus(s, jid, self.store.job_gpus(s, jid))
-                    j.state, j.master_url, j.waiting_since = "pending", "", time.time()
-                    j.progress = {**(j.progress or {}), "state": "suspended"}
-                    j.rescales += 1
-                    j.tags = {**(j.tags or {}), "_suspended": int((j.tags or {}).get("_suspended", 0)) + 1}
-                    self.store.log(s, "job.suspended", jid, step=(j.progress or {}).get("step"))
+                    self._suspended(s, j, time.time())
                     return
                 if time.time() > deadline:
                     for p in live:
                         p.desired = "stop"
-                if time.time() > deadline + self.change_timeout_s:
-                    raise TimeoutError(f"processes {[p.name for p in live]} of {jid} did not exit after suspend")
             time.sleep(0.1)
+
+    def _suspended(self, s, j: Job, now: float) -> None:
+        """Every process of a suspending job is gone: free its GPUs; it waits
+        to be resumed from its checkpoint."""
+        self.store.release_gpus(s, j.id, self.store.job_gpus(s, j.id))
+        j.state, j.master_url, j.waiting_since = "pending", "", now
+        j.progress = {**(j.progress or {}), "state": "suspended"}
+        j.rescales += 1
+        j.tags = {**(j.tags or {}), "_suspended": int((j.tags or {}).get("_suspended", 0)) + 1}
+        self.store.log(s, "job.suspended", j.id, step=(j.progress or {}).get("step"))
 
     def _retry(self, call):
         deadline = time.time() + self.change_timeout_s

@@ -101,7 +101,14 @@ def main(argv: list[str] | None = None) -> int:
                 server.post(f"/internal/jobs/{a.job}/status", body, patience_s=5)
             except Exception as e:  # noqa: BLE001 - keep training while the server is away
                 log.warning("status report failed: %s", e)
-            if st.state in ("finished", "suspended"):
+            if st.state == "finished":
+                break
+            if st.state == "suspended":
+                # every worker posts /left as it goes: let that through before the server stops
+                linger = time.time() + 10
+                while time.time() < linger and any(
+                        w.get("state") in ("active", "leaving") for w in master.snapshot()["workers"].values()):
+                    time.sleep(0.1)
                 break
             for _ in range(5):
                 master.check_health()  # hung workers are killed through their agent

@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, Field
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from tidal.control.coordinator import Coordinator
 from tidal.control.db import GPU, Event, Job, Node, Store, Worker
@@ -87,6 +87,7 @@ def create_app(
     if agent_token != admin_token:
         store.add_user("agent", admin=True, token=agent_token)
     coord = Coordinator(store, policy, server_url=server_url, agent_token=agent_token, tick_s=tick_s)
+    hb_clock = {"t": time.time()}  # when this server last took a heartbeat (node-down judgement)
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
@@ -303,9 +304,16 @@ def create_app(
                 if g is not None:
                     g.util = float(u)
             # nodes that stopped heart-beating are down; their processes are lost
-            # (the jobs' survivors re-form without them, issue 5) and their
-            # workers' GPUs go back to the pool (unschedulable while the node is down)
-            for other in s.scalars(select(Node).where(Node.state == "up", Node.last_heartbeat < time.time() - NODE_TIMEOUT_S)):
+            # (the jobs' survivors re-form without them, issue 5). Judged only
+            # while this server itself keeps taking heartbeats: after a stall of
+            # its own, every node looks late
+            now = time.time()
+            gap, hb_clock["t"] = now - hb_clock["t"], now
+            late = [] if gap > NODE_TIMEOUT_S / 2 else s.scalars(
+                select(Node).where(Node.state == "up", Node.last_heartbeat < now - NODE_TIMEOUT_S)).all()
+            if gap > NODE_TIMEOUT_S / 2:
+                s.execute(update(Node).where(Node.state == "up").values(last_heartbeat=now))
+            for other in late:
                 other.state = "down"
                 store.log(s, "node.down", node=other.name)
                 _lose_node_procs(s, store, other.name)
@@ -428,13 +436,13 @@ def _job_json(s, store: Store, j: Job, detail: bool = False) -> dict[str, Any]:
 
 
 def _lose_node_procs(s, store: Store, node: str) -> None:
-    """A node went down: its live processes are marked lost (and to be
-    stopped should it come back); the GPUs its workers held are released."""
+    """A node went down: its live processes are marked lost and to be stopped
+    should it come back. Their GPUs stay with their jobs (they are out of the
+    topology anyway) until the node reports the processes gone, so a GPU is
+    never handed out while an old process may still run on it."""
     for w in s.scalars(select(Worker).where(Worker.node == node, Worker.state.in_(("pending", "running")))):
         w.state, w.desired = "lost", "stop"
         store.log(s, "proc.lost", w.job_id, node=node, gpu=w.gpu, proc=w.name)
-        if w.kind == "worker" and w.gpu is not None:
-            store.release_gpus(s, w.job_id, [w.gpu])
 
 
 def _reset_after_restart(store: Store) -> None:
@@ -443,6 +451,10 @@ def _reset_after_restart(store: Store) -> None:
     with store.session() as s:
         for j in s.scalars(select(Job).where(Job.state == "resizing")):
             j.state = "running"
+        # the server was away, not the nodes: their heartbeat clocks start now
+        # (otherwise the first agent back would have all the others declared down)
+        for n in s.scalars(select(Node).where(Node.state == "up")):
+            n.last_heartbeat = time.time()
         store.log(s, "server.start")
 
 

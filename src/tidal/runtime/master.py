@@ -770,14 +770,21 @@ class JobMaster:
                                      f"{now - waiting[rec['state'][0]]:.1f}s in the all-reduce"))
             if len(found) == len([w for w in members if w not in gone]):
                 return []  # everyone silent at once: the master's view is stale (e.g. it just restarted), not a hang
+            recs = []
             for w, why in found:
-                action = self._kill(w)
-                self.hung.append({"worker_id": w, "gen": self.gen.gen, "reason": why, "detected_at": time.time(),
-                                  "action": action})
-                log.warning("worker %s is hung (%s): %s", w, why, action)
-            if found:
+                rec = {"worker_id": w, "gen": self.gen.gen, "reason": why, "detected_at": time.time(), "action": "killing"}
+                self.hung.append(rec)
+                recs.append(rec)
+        # killing may be an HTTP call to the control plane: not under the master's lock
+        for rec in recs:
+            action = self._kill(rec["worker_id"])
+            log.warning("worker %s is hung (%s): %s", rec["worker_id"], rec["reason"], action)
+            with self._lock:
+                rec["action"] = action
+        if recs:
+            with self._lock:
                 self._save()
-            return [w for w, _ in found]
+        return [r["worker_id"] for r in recs]
 
     def _refresh_beats(self, now: float) -> None:
         """Read the members' liveness beats; note on the master's clock when
