@@ -328,6 +328,12 @@ class JobMaster:
             self.change = {"kind": "scale_out", "status": "waiting", "requested_at": time.time(), "expect": ids, "joiners": []}
             target = self.gen.world_size + count
             self._save()
+        return self._spawn_then_answer(ids, hosts, request_id, ScaleAnswer("accepted", f"starting {ids}", target_size=target))
+
+    def _spawn_then_answer(self, ids: list[str], hosts: list[str] | None, request_id: str | None,
+                           ans: ScaleAnswer) -> ScaleAnswer:
+        """Start the newcomers of the change just recorded (outside the lock:
+        a spawner may be slow); a failed spawn drops the change."""
         if self.spawner is not None:
             try:
                 self.spawner(ids, hosts)
@@ -337,7 +343,7 @@ class JobMaster:
                     self._save()
                 return ScaleAnswer("error", f"spawn failed: {e}")
         with self._lock:
-            return self._remember(request_id, ScaleAnswer("accepted", f"starting {ids}", target_size=target))
+            return self._remember(request_id, ans)
 
     def scale_in(self, n: int | None = None, ranks: list[int] | None = None, request_id: str | None = None) -> ScaleAnswer:
         """Remove ``n`` workers (the highest ranks) or the given ranks; they
@@ -394,16 +400,8 @@ class JobMaster:
             self.change = {"kind": "migrate", "status": "waiting", "requested_at": time.time(), "expect": ids,
                            "joiners": [], "leavers": leavers}
             self._save()
-        try:
-            self.spawner(ids, hosts)
-        except Exception as e:  # noqa: BLE001
-            with self._lock:
-                self.change = None
-                self._save()
-            return ScaleAnswer("error", f"spawn failed: {e}")
-        with self._lock:
-            return self._remember(request_id, ScaleAnswer("accepted", f"moving {leavers} to {ids}",
-                                                          target_size=len(members)))
+        return self._spawn_then_answer(ids, hosts, request_id,
+                                       ScaleAnswer("accepted", f"moving {leavers} to {ids}", target_size=len(members)))
 
     def reshare(self, shares: dict[str, float], request_id: str | None = None) -> ScaleAnswer:
         """Give workers a different share of the global batch (relative
