@@ -37,6 +37,22 @@ def start_master(tmp: Path, port: int, store_port: int, resume: bool) -> subproc
     return subprocess.Popen(cmd, env=env(tmp / "home"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def stop_all(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def assert_fixed_run_params(out: Path, names: list[str]) -> None:
+    """Exactly these workers saved final parameters, each equal to the fixed-size run's."""
+    finals = sorted(out.glob("final-*.pt"))
+    assert [f.name for f in finals] == sorted(f"final-{w}.pt" for w in names)
+    ref = reference_run(n=N, batch=BATCH, epochs=EPOCHS)
+    for f in finals:
+        assert max_rel_diff(torch.load(f), ref) <= TOL
+
+
 def finish_all(out: Path, workers: list[subprocess.Popen[str]], master: subprocess.Popen[str]) -> None:
     """Lift the workers' slowdown; every worker and the master exit 0 and the job finished."""
     (out / "fast").touch()
@@ -83,20 +99,13 @@ def test_master_killed_and_restarted_from_saved_state(tmp_path: Path) -> None:
         assert st2.state == "running" and st2.gen == before.gen + 1, st2
         finish_all(out, workers, m2)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        stop_all(procs)
     steps = read_steps(out)
     assert check_exactly_once(steps, N, BATCH, EPOCHS) == STEPS
     worlds = sorted({(r["step"], r["world"]) for recs in steps.values() for r in recs})
     assert [w for _, w in worlds][0] == 3 and [w for _, w in worlds][-1] == 2
-    ref = reference_run(n=N, batch=BATCH, epochs=EPOCHS)
-    finals = sorted(out.glob("final-*.pt"))
-    assert [f.name for f in finals] == sorted(f"final-{w}.pt" for w in st2.members)
     assert st2.members == before.members[:2]  # the highest rank left
-    for f in finals:
-        assert max_rel_diff(torch.load(f), ref) <= TOL
+    assert_fixed_run_params(out, list(st2.members))
 
 
 def test_scaling_requests_with_ids_are_idempotent_across_a_restart(tmp_path: Path) -> None:
@@ -170,15 +179,8 @@ def test_master_killed_during_a_scale_out(tmp_path: Path) -> None:
         assert st.state == "running" and st.members[-1] == "w3", st
         finish_all(out, workers, m2)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        stop_all(procs)
     steps = read_steps(out)
     assert check_exactly_once(steps, N, BATCH, EPOCHS) == STEPS
     assert {r["world"] for r in steps["w3"]} == {4}
-    ref = reference_run(n=N, batch=BATCH, epochs=EPOCHS)
-    finals = sorted(out.glob("final-*.pt"))
-    assert [f.name for f in finals] == [f"final-w{i}.pt" for i in range(4)]
-    for f in finals:
-        assert max_rel_diff(torch.load(f), ref) <= TOL
+    assert_fixed_run_params(out, [f"w{i}" for i in range(4)])

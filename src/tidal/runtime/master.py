@@ -345,6 +345,14 @@ class JobMaster:
         with self._lock:
             return self._remember(request_id, ans)
 
+    def _at_ranks(self, ranks: list[int]) -> list[str] | None:
+        """The current members at ``ranks`` (rank order), or None if one is out of range."""
+        assert self.gen is not None
+        members = self.gen.members
+        if any(r < 0 or r >= len(members) for r in ranks):
+            return None
+        return [members[r] for r in sorted(set(ranks))]
+
     def scale_in(self, n: int | None = None, ranks: list[int] | None = None, request_id: str | None = None) -> ScaleAnswer:
         """Remove ``n`` workers (the highest ranks) or the given ranks; they
         leave after the agreed switch step, the others do not stop. A repeated
@@ -356,9 +364,9 @@ class JobMaster:
             assert self.gen is not None
             members = list(self.gen.members)
             if ranks:
-                if any(r < 0 or r >= len(members) for r in ranks):
+                leavers = self._at_ranks(ranks)
+                if leavers is None:
                     return ScaleAnswer("error", f"ranks {ranks} out of range for world size {len(members)}")
-                leavers = [members[r] for r in sorted(set(ranks))]
             else:
                 count = int(n or 0)
                 if count <= 0:
@@ -386,9 +394,9 @@ class JobMaster:
                 return early
             assert self.gen is not None
             members = list(self.gen.members)
-            if not ranks or any(r < 0 or r >= len(members) for r in ranks):
+            leavers = self._at_ranks(ranks) if ranks else None
+            if leavers is None:
                 return ScaleAnswer("error", f"migrate needs ranks in [0, {len(members)}), got {ranks}")
-            leavers = [members[r] for r in sorted(set(ranks))]
             if hosts is not None and len(hosts) != len(leavers):
                 return ScaleAnswer("error", f"{len(leavers)} workers to move but {len(hosts)} hosts")
             if len(leavers) == len(members):
