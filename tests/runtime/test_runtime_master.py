@@ -12,7 +12,7 @@ from tidal.runtime.client import MasterClient
 from tidal.runtime.data import ShardManager, ShardReader
 from tidal.runtime.master import JobMaster
 from tidal.runtime.server import MasterServer
-from tidal.runtime.messages import Plan
+from tidal.runtime.messages import SwitchPlan
 from tidal.runtime.persistence import open_backend
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,14 +42,14 @@ def test_scale_out_plan_uses_k_from_step_time_and_requests_are_serialised() -> N
     m = formed(2, spawner=lambda ids, hosts: spawned.append(ids), switch_lead_s=0.5)
     m.heartbeat({"gen": 1, "step": 40, "cursor": 40 * 32, "epoch": 0, "step_time_s": 0.12, "world_size": 2})
     ans = m.scale_out(2)
-    assert ans.accepted and ans.target_size == 4 and spawned == [["w2", "w3"]]
+    assert ans.accepted and ans.size == 4 and spawned == [["w2", "w3"]]
     # a second request while the newcomers start gets "retry" (EDL §3.1)
     assert m.scale_in(1).status == "retry" and m.scale_out(1).status == "retry"
     assert m.heartbeat({"gen": 1, "step": 41, "cursor": 0, "epoch": 0, "step_time_s": 0.12})["plan"] is None
     m.register("w2")
     assert m.assignment("w2")["status"] == "wait"  # not published until every joiner is ready
     m.register("w3")
-    plan = Plan.from_json(m.heartbeat({"gen": 1, "step": 41, "cursor": 0, "epoch": 0, "step_time_s": 0.12})["plan"])
+    plan = SwitchPlan.from_json(m.heartbeat({"gen": 1, "step": 41, "cursor": 0, "epoch": 0, "step_time_s": 0.12})["plan"])
     assert plan.k == 5 and plan.switch_step == 41 + 5  # k = ceil(0.5 / 0.12)
     assert plan.target.members == ("w0", "w1", "w2", "w3") and plan.joiners == ("w2", "w3")
     assert m.assignment("w3")["joining"] is True

@@ -104,7 +104,7 @@ def test_migration_is_one_change_with_nearest_sources() -> None:
     m, sp = _master(3)
     assert m.migrate([5]).status == "error" and m.migrate([0, 1, 2]).status == "error"
     ans = m.migrate([0, 1])
-    assert ans.accepted and ans.target_size == 3 and sp.started == ["w3", "w4"]
+    assert ans.accepted and ans.size == 3 and sp.started == ["w3", "w4"]
     assert m.scale_out(1).status == "retry"  # one change at a time (EDL §3.1)
     assert m.plan is None  # nothing is published until every replacement is ready
     m.register("w3", host="h2", switch="s0")  # on w2's host

@@ -11,7 +11,7 @@ from tidal.runtime.client import MasterClient, MasterUnavailable
 from tidal.runtime.data import ElasticBatchIterator, ShardManager, ShardReader, epoch_permutation, split_sizes, step_slice
 from tidal.runtime.master import JobMaster
 from tidal.runtime.server import MasterServer
-from tidal.runtime.messages import Generation, Plan, ScaleAnswer, Status
+from tidal.runtime.messages import Generation, SwitchPlan, ScaleAnswer, Status
 from tidal.runtime.reducer import GradReducer
 from tidal.runtime.persistence import StateBackend, open_backend, register_backend
 from tidal.runtime.profiling import ProfileResult, profile
@@ -22,7 +22,7 @@ from tidal.runtime.worker import Job, init
 
 __all__ = [
     "BatchPolicy", "ElasticBatchIterator", "Location", "ProfileResult", "assign_sources", "profile", "ElasticState", "Generation", "GradReducer", "HybridScaling", "Job", "JobMaster",
-    "MasterClient", "MasterServer", "MasterUnavailable", "Plan", "ScaleAnswer", "ShardManager", "ShardReader", "StateBackend",
+    "MasterClient", "MasterServer", "MasterUnavailable", "SwitchPlan", "ScaleAnswer", "ShardManager", "ShardReader", "StateBackend",
     "Status", "StrongScaling", "WeakScaling", "epoch_permutation", "init", "make_policy", "open_backend",
     "register_backend", "split_sizes", "step_slice",
 ]

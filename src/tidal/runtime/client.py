@@ -1,23 +1,31 @@
 """Python client of the job master's HTTP JSON protocol (see
-:mod:`tidal.runtime.master`). Used by workers, by ``tidal scale`` and, later,
-by the control plane."""
+:mod:`tidal.runtime.server`). Used by workers, by ``tidal scale`` and by the
+control plane's coordinator."""
 
 from __future__ import annotations
 
-import http.client
-import json
-import socket
-import threading
 import time
 import uuid
-from typing import Any
-from urllib.parse import urlencode, urlparse
+from typing import Any, Callable
 
+from tidal.httpjson import JsonHttp, Unavailable
 from tidal.runtime.messages import ScaleAnswer, Status
 
 
-class MasterUnavailable(RuntimeError):
+class MasterUnavailable(Unavailable):
     """The master did not answer within the client's patience."""
+
+
+def retry_while_busy(call: Callable[[], ScaleAnswer], timeout_s: float,
+                     sleep: Callable[[float], None] = time.sleep) -> ScaleAnswer:
+    """Repeat ``call`` while the master answers *retry* (a change is in
+    progress, EDL §3.1), for up to ``timeout_s``; the last answer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ans = call()
+        if ans.status != "retry" or time.monotonic() > deadline:
+            return ans
+        sleep(max(0.05, ans.retry_after_s))
 
 
 class MasterClient:
@@ -25,110 +33,96 @@ class MasterClient:
     answers after a master handover and retries connection errors for up to
     ``patience_s`` (a restarting master)."""
 
-    def __init__(self, url: str, timeout_s: float = 10.0, patience_s: float = 30.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-        self.patience_s = patience_s
-        self._local = threading.local()
+    def __init__(self, url: str, timeout_s: float = 10.0, patience_s: float = 30.0, token: str = "") -> None:
+        self.http = JsonHttp(url, token=token, timeout_s=timeout_s, patience_s=patience_s)
 
-    # ------------------------------------------------------------------ transport
-    def _conn(self) -> http.client.HTTPConnection:
-        c = getattr(self._local, "conn", None)
-        if c is None or getattr(self._local, "url", None) != self.url:
-            u = urlparse(self.url)
-            c = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=self.timeout_s)
-            c.connect()
-            c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._local.conn, self._local.url = c, self.url
-        return c
+    @property
+    def url(self) -> str:
+        return self.http.url
 
-    def _drop(self) -> None:
-        c = getattr(self._local, "conn", None)
-        if c is not None:
-            c.close()
-        self._local.conn = None
+    @url.setter
+    def url(self, value: str) -> None:
+        self.http.url = value.rstrip("/")
 
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
-        deadline = time.monotonic() + self.patience_s
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None,
+                patience_s: float | None = None) -> tuple[int, dict[str, Any]]:
         for _ in range(8):  # bounded number of redirects
-            while True:
-                try:
-                    c = self._conn()
-                    data = json.dumps(body or {}).encode() if method == "POST" else None
-                    headers = {"Content-Type": "application/json"} if data is not None else {}
-                    c.request(method, path, body=data, headers=headers)
-                    r = c.getresponse()
-                    code, obj = r.status, json.loads(r.read() or b"{}")
-                    break
-                except (ConnectionError, http.client.HTTPException, OSError) as e:
-                    self._drop()
-                    if time.monotonic() > deadline:
-                        raise MasterUnavailable(f"{self.url}{path}: {e}") from e
-                    time.sleep(0.05)
+            try:
+                code, obj = self.http.call(method, path, body if method == "POST" else None, patience_s=patience_s)
+            except Unavailable as e:
+                raise MasterUnavailable(str(e)) from e
+            if not isinstance(obj, dict):
+                obj = {"status": "error", "message": str(obj)}
             if obj.get("status") == "moved":
-                self.url = str(obj["url"]).rstrip("/")
+                self.url = str(obj["url"])
                 continue
             return code, obj
         raise MasterUnavailable("too many redirects")
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        return self.request("POST", path, body)[1]
+        return self.request("POST", path, body or {})[1]
 
     def get(self, path: str, **query: Any) -> dict[str, Any]:
+        from urllib.parse import urlencode
+
         q = ("?" + urlencode(query)) if query else ""
         return self.request("GET", path + q)[1]
 
     # ------------------------------------------------------------------ scheduler API
     # scaling requests carry an id: the transport retries a request whose answer
     # was lost (master restart), and the master answers a repeated id only once
-    def scale_out(self, n: int | None = None, hosts: list[str] | None = None) -> ScaleAnswer:
-        return ScaleAnswer.from_json(self.post("/scale_out", {"n": n, "hosts": hosts, "request_id": uuid.uuid4().hex}))
+    def _scale(self, path: str, body: dict[str, Any]) -> ScaleAnswer:
+        body = {k: v for k, v in body.items() if v is not None}
+        return ScaleAnswer.from_json(self.post(path, dict(body, request_id=uuid.uuid4().hex)))
 
-    def scale_in(self, n: int | None = None, ranks: list[int] | None = None) -> ScaleAnswer:
-        return ScaleAnswer.from_json(self.post("/scale_in", {"n": n, "ranks": ranks, "request_id": uuid.uuid4().hex}))
+    def scale_out(self, count: int | None = None, hosts: list[str] | None = None,
+                  workers: list[str] | None = None) -> ScaleAnswer:
+        """Add ``count`` workers started by the master's spawner (on ``hosts``
+        if given), or expect ``workers`` (ids) started by someone else."""
+        return self._scale("/scale_out", {"count": count, "hosts": hosts, "workers": workers})
+
+    def scale_in(self, count: int | None = None, ranks: list[int] | None = None,
+                 workers: list[str] | None = None) -> ScaleAnswer:
+        """Remove ``count`` workers (the highest ranks), the given ranks, or the given worker ids."""
+        return self._scale("/scale_in", {"count": count, "ranks": ranks, "workers": workers})
 
     def migrate(self, ranks: list[int], hosts: list[str] | None = None) -> ScaleAnswer:
-        return ScaleAnswer.from_json(self.post("/migrate", {"ranks": ranks, "hosts": hosts, "request_id": uuid.uuid4().hex}))
+        return self._scale("/migrate", {"ranks": ranks, "hosts": hosts})
 
     def suspend(self) -> ScaleAnswer:
-        return ScaleAnswer.from_json(self.post("/suspend", {"request_id": uuid.uuid4().hex}))
+        return self._scale("/suspend", {})
 
     def reshare(self, shares: dict[str, float]) -> ScaleAnswer:
-        return ScaleAnswer.from_json(self.post("/reshare", {"shares": shares, "request_id": uuid.uuid4().hex}))
+        return self._scale("/reshare", {"shares": shares})
 
     def status(self) -> Status:
         return Status.from_json(self.get("/status"))
 
-    def scale_to(self, workers: int, timeout_s: float = 120.0) -> ScaleAnswer:
-        """Ask for ``workers`` workers, retrying while another change is in
-        progress. Returns the accepted (or error) answer."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+    def scale_to(self, size: int, timeout_s: float = 120.0) -> ScaleAnswer:
+        """Ask for a job of ``size`` workers, retrying while another change is
+        in progress. Returns the accepted (or error) answer."""
+
+        def once() -> ScaleAnswer:
             st = self.status()
             if st.state == "finished":
                 return ScaleAnswer("error", "job finished")
-            cur = st.world_size
-            if st.state not in ("forming", "changing") and cur == workers:
-                return ScaleAnswer("accepted", "already at that size", target_size=workers)
             if st.state in ("forming", "changing"):
-                ans = ScaleAnswer("retry", st.pending or st.state, retry_after_s=0.2)
-            elif workers > cur:
-                ans = self.scale_out(workers - cur)
-            else:
-                ans = self.scale_in(cur - workers)
-            if ans.status != "retry":
-                return ans
-            if time.monotonic() > deadline:
-                return ans
-            time.sleep(max(0.05, ans.retry_after_s))
+                return ScaleAnswer("retry", st.pending or st.state, retry_after_s=0.2)
+            if st.world_size == size:
+                return ScaleAnswer("accepted", "already at that size", size=size)
+            if size > st.world_size:
+                return self.scale_out(size - st.world_size)
+            return self.scale_in(st.world_size - size)
 
-    def wait_for(self, world_size: int, timeout_s: float = 120.0) -> Status:
-        """Block until the job runs at ``world_size`` with no change pending."""
+        return retry_while_busy(once, timeout_s)
+
+    def wait_for(self, size: int, timeout_s: float = 120.0) -> Status:
+        """Block until the job runs at ``size`` workers with no change pending."""
         deadline = time.monotonic() + timeout_s
         while True:
             st = self.status()
-            if (st.world_size == world_size and not st.changing) or st.state == "finished":
+            if (st.world_size == size and not st.changing) or st.state == "finished":
                 return st
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job did not reach {world_size} workers: {st}")
+                raise TimeoutError(f"job did not reach {size} workers: {st}")
             time.sleep(0.05)

@@ -26,7 +26,7 @@ import time
 from typing import Any, Callable
 
 from tidal.runtime.data import ShardManager
-from tidal.runtime.messages import ChangeRecord, Generation, Plan, ScaleAnswer, Status
+from tidal.runtime.messages import ChangeRecord, Generation, SwitchPlan, ScaleAnswer, Status
 from tidal.runtime.persistence import StateBackend
 from tidal.runtime.replication import MODES, Location, assign_sources
 
@@ -116,7 +116,7 @@ class JobMaster:
         self.workers: dict[str, dict[str, Any]] = {}
         self.queue: list[str] = []  # registered, not yet in any generation
         self.gen: Generation | None = None
-        self.plan: Plan | None = None
+        self.plan: SwitchPlan | None = None
         self.change: dict[str, Any] | None = None
         self.progress: dict[str, Any] = {"step": 0, "cursor": 0, "epoch": 0, "step_time_s": 0.0, "gen": 0}
         self.changes: list[dict[str, Any]] = []
@@ -177,7 +177,7 @@ class JobMaster:
         self.workers = s["workers"]
         self.queue = s["queue"]
         self.gen = Generation.from_json(s["gen"]) if s.get("gen") else None
-        self.plan = Plan.from_json(s["plan"]) if s.get("plan") else None
+        self.plan = SwitchPlan.from_json(s["plan"]) if s.get("plan") else None
         self.change = s.get("change")
         self.progress = s["progress"]
         self.changes = s["changes"]
@@ -233,7 +233,7 @@ class JobMaster:
         k = self._k()
         stay = [w for w in target.members if w not in joiners]
         src = assign_sources(stay, joiners, {w: self._where(w) for w in target.members}, self.replication) if joiners else {}
-        self.plan = Plan(target, int(self.progress["step"]) + k, k, tuple(joiners), tuple(leavers), kind,
+        self.plan = SwitchPlan(target, int(self.progress["step"]) + k, k, tuple(joiners), tuple(leavers), kind,
                          tuple(src.items()))
         self.plans[target.gen] = self.plan.to_json()
         self.store.set(self.plan_key, json.dumps(self.plan.to_json()))
@@ -328,7 +328,7 @@ class JobMaster:
             self.change = {"kind": "scale_out", "status": "waiting", "requested_at": time.time(), "expect": ids, "joiners": []}
             target = self.gen.world_size + count
             self._save()
-        return self._spawn_then_answer(ids, hosts, request_id, ScaleAnswer("accepted", f"starting {ids}", target_size=target))
+        return self._spawn_then_answer(ids, hosts, request_id, ScaleAnswer("accepted", f"starting {ids}", size=target))
 
     def _spawn_then_answer(self, ids: list[str], hosts: list[str] | None, request_id: str | None,
                            ans: ScaleAnswer) -> ScaleAnswer:
@@ -380,7 +380,7 @@ class JobMaster:
                 self.workers[w]["state"] = "leaving"
             self._publish(self._new_gen(stay), [], leavers, "scale_in")
             self._save()
-            return self._remember(request_id, ScaleAnswer("accepted", f"removing {leavers}", target_size=len(stay)))
+            return self._remember(request_id, ScaleAnswer("accepted", f"removing {leavers}", size=len(stay)))
 
     def migrate(self, ranks: list[int], hosts: list[str] | None = None, request_id: str | None = None) -> ScaleAnswer:
         """Move the workers at ``ranks`` (to ``hosts`` if given) as one change
@@ -409,7 +409,7 @@ class JobMaster:
                            "joiners": [], "leavers": leavers}
             self._save()
         return self._spawn_then_answer(ids, hosts, request_id,
-                                       ScaleAnswer("accepted", f"moving {leavers} to {ids}", target_size=len(members)))
+                                       ScaleAnswer("accepted", f"moving {leavers} to {ids}", size=len(members)))
 
     def reshare(self, shares: dict[str, float], request_id: str | None = None) -> ScaleAnswer:
         """Give workers a different share of the global batch (relative
@@ -427,7 +427,7 @@ class JobMaster:
             self.change = {"kind": "reshare", "status": "waiting", "requested_at": time.time(), "expect": [], "joiners": []}
             self._publish(self._new_gen(list(self.gen.members), {w: float(x) for w, x in shares.items()}), [], [], "reshare")
             self._save()
-            return self._remember(request_id, ScaleAnswer("accepted", f"shares {shares}", target_size=self.gen.world_size))
+            return self._remember(request_id, ScaleAnswer("accepted", f"shares {shares}", size=self.gen.world_size))
 
     def suspend(self, request_id: str | None = None) -> ScaleAnswer:
         """Suspend the whole job (preemption by the scheduler): at an agreed
@@ -448,7 +448,7 @@ class JobMaster:
                 self.workers[w]["state"] = "leaving"
             self._publish(self._new_gen([]), [], members, "suspend")
             self._save()
-            return self._remember(request_id, ScaleAnswer("accepted", "suspending", target_size=0))
+            return self._remember(request_id, ScaleAnswer("accepted", "suspending", size=0))
 
     def suspended_at(self, step: int, cursor: int, path: str) -> dict[str, Any]:
         """Rank 0 wrote the suspension checkpoint; the job is suspended."""

@@ -51,7 +51,7 @@ class Generation:
 
 
 @dataclass(frozen=True)
-class Plan:
+class SwitchPlan:
     """The next change (EDL §4.2): the target generation and the switch step
     ``t_cur + k`` with ``k = ceil(T_a / T_step)``. ``joiners``/``leavers`` are
     worker ids relative to the current generation."""
@@ -83,7 +83,7 @@ class Plan:
         }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Plan":
+    def from_json(cls, d: dict[str, Any]) -> "SwitchPlan":
         return cls(
             target=Generation.from_json(d["target"]),
             switch_step=int(d["switch_step"]),
@@ -173,7 +173,7 @@ class ScaleAnswer:
     status: str
     message: str = ""
     retry_after_s: float = 0.0
-    target_size: int = 0
+    size: int = 0
 
     @property
     def accepted(self) -> bool:

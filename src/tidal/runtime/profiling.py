@@ -105,7 +105,7 @@ def profile(
                 if isinstance(master, MasterClient):
                     master.scale_to(p, timeout_s=timeout_s)
                 else:
-                    (master.scale_out if p > st.world_size else master.scale_in)(n=abs(p - st.world_size))
+                    (master.scale_out if p > st.world_size else master.scale_in)(count=abs(p - st.world_size))
         else:
             _scale_in_one(master, timeout_s, poll_s)
         st = _wait(master, lambda s, p=p: s.world_size == p and not s.changing and len(s.last_step) == 3
@@ -128,7 +128,7 @@ def profile(
 def _scale_in_one(master: Any, timeout_s: float, poll_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        ans = master.scale_in(n=1)
+        ans = master.scale_in(count=1)
         if ans.status == "accepted":
             return
         if ans.status != "retry" or time.monotonic() > deadline:

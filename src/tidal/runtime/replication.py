@@ -8,7 +8,7 @@ switch before remote. Transfers then run concurrently.
 
 :func:`assign_sources` is the pure planning step the master runs when it
 publishes a plan with joiners; the answer (joiner -> source worker id) travels
-in :class:`~tidal.runtime.messages.Plan`, and the workers move the bytes with
+in :class:`~tidal.runtime.messages.SwitchPlan`, and the workers move the bytes with
 :func:`tidal.runtime.transfer.send_state` / :func:`~tidal.runtime.transfer.recv_state`.
 
 Modes (``JobMaster(replication=...)``, ``tidal run --replication``):

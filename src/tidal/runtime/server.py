@@ -16,7 +16,7 @@ Worker-facing
   ``POST /register {"worker_id", "pid", "host"}`` -> store address
   ``GET  /assignment?worker_id=W``   -> wait | assigned(Generation) | finished
   ``GET  /store``  -> store address and keys; ``GET /plan?gen=G`` -> a published plan
-  ``POST /heartbeat Progress``       -> {"plan": Plan|null, "finished": bool}
+  ``POST /heartbeat Progress``       -> {"plan": SwitchPlan|null, "finished": bool}
   (the same exchange also runs through the TCPStore keys ``tidal/<job>/progress``
   and ``tidal/<job>/plan``, which is what workers use every step)
   ``POST /failed {"worker_id", "gen", "step"}`` (a collective failed: recovery),

@@ -48,7 +48,7 @@ from tidal.runtime.client import MasterClient
 from tidal.runtime.data import ElasticBatchIterator, StepSlice, default_collate
 from tidal.runtime.faults import FaultInjector
 from tidal.runtime.stragglers import StragglerDetector
-from tidal.runtime.messages import Generation, Plan
+from tidal.runtime.messages import Generation, SwitchPlan
 from tidal.runtime.scaling import BatchPolicy, make_policy
 from tidal.runtime.reducer import GradReducer
 from tidal.runtime.state import ElasticState, RescaleHook
@@ -122,8 +122,8 @@ class Job:
         self._data: ElasticBatchIterator | None = None
         self._slice: StepSlice | None = None
         self._stepped = True
-        self._seen_plan: Plan | None = None  # written by the heartbeat thread
-        self._agreed: tuple[Plan | None, int, int] | None = None  # (plan, gen, switch_step)
+        self._seen_plan: SwitchPlan | None = None  # written by the heartbeat thread
+        self._agreed: tuple[SwitchPlan | None, int, int] | None = None  # (plan, gen, switch_step)
         self._report_agreed: tuple[int, int] | None = None
         self._report_switched: dict[str, Any] | None = None
         self._failed = False
@@ -489,7 +489,7 @@ class Job:
             self._resume_from_checkpoint()
         self._init_group(g)
         log.debug("worker %s: group formed", self.worker_id)
-        joining_plan = Plan.from_json(a["plan"]) if a.get("joining") and a.get("plan") else None
+        joining_plan = SwitchPlan.from_json(a["plan"]) if a.get("joining") and a.get("plan") else None
         self._sync_state(sources=joining_plan.source_ranks() if joining_plan is not None else None)
         if self.resumed_from is not None:
             self._ckpt_last = self.resumed_from
@@ -558,7 +558,7 @@ class Job:
             plan, gen, switch_step = self._agreed
             self._agreed = None
         if plan is None:  # rank 0 holds the plan; the others prefetched it, or fetch it now
-            plan = Plan.from_json(self.client.get("/plan", gen=gen)["plan"])
+            plan = SwitchPlan.from_json(self.client.get("/plan", gen=gen)["plan"])
         old_world = self.world_size
         if plan.kind == "suspend":  # the whole job stops here and resumes from this checkpoint later
             if self.rank == 0:
@@ -760,7 +760,7 @@ class Job:
             ag = self._agreed
             if ag is not None and ag[0] is None:  # non-zero ranks: fetch the agreed plan before the switch step
                 try:
-                    plan = Plan.from_json(self.client.get("/plan", gen=ag[1])["plan"])
+                    plan = SwitchPlan.from_json(self.client.get("/plan", gen=ag[1])["plan"])
                     with self._agreed_lock:
                         if self._agreed is ag:
                             self._agreed = (plan, ag[1], ag[2])
@@ -811,7 +811,7 @@ class Job:
                     self._keys = {"plan": info["plan_key"], "progress": info["progress_key"], "job": info["job"]}
                     seen_raw = b""
                     continue
-                plan = Plan.from_json(obj)
+                plan = SwitchPlan.from_json(obj)
                 if plan.target.gen > g.gen:
                     self._seen_plan = plan
 

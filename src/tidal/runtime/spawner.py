@@ -1,0 +1,145 @@
+"""Where worker processes run: the :class:`Spawner` protocol and its registry.
+
+A spawner is bound to one job. It starts workers by id, stops one, and tells
+which of the workers it started have exited. Implementations:
+
+- ``local`` (:class:`LocalSpawner`): processes of the training script on this
+  host, for ``tidal run``;
+- ``agents`` (:mod:`tidal.control.spawner`): rows in the control plane's
+  process table, which the node agents reconcile against;
+- later engines (Ray, Kubernetes) register the same way.
+
+Each argument has one meaning: ``worker_id`` is the runtime's worker id
+(``w0``, ``w1``, ...), ``host`` a host (node) name, ``device`` the index of a
+GPU on that host (``CUDA_VISIBLE_DEVICES``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+from tidal import settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """One worker to start: its id and, if the caller chose, where."""
+
+    worker_id: str
+    host: str | None = None
+    device: int | None = None
+
+
+@runtime_checkable
+class Spawner(Protocol):
+    """Starts and stops one job's worker processes."""
+
+    def spawn(self, launches: Sequence[WorkerLaunch]) -> None:
+        """Start these workers; raise if any cannot be started (then none is)."""
+
+    def kill(self, worker_id: str) -> None:
+        """Stop a worker for good (e.g. it hung); no-op if it is gone."""
+
+    def exit_codes(self) -> dict[str, int | None]:
+        """Exit code of every worker this spawner started (None: still running);
+        empty if the spawner cannot see its processes."""
+
+
+SpawnerFactory = Callable[..., Spawner]
+_REGISTRY: dict[str, SpawnerFactory] = {}
+
+
+def register_spawner(name: str) -> Callable[[SpawnerFactory], SpawnerFactory]:
+    """Decorator: ``@register_spawner("ray")`` on a factory of spawners."""
+
+    def deco(factory: SpawnerFactory) -> SpawnerFactory:
+        if name in _REGISTRY and _REGISTRY[name] is not factory:
+            raise ValueError(f"spawner {name!r} registered twice")
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def make_spawner(name: str, **options: Any) -> Spawner:
+    if name == "agents":
+        import tidal.control.spawner  # noqa: F401  (registers itself; imports the control plane)
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown spawner {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+    return factory(**options)
+
+
+def spawner_names() -> list[str]:
+    return sorted(set(_REGISTRY) | {"agents"})
+
+
+def failed_workers(spawner: Spawner | None) -> set[str]:
+    """Workers whose process exited with an error."""
+    if spawner is None:
+        return set()
+    return {w for w, c in spawner.exit_codes().items() if c not in (None, 0)}
+
+
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "")
+
+
+@register_spawner("local")
+class LocalSpawner:
+    """Processes of ``script`` on this host (``tidal run``). ``master_url``
+    is set once the master listens."""
+
+    def __init__(self, script: str, args: Sequence[str] = (), env: dict[str, str] | None = None,
+                 master_url: str = "") -> None:
+        self.script, self.args = script, list(args)
+        self.env = dict(os.environ if env is None else env)
+        self.env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self.env.setdefault("OMP_NUM_THREADS", "1")
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._lock = threading.Lock()
+        self.master_url = master_url
+
+    def spawn(self, launches: Sequence[WorkerLaunch]) -> None:
+        bad = [x.host for x in launches if x.host not in (None, *LOCAL_HOSTS)]
+        if bad:
+            raise ValueError(f"the local spawner starts workers on this host only, not on {bad}")
+        for x in launches:
+            env = dict(self.env, **{settings.MASTER_URL.name: self.master_url, settings.WORKER_ID.name: x.worker_id})
+            if x.device is not None:
+                env["CUDA_VISIBLE_DEVICES"] = str(x.device)
+            p = subprocess.Popen([sys.executable, "-u", self.script, *self.args], env=env)
+            with self._lock:
+                self.procs[x.worker_id] = p
+            log.info("started worker %s (pid %d)", x.worker_id, p.pid)
+
+    def kill(self, worker_id: str) -> None:
+        with self._lock:
+            p = self.procs.get(worker_id)
+        if p is not None and p.poll() is None:
+            p.kill()
+
+    def exit_codes(self) -> dict[str, int | None]:
+        with self._lock:
+            return {w: p.poll() for w, p in self.procs.items()}
+
+    def terminate(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every live worker, SIGKILL after ``grace_s``."""
+        with self._lock:
+            procs = list(self.procs.values())
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                p.kill()

@@ -1,0 +1,144 @@
+"""Every ``TIDAL_*`` environment variable, in one place.
+
+Nothing else in :mod:`tidal` reads the environment for a Tidal setting: code
+asks this module (``settings.HOME.get()``, ``settings.home()``), and code that
+starts a process names a variable through its :class:`Setting` (``{settings.
+WORKER_ID.name: "w3"}``). ``docs/settings.md`` is generated from this table
+(``python -m tidal.settings``) and a test keeps the two equal.
+
+A setting is read when asked for, not at import time, so a test or a launcher
+that changes ``os.environ`` is seen at once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+_ALL: list["Setting"] = []
+
+
+def _bool(raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected 1/0, true/false, yes/no or on/off, not {raw!r}")
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One environment variable: its name, parser, default and one line of doc."""
+
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    doc: str
+    who: str  # which processes read it: "worker", "master", "server", "agent", "cli"
+
+    def __post_init__(self) -> None:
+        _ALL.append(self)
+
+    def raw(self) -> str | None:
+        """The variable's text, or None when unset or empty."""
+        v = os.environ.get(self.name)
+        return v if v else None
+
+    def get(self, default: T | None = None) -> T:
+        """The parsed value; ``default`` (or the setting's own) when unset. A
+        bad value raises ``ValueError`` naming the variable."""
+        raw = self.raw()
+        if raw is None:
+            return self.default if default is None else default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"${self.name}={raw!r}: {e}") from None
+
+    def is_set(self) -> bool:
+        return self.raw() is not None
+
+
+def _str(x: str) -> str:
+    return x
+
+
+def _opt_str(x: str) -> str | None:
+    return x or None
+
+
+# -- where things live -------------------------------------------------------------
+HOME: Setting[str] = Setting("TIDAL_HOME", _str, "", "state directory (database, tokens, logs, checkpoints); "
+                             "default ~/.tidal", "all")
+LOG_LEVEL: Setting[str | None] = Setting("TIDAL_LOG_LEVEL", _opt_str, None,
+                                         "log level of worker processes (DEBUG, INFO, ...); unset: Python's default",
+                                         "worker")
+
+# -- a worker process (set by whoever starts it) ------------------------------------
+MASTER_URL: Setting[str | None] = Setting("TIDAL_MASTER_URL", _opt_str, None,
+                                          "the job master's HTTP address; unset: the script runs alone", "worker")
+WORKER_ID: Setting[str | None] = Setting("TIDAL_WORKER_ID", _opt_str, None,
+                                         "this worker's id within its job (w0, w1, ...)", "worker")
+NODE: Setting[str | None] = Setting("TIDAL_NODE", _opt_str, None,
+                                    "the agent's node name, set by the agent for every process it starts", "worker")
+HOST: Setting[str | None] = Setting("TIDAL_HOST", _opt_str, None,
+                                    "this worker's host for topology-aware state replication; default "
+                                    "$TIDAL_NODE, then the host name", "worker")
+SWITCH: Setting[str] = Setting("TIDAL_SWITCH", _str, "", "the switch (rack) of this worker's host, if known",
+                               "worker")
+STATE_MAX_MBPS: Setting[float] = Setting("TIDAL_STATE_MAX_MBPS", float, 0.0,
+                                         "cap on one source's state-transfer egress in MB/s (0: none)", "worker")
+HEARTBEAT_S: Setting[float] = Setting("TIDAL_HEARTBEAT_S", float, 0.05,
+                                      "rank 0's progress heartbeat interval in seconds", "worker")
+OVERLAP: Setting[bool] = Setting("TIDAL_OVERLAP", _bool, True,
+                                 "bucketed gradient all-reduce overlapped with backward (0: after backward)",
+                                 "worker")
+CHECKPOINT_DIR: Setting[str | None] = Setting("TIDAL_CHECKPOINT_DIR", _opt_str, None,
+                                              "periodic checkpoints and suspend/resume go here; unset: none",
+                                              "worker")
+CHECKPOINT_EVERY: Setting[int] = Setting("TIDAL_CHECKPOINT_EVERY", int, 0,
+                                         "checkpoint every N steps (0 with a directory: every 100)", "worker")
+FAULTS: Setting[str | None] = Setting("TIDAL_FAULTS", _opt_str, None,
+                                      "injected faults for tests, e.g. kill:w1@7;slow:w0@3=20 "
+                                      "(see tidal.runtime.faults)", "worker")
+FAULT_LOG: Setting[str | None] = Setting("TIDAL_FAULT_LOG", _opt_str, None,
+                                         "append a JSON line per injected fault to this file", "worker")
+
+# -- control plane --------------------------------------------------------------------
+AGENT_TOKEN: Setting[str] = Setting("TIDAL_AGENT_TOKEN", _str, "",
+                                    "token a job master process uses to talk to the server", "master")
+SERVER: Setting[str | None] = Setting("TIDAL_SERVER", _opt_str, None,
+                                      "the server's URL for the CLI; default $TIDAL_HOME/server.json, "
+                                      "then http://127.0.0.1:8470", "cli")
+TOKEN: Setting[str | None] = Setting("TIDAL_TOKEN", _opt_str, None,
+                                     "the CLI's API token; default $TIDAL_HOME/token, then admin.token", "cli")
+
+
+def home() -> Path:
+    """``$TIDAL_HOME`` or ``~/.tidal`` (not created here)."""
+    return Path(HOME.get() or Path.home() / ".tidal")
+
+
+def all_settings() -> list[Setting]:
+    return list(_ALL)
+
+
+def markdown() -> str:
+    """The table of ``docs/settings.md``."""
+    rows = ["| variable | default | read by | meaning |", "|---|---|---|---|"]
+    for s in _ALL:
+        d = "" if s.default in (None, "") else str(s.default)
+        rows.append(f"| `{s.name}` | {('`' + d + '`') if d else '—'} | {s.who} | {s.doc} |")
+    head = ("# Settings\n\nEvery `TIDAL_*` environment variable, from `tidal/settings.py` "
+            "(regenerate with `python -m tidal.settings > docs/settings.md`). Command-line options override them "
+            "where both exist.\n\n")
+    return head + "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover - docs generator
+    print(markdown(), end="")
