@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import func, select
 
 from tidal.core.overhead import OverheadModel
-from tidal.control.db import GPU, Event, Job, Store, Worker
+from tidal.control.db import GPU, Event, Job, Store, Process
 from tidal.control.snapshot import build_snapshot
 from tidal.scheduler.api import Policy, get_policy
 
@@ -173,8 +173,8 @@ class Coordinator:
         of finished or cancelled jobs."""
         with self.store.session() as s:
             jobs = s.scalars(select(Job).where(Job.state.in_(("running", "resizing", "cancelling", "suspending")))).all()
-            by_job: dict[str, list[Worker]] = {}
-            for w in s.scalars(select(Worker).where(Worker.job_id.in_([j.id for j in jobs]))):
+            by_job: dict[str, list[Process]] = {}
+            for w in s.scalars(select(Process).where(Process.job_id.in_([j.id for j in jobs]))):
                 by_job.setdefault(w.job_id, []).append(w)
             for j in jobs:
                 procs = by_job.get(j.id, [])
@@ -213,7 +213,7 @@ class Coordinator:
                                    else f"master exit code {master.exit_code}")
                 self.store.log(s, f"job.{j.state}", j.id, exit_code=master.exit_code)
 
-    def _release_dead_workers(self, s, j: Job, procs: list[Worker]) -> None:
+    def _release_dead_workers(self, s, j: Job, procs: list[Process]) -> None:
         """A worker of a running job died (issue 5: the runtime's survivors
         re-form without it, a forced scale-in): its GPU goes back to the pool,
         so the policy can give it to this job again or to another one, unless
@@ -288,7 +288,7 @@ class Coordinator:
                     self.store.unreserve_gpus(s, jid, stale)
                     j = s.get(Job, jid)
                     starting = j is not None and j.state in ("pending", "submitted")
-                    for w in s.scalars(select(Worker).where(Worker.job_id == jid)):
+                    for w in s.scalars(select(Process).where(Process.job_id == jid)):
                         if (w.gated and w.gpu in stale) or (starting and w.state in ("pending", "running")):
                             w.desired = "stop"
                     self.store.log(s, "job.early_init_lapsed", jid, gpus=stale)
@@ -333,8 +333,8 @@ class Coordinator:
             j = s.get(Job, jid)
             if j is None or j.state not in ("pending", "submitted"):
                 return
-            launched = s.scalar(select(Worker.id).where(Worker.job_id == jid, Worker.kind == "master",
-                                                        Worker.state.in_(("pending", "running")))) is not None
+            launched = s.scalar(select(Process.id).where(Process.job_id == jid, Process.kind == "master",
+                                                        Process.state.in_(("pending", "running")))) is not None
             if early:
                 if launched or not self.store.reserve_gpus(s, jid, gids):
                     return
@@ -383,11 +383,11 @@ class Coordinator:
         first = s.get(GPU, gids[0])
         sub = j.spec.get("submission", {})
         # worker ids never repeat within a job, also after a suspension (w0.. then wN..)
-        names = s.scalars(select(Worker.name).where(Worker.job_id == j.id, Worker.kind == "worker")).all()
+        names = s.scalars(select(Process.name).where(Process.job_id == j.id, Process.kind == "worker")).all()
         offset = max((int(n[1:]) + 1 for n in names if n[1:].isdigit()), default=0)
         argv = [sys.executable, "-m", "tidal.control.jobproc", "--job", j.id, "--server", self.server_url,
                 "--workers", str(len(gids)), "--hosts", ",".join(str(g) for g in gids), "--first-id", str(offset)]
-        s.add(Worker(job_id=j.id, name="master", kind="master", node=first.node, gpu=None, argv=argv,
+        s.add(Process(job_id=j.id, name="master", kind="master", node=first.node, gpu=None, argv=argv,
                      env={"TIDAL_AGENT_TOKEN": self.agent_token, **sub.get("env", {})},
                      cwd=sub.get("workdir", ""), created=time.time()))
 
@@ -456,8 +456,8 @@ class Coordinator:
     def _shrink(self, jid: str, gids: list[int]) -> None:
         c = self._client(jid)
         with self.store.session() as s:
-            procs = s.scalars(select(Worker).where(Worker.job_id == jid, Worker.kind == "worker",
-                                                   Worker.gpu.in_(gids), Worker.state.in_(("pending", "running")))).all()
+            procs = s.scalars(select(Process).where(Process.job_id == jid, Process.kind == "worker",
+                                                   Process.gpu.in_(gids), Process.state.in_(("pending", "running")))).all()
             names = {p.name: p.id for p in procs}
             j = s.get(Job, jid)
             j.state = "resizing"
@@ -473,8 +473,8 @@ class Coordinator:
         deadline = time.time() + self.change_timeout_s
         while True:
             with self.store.session() as s:
-                left = s.scalars(select(Worker).where(Worker.id.in_(list(names.values())),
-                                                      Worker.state.in_(("pending", "running")))).all()
+                left = s.scalars(select(Process).where(Process.id.in_(list(names.values())),
+                                                      Process.state.in_(("pending", "running")))).all()
                 if not left:
                     self.store.release_gpus(s, jid, gids)
                     j = s.get(Job, jid)
@@ -529,7 +529,7 @@ class Coordinator:
                 j = s.get(Job, jid)
                 if j is None or j.state != "suspending":
                     return  # finished by _reap, or cancelled meanwhile
-                live = s.scalars(select(Worker).where(Worker.job_id == jid, Worker.state.in_(("pending", "running")))).all()
+                live = s.scalars(select(Process).where(Process.job_id == jid, Process.state.in_(("pending", "running")))).all()
                 if not live:
                     self._suspended(s, j, time.time())
                     return

@@ -1,7 +1,7 @@
 """The control plane's persistent store (SQLAlchemy 2).
 
 SQLite file by default, PostgreSQL by URL. Tables follow the SideCar paper's
-in-memory database (nodes, GPUs, jobs, throughput/accuracy profiles — its
+in-memory database (nodes, GPUs, jobs, throughput profiles — its
 Tables II–V) plus an audit trail of events and the desired worker set that
 agents reconcile against (DLRover/Elan: the master's state machine lives in a
 store, so a restarted server resumes).
@@ -66,7 +66,7 @@ class GPU(Base):
     gid: Mapped[int] = mapped_column(Integer, primary_key=True)  # cluster-wide index
     node: Mapped[str] = mapped_column(ForeignKey("nodes.name"), index=True)
     index: Mapped[int] = mapped_column(Integer)  # index on its node (CUDA_VISIBLE_DEVICES)
-    state: Mapped[str] = mapped_column(String(16), default="free")  # free | reserved | in_use
+    state: Mapped[str] = mapped_column(String(16), default="free")  # free | in_use
     job_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
     worker: Mapped[str | None] = mapped_column(String(64), nullable=True)
     util: Mapped[float] = mapped_column(Float, default=0.0)
@@ -89,7 +89,6 @@ class Job(Base):
     drop_reason: Mapped[str] = mapped_column(Text, default="")
     target: Mapped[int] = mapped_column(Integer, default=0)  # GPUs the policy wants
     master_url: Mapped[str] = mapped_column(String(256), default="")
-    master_node: Mapped[str] = mapped_column(String(128), default="")
     progress: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     done: Mapped[float] = mapped_column(Float, default=0.0)
     attained: Mapped[float] = mapped_column(Float, default=0.0)
@@ -97,14 +96,14 @@ class Job(Base):
     waiting_since: Mapped[float] = mapped_column(Float, default=0.0)
     tags: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     rescales: Mapped[int] = mapped_column(Integer, default=0)
-    busy: Mapped[bool] = mapped_column(Boolean, default=False)  # a coordinator action is in flight
     exit_info: Mapped[str] = mapped_column(Text, default="")
 
 
-class Worker(Base):
-    """Desired and observed worker processes; agents reconcile against it."""
+class Process(Base):
+    """Desired and observed processes of jobs (a job's master and its
+    workers); agents reconcile against it."""
 
-    __tablename__ = "workers"
+    __tablename__ = "processes"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(String(64), index=True)
     name: Mapped[str] = mapped_column(String(64))  # runtime worker id (w0, w1, ...) or "master"
@@ -144,15 +143,6 @@ class ThroughputRow(Base):
     gpus: Mapped[int] = mapped_column(Integer, primary_key=True)
     value: Mapped[float] = mapped_column(Float)
     source: Mapped[str] = mapped_column(String(256), default="")
-
-
-class AccuracyRow(Base):
-    """Observed accuracy per epoch (SideCar Tables IV-V), for target-accuracy jobs."""
-
-    __tablename__ = "accuracy"
-    job_id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
-    value: Mapped[float] = mapped_column(Float)
 
 
 def hash_token(token: str) -> str:
@@ -237,13 +227,13 @@ class Store:
                     detail=json.loads(json.dumps(detail, default=str))))
 
     # -- GPUs ----------------------------------------------------------------------
-    def assign_gpus(self, s: Session, job_id: str, gids: list[int], worker_names: list[str] | None = None) -> None:
+    def assign_gpus(self, s: Session, job_id: str, gids: list[int]) -> None:
         """Give free GPUs to a job; raises if any is held (nothing changes then)."""
-        for k, g in enumerate(gids):
+        for g in gids:
             res = s.execute(
                 update(GPU)
                 .where(GPU.gid == g, GPU.job_id.is_(None))
-                .values(job_id=job_id, state="in_use", worker=(worker_names[k] if worker_names else None))
+                .values(job_id=job_id, state="in_use", worker=None)
             )
             if res.rowcount != 1:
                 holder = s.get(GPU, g)
@@ -251,7 +241,7 @@ class Store:
             self.log(s, "gpu.assign", job_id, gpu=g)
         # a reservation ends when the GPU is the job's; its warmed-up workers may train
         s.execute(update(GPU).where(GPU.gid.in_(gids), GPU.reserved_for == job_id).values(reserved_for=None))
-        s.execute(update(Worker).where(Worker.job_id == job_id, Worker.gpu.in_(gids), Worker.gated.is_(True))
+        s.execute(update(Process).where(Process.job_id == job_id, Process.gpu.in_(gids), Process.gated.is_(True))
                   .values(gated=False))
 
     def reserve_gpus(self, s: Session, job_id: str, gids: list[int]) -> bool:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import func, select, update
 
 from tidal.control.coordinator import Coordinator
-from tidal.control.db import GPU, Event, Job, Node, Store, Worker
+from tidal.control.db import GPU, Event, Job, Node, Store, Process
 from tidal.control.spec import JobSubmission
 
 log = logging.getLogger(__name__)
@@ -287,7 +287,7 @@ def create_app(
                 store.log(s, "node.up", node=name)
             n.state, n.last_heartbeat = "up", time.time()
             for rep in req.procs:
-                w = s.get(Worker, rep.id)
+                w = s.get(Process, rep.id)
                 if w is None or w.node != name:
                     continue
                 if rep.log:
@@ -318,8 +318,8 @@ def create_app(
                 store.log(s, "node.down", node=other.name)
                 _lose_node_procs(s, store, other.name)
                 finished = True
-            desired = s.scalars(select(Worker).where(Worker.node == name,
-                                                     Worker.state.in_(("pending", "running", "lost")))).all()
+            desired = s.scalars(select(Process).where(Process.node == name,
+                                                     Process.state.in_(("pending", "running", "lost")))).all()
             gpu_index = {g.gid: g.index for g in s.scalars(select(GPU).where(GPU.node == name))}
             out = [{"id": w.id, "job": w.job_id, "name": w.name, "kind": w.kind, "argv": w.argv, "cwd": w.cwd,
                     "env": {**(w.env or {}), **({"CUDA_VISIBLE_DEVICES": str(gpu_index[w.gpu])} if w.gpu is not None else {})},
@@ -333,8 +333,8 @@ def create_app(
         """The job master found a worker hung: its agent stops it (SIGTERM,
         then SIGKILL after 10 s)."""
         with store.session() as s:
-            ws = s.scalars(select(Worker).where(Worker.job_id == job_id, Worker.name == str(body.get("name", "")),
-                                                Worker.state.in_(("pending", "running")))).all()
+            ws = s.scalars(select(Process).where(Process.job_id == job_id, Process.name == str(body.get("name", "")),
+                                                Process.state.in_(("pending", "running")))).all()
             for w in ws:
                 w.desired = "stop"
                 store.log(s, "worker.kill", job_id, node=w.node, gpu=w.gpu, worker=w.name, reason="hung")
@@ -387,7 +387,7 @@ def create_app(
                        **sub.get("env", {})}
                 import sys
 
-                s.add(Worker(job_id=job_id, name=wid, kind="worker", node=g.node, gpu=gid, env=env,
+                s.add(Process(job_id=job_id, name=wid, kind="worker", node=g.node, gpu=gid, env=env,
                              argv=[sys.executable, "-u", sub["script"], *sub.get("args", [])],
                              cwd=sub.get("workdir", ""), created=time.time(), gated=gated))
                 store.log(s, "worker.spawn", job_id, node=g.node, gpu=gid, worker=wid, gated=gated)
@@ -430,7 +430,7 @@ def _job_json(s, store: Store, j: Job, detail: bool = False) -> dict[str, Any]:
         out["processes"] = [
             {"name": w.name, "kind": w.kind, "node": w.node, "gpu": w.gpu, "state": w.state, "pid": w.pid,
              "exit_code": w.exit_code}
-            for w in s.scalars(select(Worker).where(Worker.job_id == j.id).order_by(Worker.id))
+            for w in s.scalars(select(Process).where(Process.job_id == j.id).order_by(Process.id))
         ]
     return out
 
@@ -440,7 +440,7 @@ def _lose_node_procs(s, store: Store, node: str) -> None:
     should it come back. Their GPUs stay with their jobs (they are out of the
     topology anyway) until the node reports the processes gone, so a GPU is
     never handed out while an old process may still run on it."""
-    for w in s.scalars(select(Worker).where(Worker.node == node, Worker.state.in_(("pending", "running")))):
+    for w in s.scalars(select(Process).where(Process.node == node, Process.state.in_(("pending", "running")))):
         w.state, w.desired = "lost", "stop"
         store.log(s, "proc.lost", w.job_id, node=node, gpu=w.gpu, proc=w.name)
 
