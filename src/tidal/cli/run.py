@@ -1,6 +1,7 @@
-"""``tidal run`` and ``tidal scale``: launch one elastic job locally and
-rescale it from another terminal (issue 4, item 6). The logic lives in
-:mod:`tidal.runtime.launch`; this module only registers the commands."""
+"""``tidal run``, ``tidal scale``, ``tidal migrate`` and ``tidal profile``:
+launch one elastic job locally and act on it from another terminal. The
+logic lives in :mod:`tidal.runtime.launch`; this module only registers the
+commands."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 def run(
     ctx: typer.Context,
     script: str = typer.Argument(..., help="Training script; arguments after it are passed to it."),
-    workers: int = typer.Option(2, "--workers", "-n", help="Initial number of workers."),
-    max_workers: Optional[int] = typer.Option(None, "--max-workers", help="Upper bound for scale-out."),
+    workers: int = typer.Option(2, "--workers", "-n", help="Initial size: the number of workers."),
+    max_workers: Optional[int] = typer.Option(None, "--max-workers", help="Largest size scale-out may reach."),
     job: Optional[str] = typer.Option(None, "--job", help="Job name for `tidal scale` (default: script name)."),
     state: Optional[str] = typer.Option(None, "--state", help="Master state backend: file://PATH or sqlite://PATH."),
     switch_lead: float = typer.Option(0.5, "--switch-lead", help="T_a in seconds: lead time of a planned switch."),
@@ -40,7 +41,7 @@ def run(
         raise typer.BadParameter(f"one of {', '.join(STRAGGLER_POLICIES)}", param_hint="--straggler-policy")
     if replication not in MODES:
         raise typer.BadParameter(f"one of {', '.join(MODES)}", param_hint="--replication")
-    rc = run_job(script, list(ctx.args), workers, max_workers=max_workers, job=job, state_url=state,
+    rc = run_job(script, list(ctx.args), workers, max_size=max_workers, job=job, state_url=state,
                  switch_lead_s=switch_lead, timeout_s=timeout, out=typer.echo, straggler_policy=straggler_policy,
                  replication=replication, hang_timeout_s=hang_timeout)
     raise typer.Exit(rc)
