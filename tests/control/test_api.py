@@ -9,7 +9,7 @@ from sqlalchemy import inspect
 
 from tidal.control.db import Store
 from tidal.control.server import create_app
-from tidal.control.spec import load_spec_file
+from tidal.control.spec import GpuRequest, load_spec_file, parse_gpu_request
 from tidal.core.errors import InputError
 
 
@@ -50,7 +50,8 @@ GOOD = {"name": "j", "script": "train.py", "gpus": "1-4", "iterations": 100}
 def test_schema_created_by_migrations(env):
     _, store, _ = env
     tables = set(inspect(store.engine).get_table_names())
-    assert {"users", "nodes", "gpus", "jobs", "workers", "events", "throughput", "accuracy", "alembic_version"} <= tables
+    assert {"users", "nodes", "gpus", "jobs", "processes", "events", "throughput", "alembic_version"} <= tables
+    assert not {"workers", "accuracy"} & tables  # renamed and dropped by migration 0003
 
 
 def test_bad_field_gets_422_naming_it(env):
@@ -127,6 +128,19 @@ def test_yaml_spec_errors_name_file_and_field(tmp_path):
     f.write_text("name: [unclosed\n")
     with pytest.raises(InputError, match="YAML"):
         load_spec_file(f)
+
+
+def test_gpu_request_forms_parse_in_one_place():
+    assert parse_gpu_request(None) == GpuRequest() and parse_gpu_request(None).flexible
+    assert parse_gpu_request(4) == parse_gpu_request("4") == GpuRequest(requested=4)
+    assert not parse_gpu_request(4).flexible
+    assert parse_gpu_request("2-8") == GpuRequest(lo=2, hi=8, requested=8)
+    assert parse_gpu_request([4, 1, 2, 2]) == parse_gpu_request("1,2,4") == GpuRequest(allowed=(1, 2, 4), requested=4)
+    assert [parse_gpu_request(v).value() for v in (None, "4", " 2 - 8", [4, 1, 2])] == [None, 4, "2-8", [1, 2, 4]]
+    for bad, msg in ((0, ">= 1"), ("8-2", "low <= high"), ("lots", "'2-8'"), ([], "non-empty"), ([0, 2], ">= 1"),
+                     ("1,x", "'1,2,4'")):
+        with pytest.raises(ValueError, match=msg):
+            parse_gpu_request(bad)
 
 
 def test_scale_pins_the_count_the_policy_uses(env):

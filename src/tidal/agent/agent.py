@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tidal import settings
+from tidal.httpjson import JsonHttp, Unavailable
 
 log = logging.getLogger("tidal.agent")
 
@@ -30,6 +30,14 @@ def detect_gpus() -> int:
             pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - no driver, no library: no GPUs
         return 0
+
+
+class Refused(RuntimeError):
+    """The server answered a request with an error status."""
+
+    def __init__(self, status: int, detail: Any) -> None:
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status = status
 
 
 @dataclass
@@ -58,27 +66,26 @@ class Agent:
         workdir: Path | None = None,
     ) -> None:
         self.server = server.rstrip("/")
-        self.token = token
         self.name = name
         self.num_gpus = num_gpus
         self.virtual = virtual
         self.interval_s = interval_s
-        self.workdir = Path(workdir or Path(os.environ.get("TIDAL_HOME", Path.home() / ".tidal")) / "agents" / name)
+        self.workdir = Path(workdir or settings.home() / "agents" / name)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[int, Proc] = {}
         self.finished: dict[int, dict[str, Any]] = {}  # exit reports not yet acknowledged by the server
         self.acked: set[int] = set()  # exited processes the server knows about (never relaunched)
         self._stop = threading.Event()
         self.registered = False
+        # an unreachable server is retried for one interval, then on the next tick
+        self.http = JsonHttp(self.server, token=token, timeout_s=10.0, patience_s=interval_s)
 
     # -- transport ----------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(
-            self.server + path, data=json.dumps(body).encode(), method="POST",
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"},
-        )
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return json.loads(r.read() or b"{}")
+        status, ans = self.http.call("POST", path, body)
+        if status >= 400:
+            raise Refused(status, ans)
+        return ans if isinstance(ans, dict) else {}
 
     # -- loop ------------------------------------------------------------------------
     def stop(self) -> None:
@@ -94,11 +101,11 @@ class Agent:
                                                              "virtual": self.virtual})
                     self.registered = True
                 self.tick()
-            except urllib.error.HTTPError as e:
-                if e.code == 404:  # the server lost us (new store): register again
+            except Refused as e:
+                if e.status == 404:  # the server lost us (new store): register again
                     self.registered = False
-                log.warning("server answered %s; retrying", e.code)
-            except (urllib.error.URLError, OSError, TimeoutError) as e:
+                log.warning("server answered %s; retrying", e.status)
+            except (Unavailable, OSError) as e:
                 log.warning("server unreachable (%s); processes keep running", e)
             self._stop.wait(self.interval_s)
         self.shutdown()
@@ -182,7 +189,7 @@ class Agent:
         start = log_path.stat().st_size if log_path.exists() else 0
         env = dict(os.environ)
         env.update({k: str(v) for k, v in (w.get("env") or {}).items()})
-        env["TIDAL_NODE"] = self.name
+        env[settings.NODE.name] = self.name
         cwd = w.get("cwd") or None
         argv, gate = list(w["argv"]), None
         if w.get("gated"):
@@ -200,6 +207,7 @@ class Agent:
                  env.get("CUDA_VISIBLE_DEVICES", ""))
 
     def shutdown(self) -> None:
+        self.http.close()
         for p in self.procs.values():
             if p.popen.poll() is None:
                 p.popen.terminate()

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tidal.cli.main import app
+from tidal.cli.app import app
 
 console = Console()
 err = Console(stderr=True)
@@ -108,13 +108,13 @@ def up(
 ) -> None:
     """Start an embedded cluster (server + local agents with virtual GPUs) and
     keep it running until Ctrl-C."""
-    from tidal.control.client import home as tidal_home
+    from tidal import settings
     from tidal.control.local import LocalCluster
 
     if gpus % nodes:
         err.print(f"[red]error:[/] --gpus {gpus} does not divide into {nodes} nodes")
         raise typer.Exit(2)
-    h = home or tidal_home()
+    h = home or settings.home()
     c = LocalCluster(h, nodes=nodes, gpus_per_node=gpus // nodes, policy=policy, port=port, tick_s=1.0)
     import signal
 
@@ -170,19 +170,14 @@ def submit(
     if rigid:
         body["elastic"] = False
     if gpus is not None:
-        g: object = gpus
-        if "," in gpus:
-            g = [int(x) for x in gpus.split(",")]
-        elif gpus.isdigit():
-            g = int(gpus)
-        body["gpus"] = g
+        body["gpus"] = gpus  # text; JobSubmission reads it (tidal.control.spec.parse_gpu_request)
     try:
-        JobSubmission(**body)
+        sub = JobSubmission(**body)
     except ValidationError as e:
         first = e.errors()[0]
         err.print(f"[red]error:[/] field '{'.'.join(str(x) for x in first['loc'])}': {first['msg']}")
         raise typer.Exit(2)
-    ans = _request(server_url, token, lambda api: api.submit(body))
+    ans = _request(server_url, token, lambda api: api.submit(sub.model_dump()))
     console.print(f"submitted {ans['id']}")
 
 

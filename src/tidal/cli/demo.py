@@ -20,7 +20,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from tidal.cli.main import app
+from tidal.cli.app import app
 
 DONE = ("completed", "failed", "cancelled", "dropped")
 COLORS = ["cyan", "magenta", "green", "yellow", "blue", "red"]

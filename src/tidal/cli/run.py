@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from tidal.cli.main import app
+from tidal.cli.app import app
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 

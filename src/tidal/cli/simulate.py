@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tidal.cli.main import app
+from tidal.cli.app import app
 from tidal.core.errors import InputError
 
 

@@ -8,35 +8,34 @@ Server URL: ``--server``, ``$TIDAL_SERVER`` or ``$TIDAL_HOME/server.json``
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any
 
-import httpx
+from tidal import settings
+from tidal.httpjson import JsonHttp, Unavailable
 
-
-def home() -> Path:
-    return Path(os.environ.get("TIDAL_HOME", Path.home() / ".tidal"))
+DEFAULT_SERVER = "http://127.0.0.1:8470"
 
 
 def find_server(explicit: str | None = None) -> str:
     if explicit:
         return explicit.rstrip("/")
-    if os.environ.get("TIDAL_SERVER"):
-        return os.environ["TIDAL_SERVER"].rstrip("/")
-    f = home() / "server.json"
+    env = settings.SERVER.get()
+    if env:
+        return env.rstrip("/")
+    f = settings.home() / "server.json"
     if f.exists():
         return json.loads(f.read_text())["url"].rstrip("/")
-    return "http://127.0.0.1:8470"
+    return DEFAULT_SERVER
 
 
 def find_token(explicit: str | None = None) -> str:
     if explicit:
         return explicit
-    if os.environ.get("TIDAL_TOKEN"):
-        return os.environ["TIDAL_TOKEN"]
+    env = settings.TOKEN.get()
+    if env:
+        return env
     for name in ("token", "admin.token"):
-        f = home() / name
+        f = settings.home() / name
         if f.exists():
             return f.read_text().strip()
     return ""
@@ -57,24 +56,28 @@ def format_detail(detail: Any) -> str:
 
 
 class Api:
-    def __init__(self, server: str | None = None, token: str | None = None, timeout_s: float = 15.0) -> None:
-        self.url = find_server(server)
-        self.http = httpx.Client(base_url=self.url, timeout=timeout_s,
-                                 headers={"Authorization": f"Bearer {find_token(token)}"})
+    """The REST API's calls. An unreachable server raises
+    :class:`tidal.httpjson.Unavailable` once ``patience_s`` has run out; an
+    answer of 400 or more raises :class:`ApiError`."""
 
-    def _call(self, method: str, path: str, **kw: Any) -> Any:
-        r = self.http.request(method, path, **kw)
-        if r.status_code >= 400:
+    def __init__(self, server: str | None = None, token: str | None = None, timeout_s: float = 15.0,
+                 patience_s: float = 2.0) -> None:
+        self.url = find_server(server)
+        self.token = find_token(token)
+        self.http = JsonHttp(self.url, token=self.token, timeout_s=timeout_s, patience_s=patience_s)
+
+    def _call(self, method: str, path: str, body: Any = None, params: dict[str, Any] | None = None) -> Any:
+        r = self.http.send(method, path, body, params)
+        if r.status >= 400:
             try:
                 detail = r.json().get("detail", r.text)
-            except ValueError:
+            except (ValueError, AttributeError):
                 detail = r.text
-            raise ApiError(r.status_code, detail)
-        ct = r.headers.get("content-type", "")
-        return r.json() if ct.startswith("application/json") else r.text
+            raise ApiError(r.status, detail)
+        return r.json() if r.is_json else r.text
 
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "/v1/jobs", json=spec)
+        return self._call("POST", "/v1/jobs", spec)
 
     def jobs(self) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/jobs")
@@ -83,16 +86,13 @@ class Api:
         return self._call("GET", f"/v1/jobs/{job_id}")
 
     def scale(self, job_id: str, gpus: int) -> dict[str, Any]:
-        return self._call("POST", f"/v1/jobs/{job_id}/scale", json={"gpus": gpus})
+        return self._call("POST", f"/v1/jobs/{job_id}/scale", {"gpus": gpus})
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel")
 
     def logs(self, job_id: str, offset: int = 0, worker: str | None = None) -> str:
-        params: dict[str, Any] = {"offset": offset}
-        if worker:
-            params["worker"] = worker
-        return self._call("GET", f"/v1/jobs/{job_id}/logs", params=params)
+        return self._call("GET", f"/v1/jobs/{job_id}/logs", params={"offset": offset, "worker": worker or None})
 
     def cluster(self) -> dict[str, Any]:
         return self._call("GET", "/v1/cluster")
@@ -104,7 +104,11 @@ class Api:
         return self._call("POST", f"/v1/users/{name}")["token"]
 
     def healthy(self) -> bool:
+        """One quick probe of ``/healthz`` (no retries)."""
+        probe = JsonHttp(self.url, timeout_s=2.0, patience_s=0.0)
         try:
-            return self.http.get("/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
+            return probe.send("GET", "/healthz").status == 200
+        except (Unavailable, ValueError):
             return False
+        finally:
+            probe.close()

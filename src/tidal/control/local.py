@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from tidal import settings
 from tidal.control.client import Api
 
 
@@ -32,7 +33,6 @@ class LocalCluster:
         tick_s: float = 1.0,
         port: int | None = None,
         db_url: str | None = None,
-        quiet: bool = True,
     ) -> None:
         self.home = Path(home)
         self.home.mkdir(parents=True, exist_ok=True)
@@ -42,15 +42,15 @@ class LocalCluster:
         self.url = f"http://127.0.0.1:{self.port}"
         self.db_url = db_url
         self.admin_token = secrets.token_urlsafe(24)
-        self.quiet = quiet
         self.server: subprocess.Popen | None = None
         self.agents: list[subprocess.Popen] = []
-        self.env = dict(os.environ, TIDAL_HOME=str(self.home), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+        self.env = {**os.environ, settings.HOME.name: str(self.home), "GLOO_SOCKET_IFNAME": "lo",
+                    "OMP_NUM_THREADS": "1"}
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
-        log = open(self.home / f"{log_name}.log", "ab")
-        return subprocess.Popen([sys.executable, "-m", "tidal", *args], env=self.env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.home / f"{log_name}.log", "ab") as log:
+            return subprocess.Popen([sys.executable, "-m", "tidal", *args], env=self.env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
 
     def start_server(self, timeout_s: float = 60.0) -> None:
         args = ["server", "--port", str(self.port), "--policy", self.policy, "--tick", str(self.tick_s),

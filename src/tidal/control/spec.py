@@ -2,15 +2,16 @@
 pydantic so that an error names the field.
 
 GPU request forms (SideCar's "optional numbers of GPUs", ElasticFlow's
-serverless jobs):
+serverless jobs), read by :func:`parse_gpu_request` alone:
   gpus: 4            a count (rigid unless ``elastic: true``, then preferred)
   gpus: "2-8"        an elastic range
-  gpus: [1, 2, 4]    an allowed set
+  gpus: [1, 2, 4]    an allowed set (as text, e.g. on the command line: "1,2,4")
   (none) + deadline  serverless: the scheduler picks the count
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,71 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tidal.core.errors import InputError
 from tidal.core.job import JobSpec
+
+GpuValue = int | str | list[int] | None
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    """A parsed GPU request: ``lo``-``hi`` for a range, ``allowed`` for a set,
+    ``requested`` the preferred count (0: none given, the scheduler picks)."""
+
+    lo: int | None = None
+    hi: int | None = None
+    allowed: tuple[int, ...] | None = None
+    requested: int = 0
+
+    @property
+    def flexible(self) -> bool:
+        """The request itself leaves the count open (a range, a set, or none)."""
+        return self.requested == 0 or self.lo is not None or self.allowed is not None
+
+    def value(self) -> GpuValue:
+        """The request in its canonical JSON form (4, "2-8", [1, 2, 4] or None)."""
+        if self.lo is not None:
+            return f"{self.lo}-{self.hi}"
+        if self.allowed is not None:
+            return list(self.allowed)
+        return self.requested or None
+
+
+def parse_gpu_request(value: Any) -> GpuRequest:
+    """Read a GPU request: None, a count, a range ("2-8"), a set ([1, 2, 4]),
+    or the text of any of them ("4", "2-8", "1,2,4"). Raises ``ValueError``
+    saying what is wrong."""
+    if value is None:
+        return GpuRequest()
+    if isinstance(value, str):
+        text = value.strip()
+        if text.isdigit():
+            value = int(text)
+        elif "," in text:
+            parts = [p.strip() for p in text.split(",")]
+            if not all(p.isdigit() for p in parts):
+                raise ValueError("an allowed set must look like '1,2,4'")
+            value = [int(p) for p in parts]
+        else:
+            return _parse_range(text)
+    if isinstance(value, bool) or not isinstance(value, (int, list)):
+        raise ValueError("give a count, a range like '2-8' or a set like [1, 2, 4]")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError("must be >= 1")
+        return GpuRequest(requested=value)
+    if not value or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in value):
+        raise ValueError("an allowed set must be a non-empty list of counts >= 1")
+    allowed = tuple(sorted(set(value)))
+    return GpuRequest(allowed=allowed, requested=allowed[-1])
+
+
+def _parse_range(text: str) -> GpuRequest:
+    parts = text.split("-")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError("a range must look like '2-8'")
+    lo, hi = (int(p) for p in parts)
+    if not 1 <= lo <= hi:
+        raise ValueError("range needs 1 <= low <= high")
+    return GpuRequest(lo=lo, hi=hi, requested=hi)
 
 
 class JobSubmission(BaseModel):
@@ -42,24 +108,8 @@ class JobSubmission(BaseModel):
 
     @field_validator("gpus")
     @classmethod
-    def _gpus(cls, v: Any) -> Any:
-        if v is None:
-            return v
-        if isinstance(v, int):
-            if v < 1:
-                raise ValueError("must be >= 1")
-            return v
-        if isinstance(v, str):
-            parts = v.split("-")
-            if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-                raise ValueError("a range must look like '2-8'")
-            lo, hi = (int(p) for p in parts)
-            if not 1 <= lo <= hi:
-                raise ValueError("range needs 1 <= low <= high")
-            return v
-        if not v or any((not isinstance(x, int)) or x < 1 for x in v):
-            raise ValueError("an allowed set must be a non-empty list of counts >= 1")
-        return sorted(set(v))
+    def _gpus(cls, v: Any) -> GpuValue:
+        return parse_gpu_request(v).value()
 
     @model_validator(mode="after")
     def _work(self) -> "JobSubmission":
@@ -80,29 +130,21 @@ class JobSubmission(BaseModel):
         return max(1, round(self.epochs * self.dataset_size / self.global_batch_size))
 
     def to_jobspec(self, job_id: str, submit_time: float, user: str) -> JobSpec:
-        lo, hi, allowed, req = self.min_gpus, self.max_gpus, None, 0
-        if isinstance(self.gpus, int):
-            req = self.gpus
-        elif isinstance(self.gpus, str):
-            a, b = (int(p) for p in self.gpus.split("-"))
-            lo, hi, req = lo or a, hi or b, b
-        elif isinstance(self.gpus, list):
-            allowed, req = tuple(self.gpus), max(self.gpus)
-        elastic = self.elastic or self.gpus is None or allowed is not None or isinstance(self.gpus, str)
+        gpus = parse_gpu_request(self.gpus)
         return JobSpec(
             job_id=job_id,
             submit_time=submit_time,
             model=self.model,
             batch_size=self.global_batch_size,
             iterations=self.total_iterations(),
-            requested_gpus=req,
+            requested_gpus=gpus.requested,
             user=user,
-            min_gpus=lo,
-            max_gpus=hi,
-            allowed_gpus=allowed,
+            min_gpus=self.min_gpus or gpus.lo,
+            max_gpus=self.max_gpus or gpus.hi,
+            allowed_gpus=gpus.allowed,
             deadline=(submit_time + self.deadline) if self.deadline else None,
             priority=self.priority,
-            elastic=elastic,
+            elastic=self.elastic or gpus.flexible,
         )
 
 

@@ -1,0 +1,218 @@
+"""``/internal``: agents register and heart-beat (the SideCar agent, §III-B);
+job masters report their address and progress and ask for hung workers to be
+stopped. Every route needs the agent (or admin) token."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from pydantic import BaseModel, Field
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from tidal.control.api.deps import AdminDep, CoordinatorDep, LogsDirDep, StoreDep
+from tidal.control.db import GPU, Job, Node, Process, Store
+
+router = APIRouter(prefix="/internal", tags=["internal"])
+
+NODE_TIMEOUT_S = 10.0
+MAX_LOG_CHUNK = 256 * 1024
+
+
+class RegisterRequest(BaseModel):
+    name: str = Field(..., min_length=1, max_length=128)
+    num_gpus: int = Field(..., ge=1, le=1024)
+    virtual: bool = False
+    address: str = "127.0.0.1"
+
+
+class ProcReport(BaseModel):
+    id: int
+    state: str
+    pid: int = 0
+    exit_code: int | None = None
+    log: str = ""
+
+
+class HeartbeatRequest(BaseModel):
+    procs: list[ProcReport] = Field(default_factory=list)
+    utils: dict[int, float] = Field(default_factory=dict)
+
+
+@dataclass
+class HeartbeatClock:
+    """When this server last took a heartbeat. Nodes are judged down only
+    while the server itself keeps taking heartbeats: after a stall of its own
+    (or a restart), every node looks late."""
+
+    last: float
+
+    def stalled(self, now: float) -> bool:
+        """Whether the server went more than half the node time-out without a heartbeat; ``now`` is the new last."""
+        gap, self.last = now - self.last, now
+        return gap > NODE_TIMEOUT_S / 2
+
+
+# -- agents ------------------------------------------------------------------------------
+@router.post("/agents/register")
+def register(req: RegisterRequest, request: Request, store: StoreDep, coord: CoordinatorDep,
+             _: AdminDep) -> dict[str, Any]:
+    """A node joins with its GPUs, or rejoins (with the same number of GPUs, else 409)."""
+    now = time.time()
+    with request.app.state.register_lock, store.session() as s:
+        n = s.get(Node, req.name)
+        if n is None:
+            _add_node(s, store, req, now)
+        else:
+            if n.num_gpus != req.num_gpus:
+                raise HTTPException(409, f"node {req.name} registered before with {n.num_gpus} GPUs")
+            n.state, n.last_heartbeat, n.address = "up", now, req.address
+            store.log(s, "node.rejoin", node=req.name)
+    coord.wake()
+    return {"ok": True, "name": req.name}
+
+
+def _add_node(s: Session, store: Store, req: RegisterRequest, now: float) -> None:
+    ordinal = (s.scalar(select(func.max(Node.ordinal))) or 0) + 1
+    s.add(Node(name=req.name, ordinal=ordinal, address=req.address, num_gpus=req.num_gpus,
+               virtual=req.virtual, state="up", last_heartbeat=now))
+    base = (s.scalar(select(func.max(GPU.gid))) or -1) + 1
+    for i in range(req.num_gpus):
+        s.add(GPU(gid=base + i, node=req.name, index=i))
+    store.log(s, "node.join", node=req.name, gpus=req.num_gpus, virtual=req.virtual)
+
+
+@router.post("/agents/{name}/heartbeat")
+def heartbeat(name: str, req: HeartbeatRequest, request: Request, store: StoreDep, coord: CoordinatorDep,
+              logs_dir: LogsDirDep, _: AdminDep) -> dict[str, Any]:
+    """The agent's processes' states, output and GPU utilisation in; the
+    processes this node should run (or stop) out. Also judges which other
+    nodes went silent."""
+    now = time.time()
+    with store.session() as s:
+        n = s.get(Node, name)
+        if n is None:
+            raise HTTPException(404, f"node {name} is not registered")
+        if n.state != "up":
+            store.log(s, "node.up", node=name)
+        n.state, n.last_heartbeat = "up", now
+        finished = _apply_reports(s, store, name, req.procs, logs_dir)
+        _apply_utils(s, name, req.utils)
+        finished |= _judge_silent_nodes(s, store, request.app.state.heartbeat_clock, now)
+        wanted = _wanted_processes(s, name)
+    if finished:
+        coord.wake()
+    return {"workers": wanted}
+
+
+def _apply_reports(s: Session, store: Store, node: str, reports: list[ProcReport], logs_dir: Path) -> bool:
+    """Record the agent's reports; True when a process finished."""
+    finished = False
+    for rep in reports:
+        w = s.get(Process, rep.id)
+        if w is None or w.node != node:
+            continue
+        if rep.log:
+            _append_log(logs_dir / w.job_id, w.name, rep.log[-MAX_LOG_CHUNK:])
+        if w.state == "lost" and rep.state == "running":
+            continue  # its node was down and it was given up: it is being stopped, not resumed
+        if w.state != rep.state:
+            store.log(s, f"proc.{rep.state}", w.job_id, node=node, gpu=w.gpu, proc=w.name,
+                      pid=rep.pid, exit_code=rep.exit_code)
+            finished |= rep.state in ("exited", "failed")
+        w.state, w.pid, w.exit_code = rep.state, rep.pid, rep.exit_code
+    return finished
+
+
+def _append_log(d: Path, name: str, text: str) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    with (d / f"{name}.log").open("a") as fh:
+        fh.write(text)
+
+
+def _apply_utils(s: Session, node: str, utils: dict[int, float]) -> None:
+    for index, util in utils.items():
+        g = s.scalar(select(GPU).where(GPU.node == node, GPU.index == int(index)))
+        if g is not None:
+            g.util = float(util)
+
+
+def _judge_silent_nodes(s: Session, store: Store, clock: HeartbeatClock, now: float) -> bool:
+    """Nodes that stopped heart-beating are down and their processes lost (the
+    jobs' survivors re-form without them); True when a node went down. After
+    a stall of the server's own, every up node's clock restarts instead."""
+    if clock.stalled(now):
+        s.execute(update(Node).where(Node.state == "up").values(last_heartbeat=now))
+        return False
+    late = s.scalars(select(Node).where(Node.state == "up", Node.last_heartbeat < now - NODE_TIMEOUT_S)).all()
+    for other in late:
+        other.state = "down"
+        store.log(s, "node.down", node=other.name)
+        _lose_node_procs(s, store, other.name)
+    return bool(late)
+
+
+def _lose_node_procs(s: Session, store: Store, node: str) -> None:
+    """A node went down: its live processes are marked lost and to be stopped
+    should it come back. Their GPUs stay with their jobs (they are out of the
+    topology anyway) until the node reports the processes gone, so a GPU is
+    never handed out while an old process may still run on it."""
+    for w in s.scalars(select(Process).where(Process.node == node, Process.state.in_(("pending", "running")))):
+        w.state, w.desired = "lost", "stop"
+        store.log(s, "proc.lost", w.job_id, node=node, gpu=w.gpu, proc=w.name)
+
+
+def _wanted_processes(s: Session, node: str) -> list[dict[str, Any]]:
+    """What the node should run or stop, each process on its GPU (``CUDA_VISIBLE_DEVICES``)."""
+    procs = s.scalars(select(Process).where(Process.node == node,
+                                            Process.state.in_(("pending", "running", "lost")))).all()
+    gpu_index = {g.gid: g.index for g in s.scalars(select(GPU).where(GPU.node == node))}
+    return [{"id": w.id, "job": w.job_id, "name": w.name, "kind": w.kind, "argv": w.argv, "cwd": w.cwd,
+             "env": {**(w.env or {}),
+                     **({"CUDA_VISIBLE_DEVICES": str(gpu_index[w.gpu])} if w.gpu is not None else {})},
+             "desired": w.desired, "gated": w.gated} for w in procs]
+
+
+# -- job masters ---------------------------------------------------------------------------
+def _any_job(s: Session, job_id: str) -> Job:
+    j = s.get(Job, job_id)
+    if j is None:
+        raise HTTPException(404, f"no job {job_id}")
+    return j
+
+
+@router.post("/jobs/{job_id}/kill")
+def kill_worker(job_id: str, body: dict[str, Any], store: StoreDep, _: AdminDep) -> dict[str, Any]:
+    """The job master found a worker hung: its agent stops it (SIGTERM,
+    then SIGKILL after 10 s)."""
+    with store.session() as s:
+        ws = s.scalars(select(Process).where(Process.job_id == job_id, Process.name == str(body.get("name", "")),
+                                             Process.state.in_(("pending", "running")))).all()
+        for w in ws:
+            w.desired = "stop"
+            store.log(s, "worker.kill", job_id, node=w.node, gpu=w.gpu, worker=w.name, reason="hung")
+    return {"ok": bool(ws)}
+
+
+@router.post("/jobs/{job_id}/master")
+def master_up(job_id: str, body: dict[str, Any], store: StoreDep, _: AdminDep) -> dict[str, Any]:
+    """The job's master is up at ``url``."""
+    with store.session() as s:
+        j = _any_job(s, job_id)
+        j.master_url = str(body.get("url", ""))
+        store.log(s, "job.master", job_id, url=j.master_url)
+    return {"ok": True}
+
+
+@router.post("/jobs/{job_id}/status")
+def job_status(job_id: str, body: dict[str, Any], store: StoreDep, _: AdminDep) -> dict[str, Any]:
+    """The job master's latest status (progress, step)."""
+    with store.session() as s:
+        j = _any_job(s, job_id)
+        j.progress = body
+        j.done = float(body.get("step", j.done))
+    return {"ok": True}
