@@ -141,9 +141,11 @@ def test_the_settings_check_catches_a_direct_read(tmp_path: Path) -> None:
 
 
 def sizes() -> list[tuple[int, str, str]]:
-    """(lines, kind, qualified name) of every class and function."""
+    """(lines, kind, qualified name) of every class and function (alembic
+    revisions included)."""
     out = []
-    for name, path in modules().items():
+    for path in PKG.rglob("*.py"):
+        name = ".".join(path.relative_to(SRC).with_suffix("").parts)
         tree = ast.parse(path.read_text())
 
         def walk(node: ast.AST, prefix: str) -> None:
