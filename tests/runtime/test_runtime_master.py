@@ -10,6 +10,7 @@ import pytest
 
 from tidal.runtime.client import MasterClient
 from tidal.runtime.data import ShardManager, ShardReader
+from master_helpers import RecordingSpawner
 from tidal.runtime.master import JobMaster
 from tidal.runtime.server import MasterServer
 from tidal.runtime.messages import SwitchPlan
@@ -19,10 +20,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def formed(n: int = 2, **kw: object) -> JobMaster:
-    m = JobMaster("j", n, **kw)  # type: ignore[arg-type]
+    m = JobMaster("j", n, first_worker=n, **kw)  # type: ignore[arg-type]
     for i in range(n):
         m.register(f"w{i}")
-    m.spawned = n
     return m
 
 
@@ -34,15 +34,15 @@ def test_forming_then_running() -> None:
     m.register("w1")
     st = m.status()
     assert st.state == "running" and st.world_size == 2 and st.members == ("w0", "w1")
-    assert m.store.get(m.gen.prefix + "go") == b"go"  # type: ignore[union-attr]
+    assert m.group.store.get(m.group.gen.prefix + "go") == b"go"  # type: ignore[union-attr]
 
 
 def test_scale_out_plan_uses_k_from_step_time_and_requests_are_serialised() -> None:
-    spawned: list[list[str]] = []
-    m = formed(2, spawner=lambda ids, hosts: spawned.append(ids), switch_lead_s=0.5)
+    sp = RecordingSpawner()
+    m = formed(2, spawner=sp, switch_lead_s=0.5)
     m.heartbeat({"gen": 1, "step": 40, "cursor": 40 * 32, "epoch": 0, "step_time_s": 0.12, "world_size": 2})
     ans = m.scale_out(2)
-    assert ans.accepted and ans.size == 4 and spawned == [["w2", "w3"]]
+    assert ans.accepted and ans.size == 4 and sp.calls == [["w2", "w3"]]
     # a second request while the newcomers start gets "retry" (EDL §3.1)
     assert m.scale_in(1).status == "retry" and m.scale_out(1).status == "retry"
     assert m.heartbeat({"gen": 1, "step": 41, "cursor": 0, "epoch": 0, "step_time_s": 0.12})["plan"] is None
@@ -60,22 +60,53 @@ def test_scale_out_plan_uses_k_from_step_time_and_requests_are_serialised() -> N
     assert st.changes[0]["from_size"] == 2 and st.changes[0]["to_size"] == 4
 
 
+def test_a_joiner_that_registers_again_is_not_planned_twice() -> None:
+    m = formed(2)
+    assert m.scale_out(1).accepted
+    m.register("w2")
+    plan = m.group.plan
+    assert plan is not None and plan.joiners == ("w2",)
+    m.register("w2")  # its first answer was lost (e.g. the master restarted): it registers again
+    assert m.group.plan == plan and m.group.queue == []
+    m.switched(plan.target.gen, 10)
+    st = m.status()
+    assert st.state == "running" and st.members == ("w0", "w1", "w2")
+
+
+def test_scale_out_and_scale_in_by_worker_ids() -> None:
+    sp = RecordingSpawner()
+    m = formed(2, spawner=sp)
+    ans = m.scale_out(workers=["w7"])  # started by someone else: the master expects it
+    assert ans.accepted and ans.size == 3 and sp.calls == []
+    m.register("w7")
+    assert m.group.plan is not None and m.group.plan.joiners == ("w7",)
+    m.switched(m.group.plan.target.gen, 5)
+    assert m.scale_out(workers=["w7"]).status == "error"  # a member already
+    assert m.scale_in(workers=["w9"]).status == "error"
+    assert m.scale_in(workers=["w0"]).accepted and m.group.plan is not None
+    assert m.group.plan.leavers == ("w0",) and m.group.plan.target.members == ("w1", "w7")
+    m.switched(m.group.plan.target.gen, 9)
+    assert m.scale_out(1, hosts=None).accepted and sp.calls == [["w8"]]  # ids continue after w7
+
+
 def test_scale_in_by_ranks_keeps_an_existing_rank_0() -> None:
     m = formed(3)
     assert m.scale_in(ranks=[0]).accepted
-    plan = m.plan
+    plan = m.group.plan
     assert plan is not None and plan.leavers == ("w0",) and plan.target.members == ("w1", "w2")
     assert m.status().changing
     m.switched(2, 10)
     assert m.scale_in(2).status == "error"  # cannot remove every worker
     assert m.scale_in(ranks=[5]).status == "error"
-    assert m.scale_in(1).accepted and m.plan is not None and m.plan.leavers == ("w2",)
+    assert m.scale_in(1).accepted and m.group.plan is not None and m.group.plan.leavers == ("w2",)
 
 
-def test_max_workers_and_join_timeout() -> None:
-    m = formed(2, max_workers=3, join_timeout_s=0.0)
+def test_max_size_and_join_timeout() -> None:
+    m = formed(2, max_size=3, join_timeout_s=0.0)
     assert m.scale_out(2).status == "error"
     assert m.scale_out(1).accepted
+    assert m.status().state == "changing"  # reads never change state ...
+    m.check_health()  # ... the periodic step does
     assert m.status().state == "running"  # nobody registered in time: the change is abandoned
     assert m.scale_out(1).accepted
 
@@ -84,11 +115,11 @@ def test_done_cancels_a_pending_switch() -> None:
     m = formed(2)
     m.scale_out(1)
     m.register("w2")
-    assert m.plan is not None
-    prefix = m.plan.target.prefix
+    assert m.group.plan is not None
+    prefix = m.group.plan.target.prefix
     m.done(100, 3200)
     assert m.status().state == "finished" and m.assignment("w2")["status"] == "finished"
-    assert m.store.get(prefix + "go") == b"cancel"
+    assert m.group.store.get(prefix + "go") == b"cancel"
     assert m.scale_out(1).status == "error"
 
 
@@ -105,8 +136,8 @@ def test_restarted_master_resumes(tmp_path: Path, kind: str) -> None:
     after = m2.status()
     assert (after.gen, after.members, after.step, after.state, after.changes) == (
         before.gen, before.members, before.step, before.state, before.changes)
-    assert m2.shards is not None and m2.shards.snapshot() == m.shards.snapshot()  # type: ignore[union-attr]
-    assert m2.scale_out(1).accepted and m2.spawned == 3  # worker ids are not reused
+    assert m2.core.shards is not None and m2.core.shards.snapshot() == m.core.shards.snapshot()  # type: ignore[union-attr]
+    assert m2.scale_out(1).accepted and m2.core.spawned == 3  # worker ids are not reused
 
 
 def test_http_protocol_client_retry_and_handover() -> None:
@@ -129,7 +160,7 @@ def test_http_protocol_client_retry_and_handover() -> None:
             assert c.url == s2.url and st2.master_url == s2.url
             assert (st2.gen, st2.members, st2.changing) == (st.gen, st.members, True)
             m2.register("w2")  # the pending scale-out completes on the new master
-            assert m2.plan is not None and m2.plan.target.store_port == m2.store_port
+            assert m2.group.plan is not None and m2.group.plan.target.store_port == m2.store_port
         finally:
             s2.stop()
     finally:
@@ -155,32 +186,21 @@ def test_shard_mode_over_http_exactly_once() -> None:
         s.stop()
 
 
-class _Spawner:
-    def __init__(self) -> None:
-        self.gone: list[str] = []
-
-    def __call__(self, ids: list[str], hosts: list[str] | None = None) -> None:
-        pass
-
-    def dead(self) -> list[str]:
-        return self.gone
-
-
 def test_failure_recovery_forms_a_generation_of_the_survivors() -> None:
-    sp = _Spawner()
+    sp = RecordingSpawner()
     m = formed(3, spawner=sp, recovery_window_s=60)
     m.scale_out(1)
     m.register("w3")
-    assert m.plan is not None
-    cancelled = m.plan.target.prefix
-    sp.gone = ["w1"]
+    assert m.group.plan is not None
+    cancelled = m.group.plan.target.prefix
+    sp.codes["w1"] = 1  # its process failed
     m.failed("w2", gen=1, step=9)
     assert m.assignment("w2", after_gen=1)["status"] == "wait"  # w0 (alive) has not reported yet
     m.failed("w0", gen=1, step=8)
     a = m.assignment("w2", after_gen=1)
     assert a["status"] == "assigned" and a["generation"]["members"] == ["w0", "w2"]
     assert m.assignment("w1", after_gen=1)["status"] == "finished"
-    assert m.store.get(cancelled + "go") == b"cancel"  # the newcomer stops waiting for the old plan ...
+    assert m.group.store.get(cancelled + "go") == b"cancel"  # the newcomer stops waiting for the old plan ...
     st = m.status()
     assert st.gen == 3 and st.changes[-1]["kind"] == "recover"
     # ... and is planned into the survivors' generation right away (the scale-out is not lost)

@@ -1,4 +1,4 @@
-"""Master failure (issue 5, Elan §V-D): the job master is killed with
+"""Master failure (Elan §V-D): the job master is killed with
 SIGKILL while the job trains, a new master process restarts from the saved
 state on the same addresses, the workers reconnect (HTTP retries, a fresh
 TCPStore client) and a scale-in then runs on the restarted master. The job
@@ -111,31 +111,31 @@ def test_master_killed_and_restarted_from_saved_state(tmp_path: Path) -> None:
 def test_scaling_requests_with_ids_are_idempotent_across_a_restart(tmp_path: Path) -> None:
     """A client that retries a scale request whose answer was lost (the master
     died after applying it) must not cause a second change (Elan §V-D)."""
+    from master_helpers import RecordingSpawner
     from tidal.runtime.master import JobMaster
     from tidal.runtime.persistence import open_backend
     from tidal.runtime.server import MasterServer
 
-    spawned: list[list[str]] = []
+    sp = RecordingSpawner()
     url = f"file://{tmp_path / 'm.json'}"
-    m = JobMaster("j", 2, backend=open_backend(url), spawner=lambda ids, hosts: spawned.append(ids))
+    m = JobMaster("j", 2, backend=open_backend(url), spawner=sp, first_worker=2)
     m.register("w0")
     m.register("w1")
-    m.spawned = 2
     s = MasterServer(m).start()
     try:
         c = MasterClient(s.url, patience_s=5)
         first = c.post("/scale_out", {"n": 1, "request_id": "r1"})
         again = c.post("/scale_out", {"n": 1, "request_id": "r1"})
-        assert first == again and first["status"] == "accepted" and spawned == [["w2"]]
+        assert first == again and first["status"] == "accepted" and sp.calls == [["w2"]]
         assert c.post("/scale_out", {"n": 1, "request_id": "r2"})["status"] == "retry"  # a new request is new
     finally:
         s.stop()
-    m2 = JobMaster("j", 2, backend=open_backend(url), resume=True, spawner=lambda ids, hosts: spawned.append(ids))
-    assert m2.scale_out(1, request_id="r1").to_json() == first and spawned == [["w2"]]
+    m2 = JobMaster("j", 2, backend=open_backend(url), resume=True, spawner=sp)
+    assert m2.scale_out(1, request_id="r1").to_json() == first and sp.calls == [["w2"]]
     m2.register("w2")
-    m2.switched(m2.plan.target.gen, 10)  # type: ignore[union-attr]
+    m2.switched(m2.group.plan.target.gen, 10)  # type: ignore[union-attr]
     assert m2.scale_in(1, request_id="r3").accepted and m2.scale_in(1, request_id="r3").accepted
-    assert m2.plan is not None and m2.plan.leavers == ("w2",)  # one removal, not two
+    assert m2.group.plan is not None and m2.group.plan.leavers == ("w2",)  # one removal, not two
 
 
 @pytest.mark.timeout(150)

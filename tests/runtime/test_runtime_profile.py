@@ -1,4 +1,4 @@
-"""``profile(min_p, max_p)`` (issue 5, EDL §5.2): one job started at max_p
+"""``profile(min_p, max_p)`` (EDL §5.2): one job started at max_p
 workers, scaled in one worker at a time, ~steps measured at each size; the
 curve is written in the scheduler's profile format."""
 

@@ -1,6 +1,6 @@
-"""Issue 5, items 3, 5 and 6 and hung workers: topology-aware concurrent state
-replication (Elan §IV), migration as one change and a smaller batch share for
-stragglers (EDL §5.2), and killing a hung worker so its peers recover. The
+"""Topology-aware concurrent state replication (Elan §IV), migration as one
+change and a smaller batch share for stragglers (EDL §5.2), and killing a
+hung worker so its peers recover. The
 multi-process runs check what users care about: every sample once per epoch
 and the parameters of the fixed-size run."""
 
@@ -20,6 +20,7 @@ from runtime_helpers import check_exactly_once, finish, launch, master_url, read
 from test_runtime_elastic import TOL, max_rel_diff, reference_run
 from tidal.runtime.client import MasterClient
 from tidal.runtime.data import split_weighted, step_slice
+from master_helpers import RecordingSpawner
 from tidal.runtime.master import JobMaster
 from tidal.runtime.replication import Location, assign_sources
 
@@ -79,22 +80,9 @@ def test_weighted_split_follows_the_shares() -> None:
 # ----------------------------------------------------------------------------- master
 
 
-class _Spawner:
-    def __init__(self) -> None:
-        self.started: list[str] = []
-        self.killed: list[str] = []
-
-    def __call__(self, ids: list[str], hosts: list[str] | None = None) -> None:
-        self.started.extend(ids)
-
-    def kill(self, worker_id: str) -> None:
-        self.killed.append(worker_id)
-
-
-def _master(n: int, **kw: Any) -> tuple[JobMaster, _Spawner]:
-    sp = _Spawner()
-    m = JobMaster("j", n, spawner=sp, **kw)
-    m.spawned = n
+def _master(n: int, **kw: Any) -> tuple[JobMaster, RecordingSpawner]:
+    sp = RecordingSpawner()
+    m = JobMaster("j", n, spawner=sp, first_worker=n, **kw)
     for i in range(n):
         m.register(f"w{i}", host=f"h{i}", switch="s0")
     return m, sp
@@ -106,18 +94,19 @@ def test_migration_is_one_change_with_nearest_sources() -> None:
     ans = m.migrate([0, 1])
     assert ans.accepted and ans.size == 3 and sp.started == ["w3", "w4"]
     assert m.scale_out(1).status == "retry"  # one change at a time (EDL §3.1)
-    assert m.plan is None  # nothing is published until every replacement is ready
+    assert m.group.plan is None  # nothing is published until every replacement is ready
     m.register("w3", host="h2", switch="s0")  # on w2's host
     m.register("w4", host="h9", switch="s1")
-    p = m.plan
+    p = m.group.plan
     assert p is not None and p.kind == "migrate"
     assert p.leavers == ("w0", "w1") and p.joiners == ("w3", "w4")
     assert p.target.members == ("w2", "w3", "w4")  # the new rank 0 is a worker that holds the state
     assert dict(p.sources) == {"w3": "w2", "w4": "w2"}
     assert p.source_ranks() == {1: 0, 2: 0}
     m.switched(p.target.gen, 10)
-    assert m.gen is not None and m.gen.members == ("w2", "w3", "w4")
-    assert m.changes[-1]["kind"] == "migrate" and (m.changes[-1]["from_size"], m.changes[-1]["to_size"]) == (3, 3)
+    assert m.group.gen is not None and m.group.gen.members == ("w2", "w3", "w4")
+    ch = m.core.changes
+    assert ch[-1]["kind"] == "migrate" and (ch[-1]["from_size"], ch[-1]["to_size"]) == (3, 3)
 
 
 def test_migrate_needs_a_spawner() -> None:
@@ -131,24 +120,24 @@ def test_reshare_gives_a_generation_with_shares_that_later_changes_keep() -> Non
     m, _ = _master(3)
     assert m.reshare({"w9": 0.5}).status == "error" and m.reshare({"w1": 0.0}).status == "error"
     assert m.reshare({"w1": 0.5}).accepted
-    p = m.plan
-    assert p is not None and p.kind == "reshare" and p.target.members == m.gen.members  # type: ignore[union-attr]
+    p = m.group.plan
+    assert p is not None and p.kind == "reshare" and p.target.members == m.group.gen.members  # type: ignore[union-attr]
     assert p.target.shares == (1.0, 0.5, 1.0) and not p.joiners and not p.leavers
     m.switched(p.target.gen, 5)
     m.scale_in(ranks=[0])
-    assert m.plan is not None and m.plan.target.shares == (0.5, 1.0)  # w1 keeps its smaller share
+    assert m.group.plan is not None and m.group.plan.target.shares == (0.5, 1.0)  # w1 keeps its smaller share
 
 
 def test_share_policy_divides_the_stragglers_share_by_its_slowdown() -> None:
     m, _ = _master(3, straggler_policy="share")
     assert m.straggler("w2", gen=1, step=20, ratio=2.0)["action"] == "smaller share"
-    assert m.plan is not None and m.plan.target.shares == (1.0, 1.0, 0.5)
+    assert m.group.plan is not None and m.group.plan.target.shares == (1.0, 1.0, 0.5)
 
 
 def test_replace_policy_migrates_the_straggler() -> None:
     m, sp = _master(3, straggler_policy="replace")
     assert m.straggler("w1", gen=1, step=20, ratio=2.0)["action"] == "replaced"
-    assert sp.started == ["w3"] and m.change is not None and m.change["leavers"] == ["w1"]
+    assert sp.started == ["w3"] and m.core.change is not None and m.core.change.leavers == ("w1",)
 
 
 def test_a_restarted_master_keeps_the_pending_plans_shares(tmp_path: Path) -> None:
@@ -160,9 +149,10 @@ def test_a_restarted_master_keeps_the_pending_plans_shares(tmp_path: Path) -> No
         m.register(f"w{i}")
     assert m.reshare({"w1": 0.5}).accepted
     m2 = JobMaster("j", 3, backend=open_backend(url), resume=True)
-    assert m2.plan is not None and m2.plan.target.shares == (1.0, 0.5, 1.0)
-    assert json.loads(m2.store.get(m2.plan_key))["target"]["shares"] == [1.0, 0.5, 1.0]
-    assert m2.store.get(m2.gen.prefix + "go") == b"go"  # type: ignore[union-attr]
+    g2 = m2.group
+    assert g2.plan is not None and g2.plan.target.shares == (1.0, 0.5, 1.0)
+    assert json.loads(g2.store.get(g2.plan_key))["target"]["shares"] == [1.0, 0.5, 1.0]
+    assert g2.store.get(g2.gen.prefix + "go") == b"go"  # type: ignore[union-attr]
 
 
 def test_a_failure_in_the_generation_being_switched_to_completes_the_switch_first() -> None:
@@ -171,15 +161,16 @@ def test_a_failure_in_the_generation_being_switched_to_completes_the_switch_firs
     m, _ = _master(2)
     assert m.scale_out(1).accepted
     m.register("w2")
-    assert m.plan is not None
-    new = m.plan.target.gen
+    assert m.group.plan is not None
+    new = m.group.plan.target.gen
     m.failed("w0", gen=new, step=12)
-    assert m.gen is not None and m.gen.gen == new and m.recovery is not None and m.recovery["gen"] == new
-    assert [c["kind"] for c in m.changes] == ["scale_out"]
+    assert m.group.gen is not None and m.group.gen.gen == new
+    assert m.core.recovery is not None and m.core.recovery.gen == new
+    assert [c["kind"] for c in m.core.changes] == ["scale_out"]
 
 
 def _beat(m: JobMaster, w: str, n: int, step: int, phase: str) -> None:
-    m.store.set(f"tidal/j/alive/{w}", json.dumps([n, step, phase]))
+    m.group.store.set(f"tidal/j/alive/{w}", json.dumps([n, step, phase]))
 
 
 def _run(m: JobMaster, t0: float, seconds: int, beats: dict[str, tuple[int, str] | None]) -> list[str]:
@@ -216,7 +207,7 @@ def test_a_worker_stuck_in_compute_while_a_peer_waits_is_killed() -> None:
     assert found == []
     found = _run(m, t + 13, 3, {"w0": (7, "sync"), "w1": (7, "compute")})
     assert found == ["w1"] and sp.killed == ["w1"]
-    assert "while a peer waited" in m.hung[0]["reason"]
+    assert "while a peer waited" in m.core.hung[0]["reason"]
 
 
 def test_health_check_does_not_judge_what_it_cannot_see() -> None:
@@ -376,15 +367,17 @@ def test_point_to_point_replication_delivers_the_exact_state(tmp_path: Path, cap
 def test_a_suspension_interrupted_by_a_failure_suspends_the_survivors() -> None:
     m, _ = _master(3)
     for w in ("w0", "w1", "w2"):
-        m.workers[w]["checkpoints"] = True
-    assert m.suspend().accepted and m.plan is not None and m.plan.kind == "suspend"
+        m.group.workers[w]["checkpoints"] = True
+    assert m.suspend().accepted and m.group.plan is not None and m.group.plan.kind == "suspend"
     assert m.scale_out(1).status == "retry"
     m.failed("w0", gen=1, step=7)
     m.failed("w2", gen=1, step=7)
-    m.recovery["started"] -= 60  # type: ignore[index]  # w1 never reports: the window ends
-    m._check_recovery()
-    assert m.gen is not None and m.gen.members == ("w0", "w2")
-    assert m.plan is not None and m.plan.kind == "suspend" and set(m.plan.leavers) == {"w0", "w2"}
+    m.check_health()
+    assert m.group.gen is not None and m.group.gen.members == ("w0", "w1", "w2")  # w1 may still report
+    m.check_health(wall=time.time() + 60)  # w1 never reports: the window ends
+    g = m.group
+    assert g.gen is not None and g.gen.members == ("w0", "w2")
+    assert g.plan is not None and g.plan.kind == "suspend" and set(g.plan.leavers) == {"w0", "w2"}
     m.suspended_at(8, 96, "/ck/ckpt-8.pt")
     st = m.status()
     assert st.state == "suspended" and st.changes[-1]["kind"] == "suspend"

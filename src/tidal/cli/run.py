@@ -34,7 +34,7 @@ def run(
 ) -> None:
     """Run SCRIPT as an elastic job with a local job master (torchrun-like)."""
     from tidal.runtime.launch import run_job
-    from tidal.runtime.master import STRAGGLER_POLICIES
+    from tidal.runtime.stragglers import STRAGGLER_POLICIES
     from tidal.runtime.replication import MODES
 
     if straggler_policy not in STRAGGLER_POLICIES:

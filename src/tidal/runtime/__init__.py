@@ -1,5 +1,5 @@
 """Tidal's elastic runtime: stop-free rescaling of plain PyTorch jobs with
-exactly-once data and fixed-run equivalence (issue 4). See ``docs/runtime.md``.
+exactly-once data and fixed-run equivalence. See ``docs/runtime.md``.
 
 Worker side: :func:`init`, :class:`Job`, :class:`ElasticState`.
 Job master: :class:`JobMaster`, :class:`MasterServer`, :class:`MasterClient`.

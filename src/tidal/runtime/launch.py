@@ -227,7 +227,7 @@ def migrate_job(job: str, ranks: list[int], timeout_s: float = 120.0, out: Calla
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tidal.runtime.master import STRAGGLER_POLICIES
+    from tidal.runtime.stragglers import STRAGGLER_POLICIES
 
     ap = argparse.ArgumentParser(prog="python -m tidal.runtime.launch")
     sub = ap.add_subparsers(dest="cmd", required=True)

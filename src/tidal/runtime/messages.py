@@ -1,6 +1,6 @@
 """Frozen messages exchanged between the job master and its workers.
 
-All messages are plain JSON on the wire (see :mod:`tidal.runtime.master` for the
+All messages are plain JSON on the wire (see :mod:`tidal.runtime.server` for the
 protocol); these dataclasses are the typed Python view of them.
 """
 
@@ -26,7 +26,7 @@ class Generation:
     store_port: int
     prefix: str
     # relative share of the global batch per rank (empty: even); a straggler
-    # may get a smaller one (EDL §5.2, issue 5 item 3)
+    # may get a smaller one (EDL §5.2)
     shares: tuple[float, ...] = ()
 
     @property

@@ -1,5 +1,5 @@
 """Pluggable persistence of the job master's state, so a restarted master
-resumes (issue 4, item 2). Backends register by URL scheme: ``file://PATH``
+resumes (Elan §V-D). Backends register by URL scheme: ``file://PATH``
 (JSON, atomic rename) and ``sqlite://PATH``; etcd can be added later with
 :func:`register_backend`."""
 

@@ -1,4 +1,4 @@
-"""Topology-aware concurrent state replication (Elan §IV; issue 5, item 6).
+"""Topology-aware concurrent state replication (Elan §IV).
 
 When newcomers join, each needs the full training state. Sending it from one
 worker makes that worker's link the bottleneck: ``k`` newcomers take ``k``

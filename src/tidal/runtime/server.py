@@ -4,8 +4,10 @@ Protocol (HTTP/1.1 + JSON on localhost, stdlib only; every answer is a JSON
 object, errors carry ``{"status": "error", "message": ...}``):
 
 Scheduler-facing
-  ``POST /scale_out {"n": int} | {"hosts": [str]}``  -> ScaleAnswer
-  ``POST /scale_in  {"n": int} | {"ranks": [int]}``  -> ScaleAnswer
+  ``POST /scale_out {"count": int, "hosts": [str]?} | {"workers": [str]}`` -> ScaleAnswer
+  (``workers``: ids started by someone else, which the master expects to register)
+  ``POST /scale_in  {"count": int} | {"ranks": [int]} | {"workers": [str]}`` -> ScaleAnswer
+  (``"n"`` is accepted for ``"count"``; every scaling request may carry a ``request_id``)
   ``POST /migrate   {"ranks": [int], "hosts": [str]?}`` -> ScaleAnswer (one switch, EDL §5.2)
   ``POST /reshare   {"shares": {worker: weight}}``   -> ScaleAnswer (batch shares)
   ``POST /suspend``  -> ScaleAnswer (checkpoint at an agreed step, then every worker leaves)
@@ -81,10 +83,13 @@ class _Handler(BaseHTTPRequestHandler):
             if p == "/status":
                 return self._send(200, m.status().to_json())
             if p in ("/scale_out", "/scale_in"):
+                count = body.get("count", body.get("n"))
                 if p == "/scale_out":
-                    ans = m.scale_out(n=body.get("n"), hosts=body.get("hosts"), request_id=body.get("request_id"))
+                    ans = m.scale_out(count=count, hosts=body.get("hosts"), workers=body.get("workers"),
+                                      request_id=body.get("request_id"))
                 else:
-                    ans = m.scale_in(n=body.get("n"), ranks=body.get("ranks"), request_id=body.get("request_id"))
+                    ans = m.scale_in(count=count, ranks=body.get("ranks"), workers=body.get("workers"),
+                                     request_id=body.get("request_id"))
                 code = {"accepted": 200, "retry": 409}.get(ans.status, 400)
                 return self._send(code, ans.to_json())
             if p == "/migrate":
@@ -105,7 +110,7 @@ class _Handler(BaseHTTPRequestHandler):
             if p == "/store":
                 return self._send(200, m.store_info())
             if p == "/plan":
-                plan = m.plans.get(int(q.get("gen", -1)))
+                plan = m.published_plan(int(q.get("gen", -1)))
                 return self._send(200 if plan else 404, {"status": "ok" if plan else "error", "plan": plan})
             if p == "/register":
                 return self._send(200, m.register(body["worker_id"], int(body.get("pid", 0)), str(body.get("host", "")),

@@ -16,6 +16,7 @@ GPU on that host (``CUDA_VISIBLE_DEVICES``).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import subprocess
@@ -55,6 +56,9 @@ class Spawner(Protocol):
 
 SpawnerFactory = Callable[..., Spawner]
 _REGISTRY: dict[str, SpawnerFactory] = {}
+# spawners that live in packages this one must not import (they import it):
+# loaded by module name on first use, like an entry point
+_PLUGINS: dict[str, str] = {"agents": "tidal.control.spawner"}
 
 
 def register_spawner(name: str) -> Callable[[SpawnerFactory], SpawnerFactory]:
@@ -70,8 +74,8 @@ def register_spawner(name: str) -> Callable[[SpawnerFactory], SpawnerFactory]:
 
 
 def make_spawner(name: str, **options: Any) -> Spawner:
-    if name == "agents":
-        import tidal.control.spawner  # noqa: F401  (registers itself; imports the control plane)
+    if name not in _REGISTRY and name in _PLUGINS:
+        importlib.import_module(_PLUGINS[name])  # registers itself
     try:
         factory = _REGISTRY[name]
     except KeyError:
@@ -80,7 +84,7 @@ def make_spawner(name: str, **options: Any) -> Spawner:
 
 
 def spawner_names() -> list[str]:
-    return sorted(set(_REGISTRY) | {"agents"})
+    return sorted(set(_REGISTRY) | set(_PLUGINS))
 
 
 def failed_workers(spawner: Spawner | None) -> set[str]:

@@ -1,0 +1,216 @@
+"""A job's workers, its current generation and the published plan, on the
+job's rendezvous store (a torch ``TCPStore``; generation ``g`` rendezvouses
+under the prefix ``tidal/<job>/g<g>/``, EDL §3.1).
+
+Per-step traffic goes through the store (C++), not HTTP: rank 0 writes its
+progress under ``tidal/<job>/progress`` and reads the published plan from
+``tidal/<job>/plan`` (empty when none); every worker beats under
+``tidal/<job>/alive/<worker>``; generation ``g``'s members start once
+``<prefix>go`` says ``go`` (``cancel``: the plan was dropped).
+
+:class:`Generations` is not thread-safe: the job master calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import time
+from typing import Any, Sequence
+
+from tidal.runtime.change import Change
+from tidal.runtime.messages import Generation, SwitchPlan
+from tidal.runtime.replication import Location, assign_sources
+
+log = logging.getLogger(__name__)
+
+
+class Generations:
+    """Workers (by id: state, pid, host, switch), the queue of registered
+    workers in no generation yet, the current generation, and the plan of
+    the next one with its switch step ``t_cur + k``, ``k = ceil(T_a /
+    T_step)`` (EDL §4.2); plus the last progress rank 0 reported."""
+
+    def __init__(self, job: str, size: int, *, store_host: str, store_port: int, switch_lead_s: float,
+                 replication: str) -> None:
+        import torch.distributed as dist  # heavy import, only where needed
+
+        self.job, self.size = job, int(size)
+        self.switch_lead_s = float(switch_lead_s)  # T_a of EDL §4.2
+        self.replication = replication  # how newcomers get the state (Elan §IV)
+        self.store = dist.TCPStore(store_host, store_port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=60))
+        self.store_host, self.store_port = store_host, int(self.store.port)
+        self.plan_key, self.progress_key = f"tidal/{job}/plan", f"tidal/{job}/progress"
+        self.store.set(self.plan_key, "")
+        self.workers: dict[str, dict[str, Any]] = {}
+        self.queue: list[str] = []
+        self.gen: Generation | None = None
+        self.last_gen = 0  # generation numbers (and store prefixes) are never reused
+        self.plan: SwitchPlan | None = None
+        self.plans: dict[int, dict[str, Any]] = {}  # every published plan, by target generation
+        self.progress: dict[str, Any] = {"step": 0, "cursor": 0, "epoch": 0, "step_time_s": 0.0, "gen": 0}
+
+    # ------------------------------------------------------------------ persistence
+    def to_json(self) -> dict[str, Any]:
+        return {"workers": self.workers, "queue": self.queue, "gen": self.gen.to_json() if self.gen else None,
+                "plan": self.plan.to_json() if self.plan else None, "progress": self.progress,
+                "plans": {str(k): v for k, v in list(self.plans.items())[-16:]}, "last_gen": self.last_gen}
+
+    def restore(self, s: dict[str, Any]) -> None:
+        """Adopt a snapshot's membership; a pending plan and the current
+        generation now rendezvous on this store."""
+        self.workers, self.queue, self.progress = s["workers"], s["queue"], s["progress"]
+        self.gen = Generation.from_json(s["gen"]) if s.get("gen") else None
+        self.plan = SwitchPlan.from_json(s["plan"]) if s.get("plan") else None
+        self.plans = {int(k): v for k, v in s.get("plans", {}).items()}
+        self.last_gen = int(s.get("last_gen", 0))
+        if self.plan is not None:
+            t = self.plan.target
+            self.plan = dataclasses.replace(self.plan, target=self._here(t))
+            self.plans[t.gen] = self.plan.to_json()
+            self.store.set(self.plan_key, json.dumps(self.plan.to_json()))
+        if self.gen is not None:  # a member that had not seen its go yet finds it on this store
+            self.gen = self._here(self.gen)
+            self.store.set(self.gen.prefix + "go", "go")
+
+    def _here(self, g: Generation) -> Generation:
+        return dataclasses.replace(g, store_host=self.store_host, store_port=self.store_port)
+
+    # ------------------------------------------------------------------ reads
+    def store_info(self) -> dict[str, Any]:
+        """Where workers rendezvous and exchange per-step progress and plans."""
+        return {"status": "ok", "job": self.job, "store_host": self.store_host, "store_port": self.store_port,
+                "plan_key": self.plan_key, "progress_key": self.progress_key}
+
+    def assignment(self, worker_id: str, after_gen: int = 0) -> dict[str, Any]:
+        """A worker's generation: assigned (joining a plan's target, or a
+        member), wait, or finished (declared dead, or told to leave)."""
+        if after_gen and (self.gen is None or self.gen.gen <= after_gen):
+            return {"status": "wait"}  # a survivor waits for the recovery generation
+        if after_gen and self.gen is not None and worker_id not in self.gen.members:
+            return {"status": "finished"}  # declared dead: do not come back
+        if (self.workers.get(worker_id) or {}).get("state") == "left":
+            return {"status": "finished"}  # e.g. the replacement of an abandoned migration
+        if self.plan is not None and worker_id in self.plan.joiners:
+            return {"status": "assigned", "generation": self.plan.target.to_json(), "joining": True,
+                    "plan": self.plan.to_json()}
+        if self.gen is not None and worker_id in self.gen.members:
+            return {"status": "assigned", "generation": self.gen.to_json(), "joining": False}
+        return {"status": "wait"}
+
+    def at_ranks(self, ranks: Sequence[int]) -> list[str] | None:
+        """The current members at ``ranks`` (rank order), or None if one is out of range."""
+        members = self.gen.members if self.gen is not None else ()
+        if any(r < 0 or r >= len(members) for r in ranks):
+            return None
+        return [members[r] for r in sorted(set(ranks))]
+
+    def beats(self) -> dict[str, bytes | None]:
+        """The current members' raw liveness beats (None: never beat)."""
+        keys = {w: f"tidal/{self.job}/alive/{w}" for w in (self.gen.members if self.gen else ())}
+        return {w: self.store.get(k) if self.store.check([k]) else None for w, k in keys.items()}
+
+    # ------------------------------------------------------------------ progress
+    def read_progress(self) -> None:
+        """Pick up the progress rank 0 wrote to the store."""
+        if self.gen is None or not self.store.check([self.progress_key]):
+            return
+        p = json.loads(self.store.get(self.progress_key))
+        if int(p.get("gen", -1)) == self.gen.gen and int(p["step"]) >= int(self.progress.get("step", 0)):
+            self.progress.update(step=int(p["step"]), cursor=int(p["cursor"]), epoch=int(p["epoch"]),
+                                 gen=int(p["gen"]), step_time_s=float(p["step_time_s"]),
+                                 last_step=list(p.get("last_step") or []))
+
+    def heartbeat(self, p: dict[str, Any]) -> None:
+        """Progress rank 0 posted over HTTP (the same as the store's)."""
+        if self.gen is not None and int(p.get("gen", -1)) == self.gen.gen:
+            self.progress.update(step=int(p["step"]), cursor=int(p["cursor"]), epoch=int(p["epoch"]),
+                                 gen=int(p["gen"]), step_time_s=float(p.get("step_time_s") or 0.0))
+
+    # ------------------------------------------------------------------ generations and plans
+    def mark(self, workers: Sequence[str], state: str) -> None:
+        for w in workers:
+            self.workers[w]["state"] = state
+
+    def new_gen(self, members: Sequence[str], shares: dict[str, float] | None = None) -> Generation:
+        """The next generation; a member keeps its batch share (if any) unless
+        ``shares`` sets it; all-equal shares collapse to the even split."""
+        g = max(self.last_gen, self.gen.gen if self.gen else 0) + 1  # even after an abandoned plan
+        self.last_gen = g
+        old = dict(zip(self.gen.members, self.gen.shares)) if self.gen is not None and self.gen.shares else {}
+        old.update(shares or {})
+        sh = tuple(float(old.get(m, 1.0)) for m in members)
+        return Generation(g, tuple(members), self.store_host, self.store_port, f"tidal/{self.job}/g{g}/",
+                          () if all(x == 1.0 for x in sh) else sh)
+
+    def form(self, members: Sequence[str]) -> Generation:
+        """Make ``members`` the current generation and let them start."""
+        self.gen = self.new_gen(members)
+        self.store.set(self.gen.prefix + "go", "go")
+        return self.gen
+
+    def form_initial(self) -> bool:
+        """The first generation, once ``size`` workers registered."""
+        if self.gen is not None or len(self.queue) < self.size:
+            return False
+        members, self.queue = self.queue[: self.size], self.queue[self.size :]
+        self.form(members)
+        self.mark(members, "active")
+        log.info("formed gen 1 with %s", members)
+        return True
+
+    def publish(self, change: Change, shares: dict[str, float] | None = None) -> SwitchPlan:
+        """Publish the plan of ``change`` (its leavers leave, its joiners
+        join; ``shares``: new batch shares) at step ``t_cur + k``; each
+        joiner gets its state from its nearest staying worker (Elan §IV)."""
+        assert self.gen is not None
+        self.read_progress()
+        self.mark(change.leavers, "leaving")
+        stay = [w for w in self.gen.members if w not in change.leavers]
+        target = self.new_gen(stay + list(change.joiners), shares)
+        st = float(self.progress.get("step_time_s") or 0.0)
+        k = max(1, math.ceil(self.switch_lead_s / st)) if st > 0 else 1
+        src = assign_sources(stay, change.joiners, {w: self._where(w) for w in target.members},
+                             self.replication) if change.joiners else {}
+        self.plan = SwitchPlan(target, int(self.progress["step"]) + k, k, change.joiners, change.leavers,
+                               change.kind.value, tuple(src.items()))
+        self.plans[target.gen] = self.plan.to_json()
+        self.store.set(self.plan_key, json.dumps(self.plan.to_json()))
+        log.info("plan gen %d (%s) switch at step %d (k=%d)", target.gen, change.kind.value, self.plan.switch_step, k)
+        return self.plan
+
+    def _where(self, worker_id: str) -> Location:
+        w = self.workers.get(worker_id) or {}
+        return Location(str(w.get("host") or ""), str(w.get("switch") or ""))
+
+    def cancel_plan(self) -> None:
+        """Drop the published plan: its target's members stop waiting for the go."""
+        if self.plan is not None:
+            self.store.set(self.plan.target.prefix + "go", "cancel")
+        self.clear_plan()
+
+    def clear_plan(self) -> None:
+        self.plan = None
+        self.store.set(self.plan_key, "")
+
+    def switch(self, plan: SwitchPlan, step: int) -> Generation | None:
+        """The plan's target generation formed at ``step``; the old one."""
+        old, self.gen = self.gen, plan.target
+        self.clear_plan()
+        self.mark(plan.leavers, "left")
+        self.mark(plan.joiners, "active")
+        self.progress.update(step=int(step), gen=plan.target.gen)
+        return old
+
+    def moved(self, url: str) -> None:
+        """Tell the workers (they poll the plan key) that the master moved to ``url``."""
+        self.store.set(self.plan_key, json.dumps({"moved": url}))
+
+    def registered(self, worker_id: str, pid: int, host: str, switch: str, checkpoints: bool) -> None:
+        w = self.workers.setdefault(worker_id, {"state": "registered", "pid": pid, "host": host,
+                                                "registered_at": time.time()})
+        w.update(pid=pid, host=host, switch=switch, checkpoints=bool(checkpoints))

@@ -1,0 +1,127 @@
+"""Hung-worker detection from the workers' liveness beats.
+
+Every worker beats ``[n, step, phase]`` into the job's store; the master
+reads the beats periodically (:meth:`HealthMonitor.observe`, on its
+monotonic clock) and finds the members that hang (:meth:`HealthMonitor.hung`):
+a member whose beat did not change for ``hang_timeout_s`` (e.g. a stopped
+process), or that has been in the compute phase of a step for that long
+while a peer waits in the all-reduce of the same step. Killing it makes its
+peers' collective fail at once, so the usual recovery (a forced scale-in,
+EDL §4.2) runs instead of waiting for the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from tidal import settings
+
+if TYPE_CHECKING:
+    from tidal.runtime.spawner import Spawner
+
+LOCAL_HOSTS = ("localhost", "127.0.0.1")
+
+
+@dataclass
+class _Beat:
+    """What the monitor last saw of one worker: its raw beat, when it last
+    changed, its (step, phase) and since when."""
+
+    raw: bytes | None
+    changed: float
+    state: tuple[int, str] | None
+    since: float
+
+
+class HealthMonitor:
+    """Liveness clocks of a job's members. Owned by the master's periodic
+    step (under the master's lock); ``hang_timeout_s`` 0 never judges."""
+
+    def __init__(self, hang_timeout_s: float) -> None:
+        self.hang_timeout_s = float(hang_timeout_s)
+        self._beats: dict[str, _Beat] = {}
+        self._last: float | None = None
+
+    def observe(self, beats: Mapping[str, bytes | None], now: float) -> None:
+        """Take the members' current raw beats (None: never beat) at ``now``."""
+        if self._last is not None and now - self._last > self.hang_timeout_s / 2:
+            # this check itself did not run for a while (the host stalled, the lock was
+            # held): what looks like silence may be ours, so start the clocks again
+            for b in self._beats.values():
+                b.changed = b.since = now
+        self._last = now
+        for w, raw in beats.items():
+            b = self._beats.get(w)
+            if b is None:
+                b = self._beats[w] = _Beat(raw, now, None, now)
+            if raw != b.raw:
+                b.raw, b.changed = raw, now
+            if raw is not None:
+                beat = json.loads(raw)
+                state = (int(beat[1]), str(beat[2]))
+                if state != b.state:
+                    b.state, b.since = state, now
+
+    def hung(self, members: Iterable[str], gone: set[str], leaving: set[str], now: float) -> list[tuple[str, str]]:
+        """``(worker, why)`` for the hung ``members``; ``gone`` were killed
+        already, ``leaving`` leave at the next switch (neither is judged)."""
+        if self.hang_timeout_s <= 0:
+            return []
+        members = list(members)
+        waiting: dict[int, float] = {}  # step -> since when a peer waits in its all-reduce
+        for w in members:
+            st = self._beats[w].state
+            if st is not None and st[1] == "sync":
+                waiting[st[0]] = min(waiting.get(st[0], now), self._beats[w].since)
+        found: list[tuple[str, str]] = []
+        for w in members:
+            b = self._beats[w]
+            if w in gone or w in leaving or b.raw is None:
+                continue  # never beat (e.g. a newcomer still receiving its state): not judged
+            if now - b.changed > self.hang_timeout_s:
+                found.append((w, f"no liveness beat for {now - b.changed:.1f}s"))
+            elif b.state is not None and b.state[1] == "compute" and b.state[0] in waiting \
+                    and now - waiting[b.state[0]] > self.hang_timeout_s:
+                found.append((w, f"in compute of step {b.state[0]} while a peer waited "
+                                 f"{now - waiting[b.state[0]]:.1f}s in the all-reduce"))
+        if len(found) == len([w for w in members if w not in gone]):
+            return []  # everyone silent at once: the master's view is stale (e.g. it just restarted), not a hang
+        return found
+
+    def silent(self, now: float, quiet_s: float = 3.0) -> set[str]:
+        """Workers that have beaten before but not in the last ``quiet_s``
+        seconds (as last observed): a recovery does not wait for their report."""
+        return {w for w, b in self._beats.items() if b.raw is not None and now - b.changed > quiet_s}
+
+
+def _is_worker(pid: int, worker_id: str) -> bool:
+    """Whether process ``pid`` still is worker ``worker_id`` (its environment
+    names it), so a reused pid is never killed. Linux ``/proc`` only."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return False
+    return f"{settings.WORKER_ID.name}={worker_id}".encode() in env
+
+
+def kill_worker(spawner: "Spawner | None", worker_id: str, info: Mapping[str, Any]) -> str:
+    """Stop a hung worker for good: through the spawner if there is one,
+    else by pid when it runs on this host (``info``: its registration).
+    Returns what was done, for the record."""
+    try:
+        if spawner is not None:
+            spawner.kill(worker_id)
+            return "killed"
+        pid = int(info.get("pid") or 0)
+        if pid and info.get("host") in (socket.gethostname(), *LOCAL_HOSTS) and _is_worker(pid, worker_id):
+            os.kill(pid, signal.SIGKILL)
+            return "killed"
+    except (OSError, RuntimeError) as e:
+        return f"kill failed: {e}"
+    return "reported (cannot kill it from here)"
