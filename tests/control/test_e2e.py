@@ -72,7 +72,7 @@ def test_live_cluster_reshapes_real_jobs_and_survives_server_restart(tmp_path):
         wait(lambda: user.job(b)["state"] == "running" and user.job(cc)["state"] == "running", 120, "B and C to start", user)
         assert len(user.job(a)["gpus"]) < 8
         c.restart_server()
-        user = c.api(user.http.headers["Authorization"].split()[1])
+        user = c.api(user.token)
         done = ("completed", "failed", "cancelled", "dropped")
         wait(lambda: all(user.job(j)["state"] in done for j in (b, cc)), 200, "B and C to finish", user)
         # the schedule continues after the restart: A scales out again

@@ -2,9 +2,10 @@
 
 SQLite file by default, PostgreSQL by URL. Tables follow the SideCar paper's
 in-memory database (nodes, GPUs, jobs, throughput profiles — its
-Tables II–V) plus an audit trail of events and the desired worker set that
-agents reconcile against (DLRover/Elan: the master's state machine lives in a
-store, so a restarted server resumes).
+Tables II–V) plus an audit trail of events, the desired process set that
+agents reconcile against, and each job's phase and change in flight
+(DLRover/Elan: the master's state machine lives in a store, so a restarted
+server resumes).
 
 Invariant: a GPU row has at most one ``job_id``; :meth:`Store.assign_gpus`
 takes GPUs with a conditional UPDATE (``WHERE job_id IS NULL``) inside one
@@ -38,6 +39,8 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
+from tidal import settings
+
 
 class Base(DeclarativeBase):
     pass
@@ -68,7 +71,6 @@ class GPU(Base):
     index: Mapped[int] = mapped_column(Integer)  # index on its node (CUDA_VISIBLE_DEVICES)
     state: Mapped[str] = mapped_column(String(16), default="free")  # free | in_use
     job_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
-    worker: Mapped[str | None] = mapped_column(String(64), nullable=True)
     util: Mapped[float] = mapped_column(Float, default=0.0)
     # early initialisation (SideCar §III-C): the job that gets this GPU once its
     # holder releases it; that job's workers may start (not compute) meanwhile
@@ -97,6 +99,11 @@ class Job(Base):
     tags: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     rescales: Mapped[int] = mapped_column(Integer, default=0)
     exit_info: Mapped[str] = mapped_column(Text, default="")
+    # the coordinator's phase machine (tidal.control.phases): the phase and the
+    # change in flight (GPUs, worker ids, when it began), so a restarted server resumes
+    phase: Mapped[str] = mapped_column(String(16), default="submitted", server_default="submitted")
+    change: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    batch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # the policy's global batch (0: the spec's)
 
 
 class Process(Base):
@@ -117,7 +124,6 @@ class Process(Base):
     env: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     argv: Mapped[list[str]] = mapped_column(JSON, default=list)
     cwd: Mapped[str] = mapped_column(Text, default="")
-    created: Mapped[float] = mapped_column(Float, default=0.0)
     gated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())  # warm up, wait before training
 
 
@@ -150,9 +156,7 @@ def hash_token(token: str) -> str:
 
 
 def default_url() -> str:
-    import os
-
-    home = Path(os.environ.get("TIDAL_HOME", Path.home() / ".tidal"))
+    home = settings.home()
     home.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{home / 'tidal.db'}"
 
@@ -233,7 +237,7 @@ class Store:
             res = s.execute(
                 update(GPU)
                 .where(GPU.gid == g, GPU.job_id.is_(None))
-                .values(job_id=job_id, state="in_use", worker=None)
+                .values(job_id=job_id, state="in_use")
             )
             if res.rowcount != 1:
                 holder = s.get(GPU, g)
@@ -262,7 +266,7 @@ class Store:
     def release_gpus(self, s: Session, job_id: str, gids: list[int]) -> None:
         for g in gids:
             res = s.execute(
-                update(GPU).where(GPU.gid == g, GPU.job_id == job_id).values(job_id=None, state="free", worker=None)
+                update(GPU).where(GPU.gid == g, GPU.job_id == job_id).values(job_id=None, state="free")
             )
             if res.rowcount == 1:
                 self.log(s, "gpu.release", job_id, gpu=g)

@@ -9,7 +9,6 @@ test can check that every sample was used exactly once per epoch.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 import tidal.runtime
+from tidal import settings
 
 
 class Indexed(torch.utils.data.Dataset):
@@ -52,7 +52,7 @@ def main() -> None:
     rec = None
     if a.record:
         Path(a.record).mkdir(parents=True, exist_ok=True)
-        rec = open(Path(a.record) / f"{os.environ.get('TIDAL_WORKER_ID', 'w')}.txt", "a")
+        rec = open(Path(a.record) / f"{settings.WORKER_ID.get() or 'w'}.txt", "a")
     loader = job.data(Indexed(a.samples), batch_size=a.batch_size, epochs=a.epochs, seed=1)
     for idx, x, y in loader:
         epoch, step = loader.epoch, job.step_count

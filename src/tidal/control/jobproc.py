@@ -1,121 +1,131 @@
 """The per-job process the agent starts on a job's first node (the job master
-of EDL §3 / DLRover's master pod): it hosts the runtime's JobMaster, asks the
-server for worker processes (``/internal/jobs/{id}/spawn``; agents launch
-them on the GPUs the coordinator chose) and reports the master's status every
-half second. It exits 0 when the job finished.
+of EDL §3 / DLRover's master pod): it hosts the runtime's JobMaster with
+:func:`tidal.runtime.host.host_master`, tells the server its URL and reports
+the master's status every half second. The coordinator starts the job's
+workers (the master is told their ids: the first ones on this command line,
+later ones with each ``scale_out``); the master only kills hung ones, through
+the server. It exits 0 when the job finished or was suspended.
 
-    python -m tidal.control.jobproc --job ID --server URL --workers N --hosts GID,GID
+    python -m tidal.control.jobproc --job ID --server URL --size N --first-worker K
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
-import urllib.request
 from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from tidal import settings
+from tidal.httpjson import JsonHttp, Unavailable
+from tidal.runtime.messages import Status
+from tidal.runtime.spawner import WorkerLaunch
 
 log = logging.getLogger("tidal.jobproc")
 
-
-class ServerClient:
-    def __init__(self, url: str, token: str) -> None:
-        self.url, self.token = url.rstrip("/"), token
-
-    def post(self, path: str, body: dict, patience_s: float = 60.0) -> dict:
-        """POST with retries while the server is unreachable (it may restart)."""
-        data = json.dumps(body).encode()
-        deadline = time.time() + patience_s
-        while True:
-            req = urllib.request.Request(self.url + path, data=data, method="POST",
-                                         headers={"Content-Type": "application/json",
-                                                  "Authorization": f"Bearer {self.token}"})
-            try:
-                with urllib.request.urlopen(req, timeout=10) as r:
-                    return json.loads(r.read() or b"{}")
-            except Exception as e:  # noqa: BLE001 - retry any transport error
-                if time.time() > deadline:
-                    raise
-                log.debug("server unreachable (%s); retrying", e)
-                time.sleep(0.5)
+#: how long a suspended job's master waits for its workers to report they left
+LINGER_S = 10.0
 
 
-class RemoteSpawner:
-    """The master's spawner: new worker ids go to the server with the GPU ids
-    (``hosts``) the coordinator passed to ``scale_out``."""
+class ControlPlaneSpawner:
+    """The master's spawner on the control plane: it starts nothing (the
+    coordinator starts this job's workers) and stops a hung worker through
+    its agent (``POST /internal/jobs/{id}/kill``)."""
 
-    def __init__(self, server: ServerClient, job: str) -> None:
+    def __init__(self, server: JsonHttp, job: str) -> None:
         self.server, self.job = server, job
 
-    def __call__(self, ids: list[str], hosts: list[str] | None = None) -> None:
-        if not hosts or len(hosts) != len(ids):
-            raise ValueError("the control plane spawns workers only on GPUs it names (hosts = GPU ids)")
-        ans = self.server.post(f"/internal/jobs/{self.job}/spawn", {"ids": ids, "gpus": [int(h) for h in hosts]})
-        if not ans.get("ok"):
-            raise RuntimeError(ans.get("error", "spawn refused"))
+    def spawn(self, launches: Sequence[WorkerLaunch]) -> None:
+        ids = [x.worker_id for x in launches]
+        raise RuntimeError(f"job {self.job} runs on the control plane: the coordinator starts its workers, "
+                           f"not its master (asked for {ids})")
 
     def kill(self, worker_id: str) -> None:
-        """A hung worker: its agent stops it (the master's check_health)."""
-        ans = self.server.post(f"/internal/jobs/{self.job}/kill", {"name": worker_id}, patience_s=5)
-        if not ans.get("ok"):
-            raise RuntimeError(f"no live worker {worker_id}")
+        status, ans = self.server.call("POST", f"/internal/jobs/{self.job}/kill", {"name": worker_id}, patience_s=5)
+        if status >= 400 or not (isinstance(ans, dict) and ans.get("ok")):
+            raise RuntimeError(f"no live worker {worker_id} of {self.job}: {ans}")
+
+    def exit_codes(self) -> dict[str, int | None]:
+        return {}  # the server sees the processes, not this master
 
 
-def main(argv: list[str] | None = None) -> int:
+class Reporter:
+    """Posts the master's status to the server and decides when the master's
+    work is over: the job finished, or it was suspended and its workers left."""
+
+    def __init__(self, server: JsonHttp, job: str, workers_left: Callable[[], bool],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.server, self.job = server, job
+        self.workers_left, self.clock = workers_left, clock
+        self.last: Status | None = None
+        self._suspended_at: float | None = None
+
+    def report(self, st: Status) -> None:
+        self.last = st
+        body = {"state": st.state, "step": st.step, "epoch": st.epoch, "world_size": st.world_size,
+                "members": list(st.members), "gen": st.gen, "step_time_s": st.step_time_s,
+                "changing": st.changing, "changes": list(st.changes)}
+        try:
+            self.server.call("POST", f"/internal/jobs/{self.job}/status", body, patience_s=5)
+        except Unavailable as e:  # keep training while the server is away
+            log.warning("status report failed: %s", e)
+
+    def done(self) -> bool:
+        st = self.last
+        if st is None:
+            return False
+        if st.state == "finished":
+            return True
+        if st.state != "suspended":
+            return False
+        # every worker posts /left as it goes: let that through before the master stops
+        if self._suspended_at is None:
+            self._suspended_at = self.clock()
+        return self.workers_left() or self.clock() - self._suspended_at > LINGER_S
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tidal.control.jobproc")
     ap.add_argument("--job", required=True)
     ap.add_argument("--server", required=True)
-    ap.add_argument("--workers", type=int, required=True)
-    ap.add_argument("--hosts", required=True)
+    ap.add_argument("--size", type=int, required=True, help="number of workers the job starts with")
+    ap.add_argument("--first-worker", type=int, default=0, help="number of the first worker id (w<N>)")
     ap.add_argument("--state-dir", default=None)
-    ap.add_argument("--first-id", type=int, default=0, help="number of the first worker id (w<N>)")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tidal.runtime import JobMaster, MasterServer
+    from tidal.runtime.host import host_master
     from tidal.runtime.persistence import open_backend
 
-    server = ServerClient(a.server, os.environ.get("TIDAL_AGENT_TOKEN", ""))
-    state_dir = Path(a.state_dir or Path(os.environ.get("TIDAL_HOME", Path.home() / ".tidal")) / "masters")
+    server = JsonHttp(a.server, token=settings.AGENT_TOKEN.get(), timeout_s=10.0, patience_s=60.0)
+    state_dir = Path(a.state_dir or settings.home() / "masters")
     state_dir.mkdir(parents=True, exist_ok=True)
     backend = open_backend(f"file://{state_dir / (a.job + '.json')}")
-    spawner = RemoteSpawner(server, a.job)
-    master = JobMaster(a.job, a.workers, backend=backend, spawner=spawner)
+    master = JobMaster(a.job, a.size, backend=backend, spawner=ControlPlaneSpawner(server, a.job),
+                       first_worker=a.first_worker)
     srv = MasterServer(master).start()
-    server.post(f"/internal/jobs/{a.job}/master", {"url": srv.url, "pid": os.getpid()})
-    hosts = a.hosts.split(",")
-    ids = [f"w{a.first_id + i}" for i in range(a.workers)]
-    master.spawned = a.first_id + a.workers
-    spawner(ids, hosts)
-    log.info("job %s master %s, %d workers on GPUs %s", a.job, srv.url, a.workers, hosts)
-    rc = 0
+    status, ans = server.call("POST", f"/internal/jobs/{a.job}/master", {"url": srv.url, "pid": os.getpid()})
+    if status >= 400:
+        log.error("the server refused this master: %s", ans)
+    log.info("job %s master %s, %d workers from w%d", a.job, srv.url, a.size, a.first_worker)
+
+    def workers_left() -> bool:
+        workers: dict[str, Any] = master.snapshot()["workers"]
+        return not any(w.get("state") in ("active", "leaving") for w in workers.values())
+
+    reporter = Reporter(server, a.job, workers_left)
     try:
-        while True:
-            st = master.status()
-            body = {"state": st.state, "step": st.step, "epoch": st.epoch, "world_size": st.world_size,
-                    "members": list(st.members), "gen": st.gen, "step_time_s": st.step_time_s,
-                    "changes": list(st.changes)}
-            try:
-                server.post(f"/internal/jobs/{a.job}/status", body, patience_s=5)
-            except Exception as e:  # noqa: BLE001 - keep training while the server is away
-                log.warning("status report failed: %s", e)
-            if st.state == "finished":
-                break
-            if st.state == "suspended":
-                # every worker posts /left as it goes: let that through before the server stops
-                linger = time.time() + 10
-                while time.time() < linger and any(
-                        w.get("state") in ("active", "leaving") for w in master.snapshot()["workers"].values()):
-                    time.sleep(0.1)
-                break
-            for _ in range(5):
-                master.check_health()  # hung workers are killed through their agent
-                time.sleep(0.1)
+        host_master(master, stop=reporter.done, on_status=reporter.report, status_every_s=0.5, poll_s=0.1)
     finally:
         srv.stop()
-    return rc
+    return 0
 
 
 if __name__ == "__main__":

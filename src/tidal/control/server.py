@@ -23,7 +23,7 @@ from sqlalchemy import select
 from tidal import settings
 from tidal.control.api import cluster, internal, jobs, users
 from tidal.control.coordinator import Coordinator
-from tidal.control.db import Job, Node, Store
+from tidal.control.db import Node, Store
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def create_app(
     store.add_user("admin", admin=True, token=admin_token)
     if agent_token != admin_token:
         store.add_user("agent", admin=True, token=agent_token)
-    coord = Coordinator(store, policy, server_url=server_url, agent_token=agent_token, tick_s=tick_s)
+    coord = Coordinator(store, policy, server_url=server_url, agent_token=agent_token, tick_s=tick_s, home=home)
     app = FastAPI(title="Tidal control plane", version="0.1.0", lifespan=_lifespan(start_loop),
                   description="Submit elastic training jobs; the scheduler reshapes them.")
     app.state.store, app.state.coordinator = store, coord
@@ -82,11 +82,9 @@ async def _any_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def _reset_after_restart(store: Store) -> None:
-    """A restarted server resumes from the store: jobs mid-change go back to
-    running (the job master finishes or rejects the change on its own)."""
+    """A restarted server resumes from the store (the coordinator resumes
+    each job's phase and its change in flight)."""
     with store.session() as s:
-        for j in s.scalars(select(Job).where(Job.state == "resizing")):
-            j.state = "running"
         # the server was away, not the nodes: their heartbeat clocks start now
         # (otherwise the first agent back would have all the others declared down)
         for n in s.scalars(select(Node).where(Node.state == "up")):

@@ -66,6 +66,9 @@ def profile_model(spec: JobSpec, profiles: ThroughputProfile) -> JobSpec:
 
 
 def build_snapshot(s: Session, now: float, overheads: OverheadModel) -> tuple[Snapshot, GpuMap, dict[str, Job]]:
+    """The policy's view of the store at ``now`` (jobs in a live state, each
+    with the GPUs it holds and the global batch a policy chose for it), the
+    map from policy GPU indices to store GPU ids, and the job rows by id."""
     nodes = s.scalars(select(Node).where(Node.state == "up").order_by(Node.ordinal)).all()
     per = min((n.num_gpus for n in nodes), default=1)
     gids: list[int] = []
@@ -85,13 +88,13 @@ def build_snapshot(s: Session, now: float, overheads: OverheadModel) -> tuple[Sn
     by_id = {}
     for j in jobs:
         spec = profile_model(job_spec(j), profiles)
-        for b in (spec.batch_size,):
-            if spec.model == "generic" and b not in profiles.curves["generic"]:
-                profiles.curves["generic"][b] = GENERIC
+        if spec.model == "generic":
+            for b in {spec.batch_size, int(j.batch or 0)} - {0}:  # the spec's and the policy's global batch
+                profiles.curves["generic"].setdefault(b, GENERIC)
         held = tuple(sorted(index[g] for g in holders.get(j.id, []) if g in index))
         state = JobState(j.state)
         views.append(JobView(spec, state, held, j.done, j.attained, j.executed, j.waiting_since, j.admitted,
-                             dict(j.tags or {})))
+                             dict(j.tags or {}), int(j.batch or 0)))
         by_id[j.id] = j
     snap = Snapshot(now=now, cluster=cluster, jobs=tuple(views), profiles=profiles, overheads=overheads)
     return snap, gmap, by_id

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from tidal.control.api.deps import AdminDep, CoordinatorDep, LogsDirDep, StoreDep
+from tidal.control.api.deps import AdminDep, CoordinatorDep, CoordinatorDep, LogsDirDep, StoreDep
 from tidal.control.db import GPU, Job, Node, Process, Store
 
 router = APIRouter(prefix="/internal", tags=["internal"])
@@ -199,12 +199,14 @@ def kill_worker(job_id: str, body: dict[str, Any], store: StoreDep, _: AdminDep)
 
 
 @router.post("/jobs/{job_id}/master")
-def master_up(job_id: str, body: dict[str, Any], store: StoreDep, _: AdminDep) -> dict[str, Any]:
-    """The job's master is up at ``url``."""
+def master_up(job_id: str, body: dict[str, Any], store: StoreDep, coord: CoordinatorDep,
+              _: AdminDep) -> dict[str, Any]:
+    """The job's master is up at ``url`` (the coordinator writes its workers' rows now)."""
     with store.session() as s:
         j = _any_job(s, job_id)
         j.master_url = str(body.get("url", ""))
         store.log(s, "job.master", job_id, url=j.master_url)
+    coord.wake()
     return {"ok": True}
 
 

@@ -1,0 +1,228 @@
+"""The phase machine of a live job, as pure functions.
+
+The coordinator is level-triggered (Kubernetes-style): every tick it compares
+what the policy wants (the plan) with what the store says (process rows the
+agents report, the progress the job master reports) and moves each job ONE
+step. A step is a transition ``(phase, event) -> phase``; the event is either
+observed (:func:`judge`: a process exited, a GPU became free, a change timed
+out) or wanted by the plan (:func:`intent`: start, grow, shrink, suspend).
+Nothing here does I/O or reads a clock: the effects of each transition live in
+:mod:`tidal.control.effects`, the tick in :mod:`tidal.control.reconcile`.
+
+Phases (the job's ``state`` as users and policies see it in brackets)::
+
+    submitted [submitted] --admit--> pending [pending]
+    pending --start--> starting [running]        GPUs assigned, master launched
+    pending --prestart--> prestarting [pending]  SideCar §III-C: GPUs reserved while a
+                                                 donor gives them up; workers warm up gated
+    starting --master_up--> running              worker rows written
+    prestarting --taken / gate_open--> starting / running
+    running --grow_accepted--> joining [resizing]       newcomers on free GPUs
+    running --grow_early_accepted--> warming [resizing] newcomers gated on a donor's GPUs
+    warming --gate_open--> joining --joined--> running
+    running --shrink_accepted--> shrinking [resizing] --left--> running
+    running --suspend_accepted--> suspending [suspending] --suspended--> pending
+    any live phase --master_exit--> ending [running] --finished / failed--> completed / failed
+    any live phase --cancel--> cancelling [cancelling] --gone--> cancelled
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+SUBMITTED, PENDING, PRESTARTING, STARTING, RUNNING = "submitted", "pending", "prestarting", "starting", "running"
+WARMING, JOINING, SHRINKING, SUSPENDING = "warming", "joining", "shrinking", "suspending"
+ENDING, CANCELLING = "ending", "cancelling"
+COMPLETED, FAILED, CANCELLED, DROPPED = "completed", "failed", "cancelled", "dropped"
+
+TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED, DROPPED})
+
+#: the job state users and policies see in each phase
+STATE_OF: Mapping[str, str] = {
+    SUBMITTED: "submitted", PENDING: "pending", PRESTARTING: "pending", STARTING: "running", RUNNING: "running",
+    WARMING: "resizing", JOINING: "resizing", SHRINKING: "resizing", SUSPENDING: "suspending", ENDING: "running",
+    CANCELLING: "cancelling", COMPLETED: "completed", FAILED: "failed", CANCELLED: "cancelled", DROPPED: "dropped",
+}
+
+#: phases in which the job's master process runs (or is being launched)
+WITH_MASTER = frozenset({PRESTARTING, STARTING, RUNNING, WARMING, JOINING, SHRINKING})
+
+#: phases that wait for a remote change to finish (the loop ticks faster meanwhile)
+IN_FLIGHT = frozenset({PRESTARTING, STARTING, WARMING, JOINING, SHRINKING, SUSPENDING, ENDING, CANCELLING})
+
+#: phases in which a job gives GPUs back (early initialisation may reserve them)
+DONOR = frozenset({SHRINKING, SUSPENDING})
+
+_LIVE = frozenset(STATE_OF) - TERMINAL
+
+TRANSITIONS: Mapping[tuple[str, str], str] = {
+    **{(p, "cancel"): CANCELLING for p in _LIVE - {CANCELLING}},
+    **{(p, "master_exit"): ENDING for p in WITH_MASTER},
+    (CANCELLING, "gone"): CANCELLED,
+    (ENDING, "finished"): COMPLETED,
+    (ENDING, "failed"): FAILED,
+    (SUBMITTED, "drop"): DROPPED,
+    (PENDING, "drop"): DROPPED,
+    (SUBMITTED, "admit"): PENDING,
+    (PENDING, "start"): STARTING,
+    (PENDING, "prestart"): PRESTARTING,
+    (STARTING, "master_up"): RUNNING,
+    (PRESTARTING, "master_up"): PRESTARTING,  # its newcomers start, gated
+    (PRESTARTING, "taken"): STARTING,
+    (PRESTARTING, "gate_open"): RUNNING,
+    (PRESTARTING, "lapsed"): PENDING,
+    (RUNNING, "grow_accepted"): JOINING,
+    (RUNNING, "grow_early_accepted"): WARMING,
+    (RUNNING, "shrink_accepted"): SHRINKING,
+    (RUNNING, "released"): RUNNING,  # a shrink without live workers on the GPUs
+    (RUNNING, "suspend_accepted"): SUSPENDING,
+    (RUNNING, "grow_refused"): RUNNING,
+    (RUNNING, "shrink_refused"): RUNNING,
+    (RUNNING, "suspend_refused"): RUNNING,
+    (WARMING, "gate_open"): JOINING,
+    (WARMING, "lapsed"): RUNNING,
+    (JOINING, "joined"): RUNNING,
+    (JOINING, "timeout"): RUNNING,
+    (SHRINKING, "left"): RUNNING,
+    (SHRINKING, "overdue"): SHRINKING,  # the leavers are stopped
+    (SHRINKING, "timeout"): RUNNING,  # their node does not answer: the GPUs stay with the job
+    (SUSPENDING, "overdue"): SUSPENDING,
+    (SUSPENDING, "suspended"): PENDING,
+    (SUSPENDING, "finished"): COMPLETED,
+}
+
+#: the master requests behind the plan's intents
+REQUESTS: Mapping[str, str] = {"grow": "scale_out", "grow_early": "scale_out", "shrink": "scale_in",
+                               "suspend": "suspend"}
+
+
+class IllegalTransition(ValueError):
+    pass
+
+
+def advance(phase: str, event: str) -> str:
+    """The phase after ``event``; raises :class:`IllegalTransition` if the
+    machine has no such edge."""
+    try:
+        return TRANSITIONS[(phase, event)]
+    except KeyError:
+        raise IllegalTransition(f"no transition from {phase!r} on {event!r}") from None
+
+
+def answer_event(intent_: str, status: str) -> str | None:
+    """The event a master's answer to the request of ``intent_`` means: None
+    for *retry* (busy, EDL §3.1: ask again next tick)."""
+    if status == "retry":
+        return None
+    if status == "accepted":
+        return f"{intent_}_accepted"
+    return f"{intent_.split('_')[0]}_refused"
+
+
+@dataclass(frozen=True)
+class JobObs:
+    """What the store says about one job at the start of a tick."""
+
+    phase: str
+    change: Mapping[str, Any] = field(default_factory=dict)  # the change in flight (see effects)
+    cancel_requested: bool = False  # the API set the job's state to cancelling
+    master: str | None = None  # state of this incarnation's master process; None: not launched
+    master_exit_code: int | None = None
+    master_url: str = ""
+    progress: Mapping[str, Any] = field(default_factory=dict)  # the master's last status report
+    live: int = 0  # the job's processes that are pending or running (master included)
+    live_workers: int = 0
+    leavers_live: int = 0  # of a shrink's leaving workers
+    change_gpus: str = ""  # "free" | "donated" | "blocked": the GPUs of the change in flight
+    unsuspendable: bool = False  # its master refused a suspension once
+
+    @property
+    def since(self) -> float:
+        return float(self.change.get("since", 0.0))
+
+    @property
+    def master_gone(self) -> bool:
+        return self.master in ("exited", "failed", "lost")
+
+    @property
+    def finished_ok(self) -> bool:
+        """The master exited 0 after the job reported it finished."""
+        return self.master == "exited" and self.master_exit_code == 0 and self.progress.get("state") == "finished"
+
+    @property
+    def formed(self) -> bool:
+        """The master is up and its job trains: it can take a change."""
+        return bool(self.master_url) and self.progress.get("state") in ("running", "changing")
+
+    @property
+    def joined(self) -> bool:
+        """The master reached the size of the grow in flight."""
+        if self.progress.get("state") == "finished":
+            return True
+        return (int(self.progress.get("world_size", 0)) == int(self.change.get("target", -1))
+                and self.progress.get("state") == "running" and not self.progress.get("changing", False))
+
+
+def judge(obs: JobObs, now: float, timeout_s: float) -> str | None:
+    """The observed event of this tick for ``obs.phase``, or None (then the
+    plan may ask for something, see :func:`intent`)."""
+    p = obs.phase
+    if p in TERMINAL:
+        return None
+    if obs.cancel_requested and p != CANCELLING:
+        return "cancel"
+    if p == CANCELLING:
+        return "gone" if obs.live == 0 else None
+    if p == SUSPENDING:
+        if obs.live == 0:
+            return "finished" if obs.finished_ok else "suspended"
+        return "overdue" if now > obs.since + timeout_s else None
+    if p in WITH_MASTER and obs.master_gone:
+        return "master_exit"
+    if p == ENDING:
+        return None if obs.live_workers else ("finished" if obs.finished_ok else "failed")
+    late = now > obs.since + timeout_s
+    if p == STARTING:
+        return "master_up" if obs.master_url else None
+    if p == PRESTARTING:
+        if obs.change_gpus == "free":
+            return "gate_open" if obs.change.get("spawned") else "taken"
+        if obs.change_gpus == "blocked" or late:
+            return "lapsed"
+        return "master_up" if obs.master_url and not obs.change.get("spawned") else None
+    if p == WARMING:
+        if obs.change_gpus == "free":
+            return "gate_open"
+        return "lapsed" if obs.change_gpus == "blocked" or late else None
+    if p == JOINING:
+        return "joined" if obs.joined else ("timeout" if late else None)
+    if p == SHRINKING:
+        if obs.leavers_live == 0:
+            return "left"
+        if now > obs.since + 2 * timeout_s:
+            return "timeout"
+        return "overdue" if late else None
+    return None
+
+
+def intent(obs: JobObs, kind: str | None, gpus: str) -> str | None:
+    """What the plan's change for this job (``kind`` from
+    :class:`tidal.scheduler.diff.JobDelta`) asks of it this tick, or None.
+    ``gpus`` is the availability of the GPUs it would take: "free", "donated"
+    (held by a donor that is giving them up) or "blocked"."""
+    if kind is None:
+        return None
+    if obs.phase in (SUBMITTED, PENDING):
+        if kind != "start" or obs.live:  # a stopped incarnation's processes are still leaving
+            return None
+        return {"free": "start", "donated": "prestart"}.get(gpus)
+    if obs.phase != RUNNING or not obs.formed:
+        return None  # one change at a time; a master that is not formed cannot take one
+    if kind == "stop":
+        return None if obs.unsuspendable else "suspend"
+    if kind in ("shrink", "move"):
+        return "shrink"  # a move shrinks first; the plan of a later tick grows it
+    if kind == "grow":
+        return {"free": "grow", "donated": "grow_early"}.get(gpus)
+    return None
