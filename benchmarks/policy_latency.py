@@ -16,7 +16,7 @@ time of the whole ``schedule`` call.
     python benchmarks/policy_latency.py --json          # one JSON line per policy
     python benchmarks/policy_latency.py --policy elasticflow --events 50
 
-Target (issue 3): elasticflow p95 < 50 ms at 1,024 GPUs with 500 jobs.
+Target: elasticflow p95 < 50 ms at 1,024 GPUs with 500 jobs.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ import numpy as np
 from tidal.core.job import JobSpec, JobState
 from tidal.core.profile import load_profiles
 from tidal.core.topology import parse_cluster
-from tidal.scheduler.api import JobView, Snapshot, get_policy, policy_names
+from tidal.scheduler.api import JobView, Snapshot
 from tidal.scheduler.buddy import BuddyAllocator
+from tidal.scheduler.registry import get_policy, policy_names
 
 log = logging.getLogger("policy_latency")
 

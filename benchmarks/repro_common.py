@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,7 +38,7 @@ class Case:
 def run_case(case: Case, workloads: dict[str, Callable[[int], list]] | None = None) -> dict[str, Any]:
     from tidal.core.overhead import OverheadModel
     from tidal.core.topology import parse_cluster
-    from tidal.scheduler.api import get_policy_for_slot
+    from tidal.scheduler.registry import get_policy_for_slot
     from tidal.sim.engine import Simulator
     from tidal.sim.metrics import summarize
     from tidal.sim.traces import load_trace

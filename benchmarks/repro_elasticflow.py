@@ -20,8 +20,8 @@ TRACES = {
     "cluster06": "n64g8", "cluster10": "n32g8", "philly_103959": "n32g8",
 }
 POLICIES = ["elasticflow", "tidal", "edf", "gandiva", "tiresias", "themis", "chronus"]
-# The public artifact's own simulator on these traces (60 s slots, A100), as
-# given in issue 3, for comparison.
+# The public artifact's own simulator's results on these traces (60 s slots,
+# A100), for comparison.
 REFERENCE = {
     ("cluster10", "elasticflow"): 0.962, ("cluster10", "edf"): 0.777, ("cluster10", "tiresias"): 0.477,
     ("cluster10", "themis"): 0.473, ("cluster10", "gandiva"): 0.331,

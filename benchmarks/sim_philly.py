@@ -1,4 +1,4 @@
-"""Simulator speed on the Philly scale trace (issue 2's target: < 60 s).
+"""Simulator speed on the Philly scale trace (target: < 60 s).
 
     python benchmarks/sim_philly.py --json
     python benchmarks/sim_philly.py --policy fifo,tiresias --cluster n256g8 --json
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from tidal.core.topology import parse_cluster
-from tidal.scheduler.api import get_policy
+from tidal.scheduler.registry import get_policy
 from tidal.sim.engine import Simulator
 from tidal.sim.metrics import summarize
 from tidal.sim.traces import load_trace

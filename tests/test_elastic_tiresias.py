@@ -11,7 +11,8 @@ import pytest
 from tidal.core.job import JobSpec, JobState
 from tidal.core.overhead import OverheadModel
 from tidal.core.topology import parse_cluster
-from tidal.scheduler.api import JobView, Snapshot, get_policy
+from tidal.scheduler.api import JobView, Snapshot
+from tidal.scheduler.registry import get_policy
 from tidal.sim.engine import simulate
 
 NO_OVERHEAD = OverheadModel(mode="stop-free", pause_s=0.0, warmup_s=0.0, stop_resume_s=0.0)

@@ -17,9 +17,10 @@ import pytest
 from tidal.core.job import JobSpec, JobState
 from tidal.core.overhead import OverheadModel
 from tidal.core.topology import parse_cluster
-from tidal.scheduler.api import JobView, Snapshot, get_policy
+from tidal.scheduler.api import JobView, Snapshot
 from tidal.scheduler.buddy import is_aligned_block
-from tidal.scheduler.policies.elasticflow import Costs, Levels, Timeline, fill
+from tidal.scheduler.registry import get_policy
+from tidal.scheduler.timeline import Costs, Levels, Timeline, fill
 from tidal.sim.engine import simulate
 from tidal.sim.metrics import summarize
 
@@ -187,7 +188,7 @@ def test_untold_overhead_makes_admitted_jobs_miss(toy_profiles):
 def test_stored_plans_reserved_at_once_equal_one_by_one(seed):
     """The vectorised reservation of stored plans gives the same free-GPU
     timeline as reserving them one at a time."""
-    from tidal.scheduler.policies.elasticflow import commit_segments, reserve_all
+    from tidal.scheduler.timeline import commit_segments, reserve_all
 
     rng = np.random.default_rng(seed)
     plans = []

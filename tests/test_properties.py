@@ -11,7 +11,8 @@ from tidal.core.job import JobSpec, JobState
 from tidal.core.overhead import OverheadModel
 from tidal.core.profile import load_profiles
 from tidal.core.topology import parse_cluster
-from tidal.scheduler.api import Plan, Policy, Snapshot, get_policy, policy_names
+from tidal.scheduler.api import Plan, Policy, Snapshot
+from tidal.scheduler.registry import get_policy, policy_names
 from tidal.sim.engine import simulate
 from tidal.sim.metrics import summarize
 

@@ -20,7 +20,7 @@ import pytest
 from tidal.core.job import JobSpec, JobState
 from tidal.core.overhead import OverheadModel
 from tidal.core.topology import parse_cluster
-from tidal.scheduler.api import JobView, Snapshot, get_policy
+from tidal.scheduler.api import JobView, Snapshot
 from tidal.scheduler.policies.k8s_default import fixed_count
 from tidal.scheduler.policies.reshaping import (
     accuracy_job,
@@ -29,6 +29,7 @@ from tidal.scheduler.policies.reshaping import (
     observed_accuracy,
     predicted_remaining,
 )
+from tidal.scheduler.registry import get_policy
 from tidal.sim.engine import simulate
 
 RESTART = OverheadModel(mode="stop-resume", stop_resume_s=10.0)

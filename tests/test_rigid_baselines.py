@@ -13,10 +13,11 @@ from tidal.core.job import JobSpec, JobState
 from tidal.core.overhead import OverheadModel
 from tidal.core.profile import load_profiles
 from tidal.core.topology import parse_cluster
-from tidal.scheduler.api import JobView, Snapshot, get_policy
+from tidal.scheduler.api import JobView, Snapshot
 from tidal.scheduler.policies.chronus import SloJob, lease_plan, slot_bounds
 from tidal.scheduler.policies.gandiva import gandiva_placement
 from tidal.scheduler.policies.themis import finish_time_fairness
+from tidal.scheduler.registry import get_policy
 from tidal.sim.engine import simulate
 from tidal.sim.metrics import summarize
 from tidal.sim.traces import poisson_jobs

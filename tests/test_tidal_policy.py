@@ -10,7 +10,7 @@ import pytest
 from tidal.core.job import JobSpec, JobState
 from tidal.core.overhead import OverheadModel
 from tidal.core.topology import parse_cluster
-from tidal.scheduler.api import get_policy
+from tidal.scheduler.registry import get_policy
 from tidal.sim.engine import simulate
 
 FREE = OverheadModel(mode="stop-free", pause_s=0.0, warmup_s=0.0, stop_resume_s=0.0)

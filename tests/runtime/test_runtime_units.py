@@ -1,17 +1,26 @@
 """Single-process tests of the pure pieces: the data cursor, shard bookkeeping,
-batch/LR policies and master-state persistence."""
+batch/LR policies, master-state persistence, and the worker's parts that need
+no process group (switch agreement, report outbox, checkpoint settings, the
+undo of a dropped step)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal import settings as tidal_settings
+from tidal.runtime.checkpoint import Checkpointer
 from tidal.runtime.data import ShardManager, epoch_permutation, split_sizes, step_slice
 from tidal.runtime.persistence import FileBackend, SQLiteBackend, open_backend
+from tidal.runtime.heartbeat import Outbox
+from tidal.runtime.membership import Agreement, Seat, SwitchAgreement
+from tidal.runtime.messages import Generation, SwitchPlan
 from tidal.runtime.scaling import HybridScaling, StrongScaling, WeakScaling, make_policy
+from tidal.runtime.state import ElasticState, TrainState
 
 
 @settings(max_examples=60, deadline=None)
@@ -105,3 +114,108 @@ def test_state_backends_roundtrip(tmp_path: Path, kind: str) -> None:
     assert open_backend(url).load() == {"gen": 4, "members": ["w0"]}
     with pytest.raises(ValueError):
         open_backend("etcd://x")
+
+
+# --------------------------------------------------------------------------- worker parts (no process group)
+def _plan(gen: int, switch_step: int) -> SwitchPlan:
+    return SwitchPlan(Generation(gen, ("w0", "w1"), "127.0.0.1", 1, f"g{gen}/"), switch_step, 2)
+
+
+def test_switch_agreement_rides_on_the_control_pair() -> None:
+    a = SwitchAgreement()
+    g1 = Generation(1, ("w0", "w1"), "127.0.0.1", 1, "g1/")
+    rank0, rank1 = Seat(g1, 0, 2), Seat(g1, 1, 2)
+    assert a.control(rank0) == (None, (0.0, 0.0))  # nothing seen yet
+    a.see(_plan(1, 9))
+    assert a.control(rank0) == (None, (0.0, 0.0))  # not newer than the current generation
+    p = _plan(2, 9)
+    a.see(p)
+    assert a.control(rank0) == (p, (2.0, 9.0)) and a.control(rank1) == (None, (0.0, 0.0))
+    assert a.settle(None, (0.0, 0.0), 5) is None and a.agreed is None
+    ag = a.settle(p, (2.0, 9.0), 12)  # the planned step already passed: switch at the next one
+    assert ag == Agreement(p, 2, 13) and a.agreed is ag
+    assert a.settle(p, (2.0, 9.0), 12) is None  # agreed once
+    assert a.control(rank0) == (None, (0.0, 0.0))  # nothing proposed while an agreement is pending
+    assert not a.due(12) and a.due(13)
+    a.complete(Agreement(None, 2, 13), _plan(3, 1))  # a stale prefetch is ignored
+    assert a.agreed is ag
+    assert a.take() is ag and a.agreed is None
+
+
+def test_switch_agreement_prefetched_plan_and_cancel() -> None:
+    a = SwitchAgreement()
+    ag = a.settle(None, (4.0, 20.0), 3)  # a non-zero rank: the plan comes later
+    assert ag == Agreement(None, 4, 20)
+    p = _plan(4, 20)
+    a.complete(ag, p)
+    assert a.agreed == Agreement(p, 4, 20)
+    a.clear()  # a failed step cancels it
+    assert a.agreed is None and not a.due(100)
+
+
+class _Recorder:
+    def __init__(self, fail_on: str | None = None) -> None:
+        self.posts: list[tuple[str, dict]] = []
+        self.fail_on = fail_on
+
+    def post(self, path: str, body: dict) -> dict:
+        if path == self.fail_on:
+            raise ConnectionError(path)
+        self.posts.append((path, body))
+        return {"status": "ok"}
+
+
+def test_outbox_posts_in_order_and_keeps_a_switch_report_until_posted() -> None:
+    box = Outbox()
+    box.switched({"gen": 2})
+    box.switched({"gen": 3})  # replaces the older report
+    box.straggler({"worker_id": "w1"})
+    box.straggler({"worker_id": "w2"})
+    box.agreed(4, 17)
+    with pytest.raises(ConnectionError):
+        box.post(_Recorder(fail_on="/switched"))  # type: ignore[arg-type]
+    c = _Recorder()
+    box.post(c)  # type: ignore[arg-type]
+    assert c.posts == [("/switched", {"gen": 3}), ("/straggler", {"worker_id": "w1"}),
+                       ("/straggler", {"worker_id": "w2"}), ("/agreed", {"gen": 4, "switch_step": 17})]
+    box.post(c)  # type: ignore[arg-type]
+    box.flush_switched(c)  # type: ignore[arg-type]
+    assert len(c.posts) == 4
+    box.switched({"gen": 5})
+    box.flush_switched(c)  # type: ignore[arg-type]
+    assert c.posts[-1] == ("/switched", {"gen": 5})
+
+
+def test_checkpointer_arguments_then_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(tidal_settings.CHECKPOINT_DIR.name, raising=False)
+    monkeypatch.delenv(tidal_settings.CHECKPOINT_EVERY.name, raising=False)
+    assert Checkpointer.configure().every == 0 and Checkpointer.configure().directory is None
+    c = Checkpointer.configure(tmp_path)
+    assert c.directory == str(tmp_path) and c.every == 100  # a directory alone: every 100 steps
+    monkeypatch.setenv(tidal_settings.CHECKPOINT_DIR.name, str(tmp_path / "env"))
+    monkeypatch.setenv(tidal_settings.CHECKPOINT_EVERY.name, "7")
+    c = Checkpointer.configure()
+    assert c.directory == str(tmp_path / "env") and c.every == 7
+    assert Checkpointer.configure(tmp_path, 3).every == 3
+    assert [s for s in range(30) if c.due(s)] == [7, 14, 21, 28]
+    t = TrainState(ElasticState(torch.nn.Linear(1, 1)), step=14, cursor=140)
+    c.write(t, world_size=1, worker="w0")
+    assert not c.due(14) and c.due(21) and [w["step"] for w in c.written] == [14]
+    again, t2 = Checkpointer.configure(), TrainState(ElasticState(torch.nn.Linear(1, 1)))
+    assert again.resume(t2) and (t2.step, t2.cursor, again.resumed_from) == (14, 140, 14) and not again.due(14)
+
+
+def test_dropped_step_snapshot_undoes_user_side_effects() -> None:
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    st = ElasticState(model, opt, sched, {"best": 1.0})
+    snap = st.step_snapshot()
+    r0 = torch.rand(3)
+    opt.step()
+    sched.step()
+    st.extras["best"] = 0.5
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    st.restore_step_snapshot(snap)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1) and sched.last_epoch == 0 and st.extras == {"best": 1.0}
+    assert torch.equal(torch.rand(3), r0)  # the RNG is back where the step started

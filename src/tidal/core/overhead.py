@@ -9,8 +9,8 @@ Two mechanisms (EDL §4.2 and Fig. 4b; Elan §V-B):
   process groups and copy state. Scale-in costs one ``pause_s``.
 
 A suspended (preempted) job always pays ``stop_resume_s`` when it restarts, and
-a fresh start pays ``launch_s``. The runtime's measured figures can be plugged
-in with :meth:`OverheadModel.from_measured`.
+a fresh start pays ``launch_s``. The runtime's measured figures go in as the
+fields (``pause_s``, ``stop_resume_s``, ``warmup_s``).
 """
 
 from __future__ import annotations
@@ -32,10 +32,6 @@ class OverheadModel:
     def __post_init__(self) -> None:
         if self.mode not in ("stop-free", "stop-resume"):
             raise ValueError(f"overhead mode must be 'stop-free' or 'stop-resume', got {self.mode!r}")
-
-    @classmethod
-    def from_measured(cls, mode: str, pause_s: float, stop_resume_s: float, warmup_s: float = 10.0) -> "OverheadModel":
-        return cls(mode=mode, pause_s=pause_s, stop_resume_s=stop_resume_s, warmup_s=warmup_s)
 
     def start(self, now: float, rate: float, resumed: bool) -> Segments:
         delay = self.stop_resume_s if resumed else self.launch_s

@@ -57,10 +57,6 @@ class Cluster:
         start = node * self.gpus_per_node
         return range(start, start + self.gpus_per_node)
 
-    def nodes_of_switch(self, switch: int) -> range:
-        start = switch * self.nodes_per_switch
-        return range(start, start + self.nodes_per_switch)
-
     @cached_property
     def all_gpus(self) -> frozenset[int]:
         return frozenset(range(self.num_gpus))

@@ -1,4 +1,4 @@
-"""Periodic checkpoints for "consistent recovery" (EDL §4.2, issue 5).
+"""Periodic checkpoints for "consistent recovery" (EDL §4.2).
 
 When every worker of a job dies there is no survivor to take the state from;
 the job is started again and resumes from the newest checkpoint on disk.
@@ -13,6 +13,10 @@ temporary name in the same directory, fsynced and renamed (atomic on POSIX),
 so a worker killed while writing never leaves a torn newest checkpoint. The
 newest ``keep`` checkpoints are kept; a file that fails to load is skipped
 in favour of the previous one.
+
+:class:`Checkpointer` is one worker's view: where and how often (``init()``
+arguments, else ``$TIDAL_CHECKPOINT_DIR`` / ``$TIDAL_CHECKPOINT_EVERY``), what
+it wrote and which step it resumed from. Training thread only.
 """
 
 from __future__ import annotations
@@ -21,15 +25,19 @@ import logging
 import os
 import re
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tidal import settings
+from tidal.runtime.state import TrainState
+
 log = logging.getLogger(__name__)
 
-ENV_DIR = "TIDAL_CHECKPOINT_DIR"
-ENV_EVERY = "TIDAL_CHECKPOINT_EVERY"
+DEFAULT_EVERY = 100  # steps between checkpoints when only a directory is given
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 
 
@@ -92,3 +100,52 @@ def load_latest(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
         except Exception as e:  # noqa: BLE001 - a damaged file: fall back to the previous one
             log.warning("checkpoint %s (step %d) unreadable (%s); trying an older one", p, step, e)
     return None
+
+
+@dataclass
+class Checkpointer:
+    """Periodic checkpoints of one worker (rank 0 writes them). ``every`` is
+    0 without a directory; ``written`` lists what this worker wrote."""
+
+    directory: str | None = None
+    every: int = 0
+    keep: int = 2
+    resumed_from: int | None = None  # step of the checkpoint this job resumed from
+    written: list[dict[str, Any]] = field(default_factory=list)
+    last_step: int = -1  # step of the newest checkpoint written or resumed from
+
+    @classmethod
+    def configure(cls, directory: str | os.PathLike[str] | None = None, every: int | None = None,
+                  keep: int = 2) -> "Checkpointer":
+        """Arguments first, then the settings; a directory alone means every
+        :data:`DEFAULT_EVERY` steps."""
+        d = directory if directory is not None else settings.CHECKPOINT_DIR.get()
+        if d is None:
+            return cls(keep=keep)
+        n = every if every is not None else settings.CHECKPOINT_EVERY.get()
+        return cls(os.fspath(d), int(n) if n > 0 else DEFAULT_EVERY, keep)
+
+    def due(self, step: int) -> bool:
+        """Whether the boundary before ``step`` takes a periodic checkpoint."""
+        return bool(self.every) and step % self.every == 0 and step != self.last_step and step > 0
+
+    def write(self, train: TrainState, **meta: Any) -> Path:
+        """Save what the next step starts from (and ``meta``) as the
+        checkpoint of the current step, and record it."""
+        assert self.directory is not None
+        t0 = time.perf_counter()
+        payload = dict(train.payload(), **meta, wall=time.time())
+        path = save_checkpoint(self.directory, train.step, payload, keep=self.keep)
+        self.last_step = train.step
+        self.written.append({"step": train.step, "cursor": train.cursor, "path": str(path),
+                             "write_s": time.perf_counter() - t0})
+        return path
+
+    def resume(self, train: TrainState) -> bool:
+        """A (re)started job: load the newest checkpoint into ``train``, if any."""
+        p = load_latest(self.directory) if self.directory is not None else None
+        if p is None:
+            return False
+        train.load_payload(p)
+        self.resumed_from = self.last_step = train.step
+        return True

@@ -1,4 +1,4 @@
-"""Fault injection for tests and users (issue 5, item 7).
+"""Fault injection for tests and users.
 
 Faults are described by a small spec string, usually given to every worker
 through ``$TIDAL_FAULTS`` (``tidal run`` passes its environment on)::
@@ -32,10 +32,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from tidal import settings
+
 log = logging.getLogger(__name__)
 
-ENV_FAULTS = "TIDAL_FAULTS"
-ENV_FAULT_LOG = "TIDAL_FAULT_LOG"
 KINDS = ("kill", "stop", "slow")
 
 
@@ -90,7 +90,7 @@ def random_kill(seed: int, workers: int, steps: int, first_step: int = 1) -> Fau
 
 def record(event: dict[str, object]) -> None:
     """Append ``event`` (with its wall time) to ``$TIDAL_FAULT_LOG``."""
-    path = os.environ.get(ENV_FAULT_LOG)
+    path = settings.FAULT_LOG.get()
     if not path:
         return
     with open(path, "a") as f:
@@ -112,7 +112,7 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls) -> "FaultInjector":
-        return cls(parse_faults(os.environ.get(ENV_FAULTS)))
+        return cls(parse_faults(settings.FAULTS.get()))
 
     def __bool__(self) -> bool:
         return bool(self.faults)

@@ -13,14 +13,16 @@ executor stores it, the policy object stays stateless.
 from __future__ import annotations
 
 import abc
+import importlib
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 from tidal.core.job import JobSpec, JobState
 from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ThroughputProfile
 from tidal.core.topology import Cluster
+from tidal.scheduler.placement import place_consolidated
 
 EMPTY: Mapping[str, Any] = MappingProxyType({})
 _RUNNING = frozenset({JobState.RUNNING, JobState.RESIZING})
@@ -46,7 +48,8 @@ class JobView(NamedTuple):
         return self.spec.job_id
 
     @property
-    def n(self) -> int:
+    def size(self) -> int:
+        """GPUs held now (one per worker)."""
         return len(self.gpus)
 
     @property
@@ -65,12 +68,6 @@ class Snapshot:
     jobs: tuple[JobView, ...]  # active jobs: submitted, pending, running, resizing
     profiles: ThroughputProfile
     overheads: OverheadModel = field(default_factory=OverheadModel)
-
-    def free_gpus(self) -> set[int]:
-        used: set[int] = set()
-        for j in self.jobs:
-            used.update(j.gpus)
-        return set(self.cluster.all_gpus) - used
 
     def throughput(self, job: JobView | JobSpec, n: float) -> float:
         """Iterations/s at the job's submitted global batch on ``n`` GPUs."""
@@ -134,8 +131,7 @@ class Policy(abc.ABC):
         """Fill ``plan.allocation`` (GPU count per job that should run)."""
 
     def placement(self, snap: Snapshot, plan: Plan) -> None:
-        from tidal.scheduler.placement import place_consolidated
-
+        """Default: :func:`~tidal.scheduler.placement.place_consolidated`."""
         plan.placement = place_consolidated(snap, plan.allocation)
 
 
@@ -148,45 +144,19 @@ def schedulable(snap: Snapshot, plan: Plan) -> list[JobView]:
     ]
 
 
-_REGISTRY: dict[str, Callable[..., Policy]] = {}
-
-
-def register_policy(name: str) -> Callable[[Callable[..., Policy]], Callable[..., Policy]]:
-    def deco(factory: Callable[..., Policy]) -> Callable[..., Policy]:
-        if name in _REGISTRY:
-            raise ValueError(f"policy {name!r} registered twice")
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
-
-
+# The policy registry lives in tidal.scheduler.registry (it imports every
+# policy module, which import this one). These wrappers keep the old import
+# path working for callers not yet moved to tidal.scheduler.registry.
 def get_policy(name: str, **options: Any) -> Policy:
-    import tidal.scheduler.policies  # noqa: F401  (registers the built-in policies)
-
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
-    policy = factory(**options)
-    policy.name = name
-    return policy
+    """See :func:`tidal.scheduler.registry.get_policy`."""
+    return importlib.import_module("tidal.scheduler.registry").get_policy(name, **options)
 
 
 def get_policy_for_slot(name: str, slot: float, **options: Any) -> Policy:
-    """A policy that plans in time slots (ElasticFlow, Chronus, ...) is told
-    the executor's scheduling slot; others ignore it."""
-    import inspect
-
-    import tidal.scheduler.policies  # noqa: F401
-
-    factory = _REGISTRY.get(name)
-    if factory is not None and slot > 0 and "slot" in inspect.signature(factory).parameters:
-        options.setdefault("slot", slot)
-    return get_policy(name, **options)
+    """See :func:`tidal.scheduler.registry.get_policy_for_slot`."""
+    return importlib.import_module("tidal.scheduler.registry").get_policy_for_slot(name, slot, **options)
 
 
 def policy_names() -> list[str]:
-    import tidal.scheduler.policies  # noqa: F401
-
-    return sorted(_REGISTRY)
+    """See :func:`tidal.scheduler.registry.policy_names`."""
+    return importlib.import_module("tidal.scheduler.registry").policy_names()

@@ -56,8 +56,8 @@ def keep_running(snap: Snapshot, plan: Plan) -> tuple[int, list[JobView]]:
     queue = []
     for j in schedulable(snap, plan):
         if j.running:
-            plan.allocation[j.job_id] = j.n
-            free -= j.n
+            plan.allocation[j.job_id] = j.size
+            free -= j.size
         else:
             queue.append(j)
     queue.sort(key=lambda j: (j.spec.submit_time, j.job_id))

@@ -6,15 +6,19 @@ least-used nodes; a growing job first takes GPUs on nodes it already uses; a
 new job takes the best-fit node (the fullest node that still fits it) or, when
 it needs several nodes, whole free nodes under one switch (the fullest switch
 that fits), and only then spreads. This is ElasticFlow §4.3's Best-Fit over
-the topology tree without buddy alignment or migration (issue 3 adds those).
+the topology tree without buddy alignment or migration (those are in
+:mod:`tidal.scheduler.buddy`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 from tidal.core.topology import Cluster
-from tidal.scheduler.api import Snapshot
+
+if TYPE_CHECKING:
+    from tidal.scheduler.api import Snapshot
 
 
 class FreeMap:

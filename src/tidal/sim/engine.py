@@ -1,79 +1,38 @@
 """Discrete-event simulator: the executor that runs a policy's plans on a trace.
 
 Events are arrivals, completions and scheduling rounds; nothing loops per
-second. A job's progress is a list of segments ``(start, rate, idle_gpus)``
-(rate in iterations/s, 0 while paused by a rescale), so a rescale's overhead
-(:mod:`tidal.core.overhead`) is exact and completion times are computed, not
-stepped. Scheduling rounds happen at multiples of ``slot`` seconds after any
-event (``slot=0``: at the event itself), and when a plan asks to be woken.
-The simulator validates every plan: a GPU is never held by two jobs, a rigid
-job runs only at its count, allocations match placements.
+second. A job's progress is a list of segments (:mod:`tidal.sim.progress`), so
+a rescale's overhead (:mod:`tidal.core.overhead`) is exact and completion
+times are computed, not stepped. Scheduling rounds happen at multiples of
+``slot`` seconds after any event (``slot=0``: at the event itself), and when a
+plan asks to be woken. The simulator validates every plan
+(:func:`tidal.scheduler.diff.validate_plan`: a GPU is never held by two jobs,
+a rigid job runs only at its count, allocations match placements) and applies
+its :func:`~tidal.scheduler.diff.diff_plan`.
 """
 
 from __future__ import annotations
 
 import heapq
-import logging
 import math
-from dataclasses import dataclass, field
-from types import MappingProxyType
+import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from tidal.core.job import JobSpec, JobState, check_transition
 from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ThroughputProfile, load_profiles
 from tidal.core.topology import Cluster
-from tidal.scheduler.api import EMPTY, JobView, Plan, Policy, Snapshot
-
-log = logging.getLogger(__name__)
+from tidal.scheduler.api import Plan, Policy, Snapshot
+from tidal.scheduler.diff import JobDelta, PlanError, diff_plan, validate_plan
+from tidal.sim.progress import Progress, SimJob, finish_time, with_idle
 
 _COMPLETE, _ARRIVAL, _SCHED = 0, 1, 2
-_EPS = 1e-9
+_DROPPABLE = (JobState.SUBMITTED, JobState.PENDING, JobState.ADMITTED)
 
 
 class PolicyError(RuntimeError):
     """A plan broke an invariant (double-allocated GPU, illegal count...)."""
-
-
-@dataclass
-class SimJob:
-    spec: JobSpec
-    state: JobState = JobState.SUBMITTED
-    gpus: tuple[int, ...] = ()
-    done: float = 0.0
-    last_t: float = 0.0
-    segments: list[tuple[float, float, int]] = field(default_factory=list)
-    attained: float = 0.0
-    executed: float = 0.0
-    waiting_since: float = 0.0
-    admitted: bool = False
-    tags: dict[str, Any] = field(default_factory=dict)
-    start_time: float | None = None
-    end_time: float | None = None
-    drop_reason: str = ""
-    rescales: int = 0
-    preemptions: int = 0
-    migrations: int = 0
-    overhead_gpu_s: float = 0.0
-    max_gpus: int = 0
-    gpu_seconds: float = 0.0
-    version: int = 0
-    single_rate: float = 0.0  # iterations/s on one GPU, for cluster efficiency
-    batch: int = 0  # current global batch
-
-    def view(self) -> JobView:
-        return JobView(
-            self.spec,
-            self.state,
-            self.gpus,
-            self.done,
-            self.attained,
-            self.executed,
-            self.waiting_since,
-            self.admitted,
-            MappingProxyType(dict(self.tags)) if self.tags else EMPTY,
-            self.batch,
-        )
 
 
 @dataclass
@@ -129,12 +88,11 @@ class Simulator:
         self._sched_times: set[float] = set()
         self.now = specs[0].submit_time if specs else 0.0
         self.timeline: list[tuple[float, int]] = [(self.now, 0)]
-        self.busy_gpu_s = 0.0
-        self.useful = 0.0
-        self._acct_t = self.now
+        self.progress = Progress(self.now)
         self._arrivals_left = len(specs)
         self.rounds = 0
         self.finished = 0
+        self.dropped = 0
         for s in specs:
             self._push(s.submit_time, _ARRIVAL, s.job_id)
 
@@ -150,71 +108,9 @@ class Simulator:
             self._sched_times.add(t)
             self._push(t, _SCHED, None)
 
-    # -- progress accounting -------------------------------------------------
-    def _account(self, t: float) -> None:
-        """Cluster-wide integrals up to ``t`` (utilisation, efficiency)."""
-        dt = t - self._acct_t
-        if dt > 0:
-            self.busy_gpu_s += len(self.owner) * dt
-            self._acct_t = t
-
-    def _advance(self, job: SimJob, t: float) -> None:
-        """Bring ``job.done`` and its counters up to time ``t``."""
-        if t <= job.last_t:
-            return
-        if not job.gpus:
-            job.last_t = t
-            return
-        segs = job.segments
-        n = len(job.gpus)
-        t0 = job.last_t
-        dt = t - t0
-        if len(segs) == 1 and segs[0][0] <= t0:
-            rate = segs[0][1]
-            job.done += rate * dt
-            job.overhead_gpu_s += segs[0][2] * dt
-            self.useful += rate / job.single_rate * dt
-            job.attained += n * dt
-            job.executed += dt
-            job.gpu_seconds += n * dt
-            job.last_t = t
-            return
-        for i, (start, rate, idle) in enumerate(segs):
-            end = segs[i + 1][0] if i + 1 < len(segs) else math.inf
-            a, b = max(start, t0), min(end, t)
-            if b > a:
-                job.done += rate * (b - a)
-                job.overhead_gpu_s += idle * (b - a)
-                self.useful += rate / job.single_rate * (b - a)
-        # keep only the segment in force at t and later ones
-        while len(segs) > 1 and segs[1][0] <= t:
-            segs.pop(0)
-        job.attained += n * dt
-        job.executed += dt
-        job.gpu_seconds += n * dt
-        job.last_t = t
-        if job.state is JobState.RESIZING and len(segs) == 1:
-            job.state = JobState.RUNNING
-
-    def _finish_time(self, job: SimJob) -> float:
-        left = job.spec.iterations - job.done
-        t = job.last_t
-        segs = job.segments
-        for i, (start, rate, _idle) in enumerate(segs):
-            end = segs[i + 1][0] if i + 1 < len(segs) else math.inf
-            a = max(start, t)
-            if end <= a:
-                continue
-            if rate > 0:
-                need = left / rate
-                if a + need <= end:
-                    return a + need
-                left -= rate * (end - a)
-        return math.inf
-
     def _schedule_completion(self, job: SimJob) -> None:
         job.version += 1
-        t = self._finish_time(job)
+        t = finish_time(job)
         if t < math.inf:
             self._push(max(t, self.now), _COMPLETE, (job.spec.job_id, job.version))
 
@@ -248,7 +144,7 @@ class Simulator:
         self.running[job.spec.job_id] = job
 
     def _complete(self, job: SimJob, t: float) -> None:
-        self._advance(job, t)
+        self.progress.advance(job, t)
         job.done = job.spec.iterations
         self._release(job)
         self._set_state(job, JobState.COMPLETED)
@@ -258,8 +154,6 @@ class Simulator:
 
     # -- the loop ----------------------------------------------------------------
     def run(self) -> SimResult:
-        import time
-
         wall0 = time.perf_counter()
         total = len(self.jobs)
         last_report = -1
@@ -267,7 +161,7 @@ class Simulator:
             t, kind, _, payload = heapq.heappop(self._heap)
             if self.until is not None and t > self.until:
                 break
-            self._account(t)
+            self.progress.account(t, len(self.owner))
             self.now = t
             if kind == _COMPLETE:
                 jid, version = payload
@@ -278,8 +172,7 @@ class Simulator:
                 self._record_usage(t)
                 self._request_round(t)
             elif kind == _ARRIVAL:
-                job = self.jobs[payload]
-                self.active[payload] = job
+                self.active[payload] = self.jobs[payload]
                 self._arrivals_left -= 1
                 self._request_round(t)
             else:
@@ -288,30 +181,28 @@ class Simulator:
                 self._record_usage(t)
             if self.on_progress and self.finished != last_report:
                 last_report = self.finished
-                self.on_progress(self.finished + self._dropped(), total)
+                self.on_progress(self.finished + self.dropped, total)
+        result = self._result()
+        result.wall_seconds = time.perf_counter() - wall0
+        return result
+
+    def _result(self) -> SimResult:
         end = self.now
         for job in self.running.values():
-            self._advance(job, end)
-        self._account(end)
+            self.progress.advance(job, end)
+        self.progress.account(end, len(self.owner))
         starts = [j.spec.submit_time for j in self.jobs.values()]
-        result = SimResult(
+        return SimResult(
             policy=self.policy.name,
             cluster=self.cluster,
             jobs=list(self.jobs.values()),
             timeline=self.timeline,
             start=min(starts) if starts else 0.0,
             end=end,
-            busy_gpu_s=self.busy_gpu_s,
-            useful_norm_s=self.useful,
+            busy_gpu_s=self.progress.busy_gpu_s,
+            useful_norm_s=self.progress.useful,
             rounds=self.rounds,
         )
-        result.wall_seconds = time.perf_counter() - wall0
-        return result
-
-    _n_dropped = 0
-
-    def _dropped(self) -> int:
-        return self._n_dropped
 
     def _record_usage(self, t: float) -> None:
         used = len(self.owner)
@@ -324,7 +215,7 @@ class Simulator:
     def _round(self, now: float) -> None:
         self.rounds += 1
         for job in self.running.values():
-            self._advance(job, now)
+            self.progress.advance(job, now)
         snap = Snapshot(
             now=now,
             cluster=self.cluster,
@@ -333,24 +224,39 @@ class Simulator:
             overheads=self.overheads,
         )
         plan = self.policy.schedule(snap)
-        self._apply(plan, now)
+        self._apply(snap, plan, now)
         stuck = not self.running and self._arrivals_left == 0
         if plan.wake_at is not None and plan.wake_at < math.inf and not stuck:
             self._request_round(max(plan.wake_at, now + (self.slot or 1e-6)))
 
-    def _apply(self, plan: Plan, now: float) -> None:
-        jobs = self.jobs
+    # -- applying a plan -----------------------------------------------------------
+    def _apply(self, snap: Snapshot, plan: Plan, now: float) -> None:
+        self._drop_and_admit(plan, now)
+        deltas = diff_plan(snap, plan)
+        if self.validate:
+            self._check(snap, plan, deltas)
+        for jid, b in plan.batch.items():
+            if jid in self.active and not self.active[jid].gpus:
+                self.active[jid].batch = b
+        # preempt first, so GPUs are free for the others
+        for jid, delta in deltas.items():
+            if not delta.want:
+                self._preempt(self.jobs[jid], now)
+        self._rebatch(plan, deltas, now)
+        self._move(plan, [deltas[jid] for jid in sorted(deltas) if deltas[jid].want], now)
+
+    def _drop_and_admit(self, plan: Plan, now: float) -> None:
         for jid, reason in plan.drop.items():
-            job = jobs[jid]
-            if job.state not in (JobState.SUBMITTED, JobState.PENDING, JobState.ADMITTED):
+            job = self.jobs[jid]
+            if job.state not in _DROPPABLE:
                 raise PolicyError(f"policy {self.policy.name} dropped {jid} in state {job.state.value}")
             job.state = JobState.DROPPED
             job.drop_reason = reason or "dropped by policy"
             job.end_time = now
             del self.active[jid]
-            self._n_dropped += 1
+            self.dropped += 1
         for jid in plan.admit:
-            job = jobs[jid]
+            job = self.jobs[jid]
             if job.state is JobState.SUBMITTED:
                 self._set_state(job, JobState.ADMITTED)
                 self._set_state(job, JobState.PENDING)
@@ -359,42 +265,50 @@ class Simulator:
         for jid, tags in plan.tags.items():
             if jid in self.active:
                 self.active[jid].tags.update(tags)
-        if self.validate:
-            self._check(plan)
-        for jid, b in plan.batch.items():
-            if jid in self.active and not self.active[jid].gpus:
-                self.active[jid].batch = b
-        # preempt first, so GPUs are free for the others
-        for jid in list(self.running):
-            if plan.allocation.get(jid, 0) == 0:
-                job = self.running[jid]
-                self._advance(job, now)
-                self._release(job)
-                self._set_state(job, JobState.PENDING)
-                job.waiting_since = now
-                job.preemptions += 1
-                job.version += 1
-        # two passes, so that jobs may swap GPUs: release every changing job's
-        # old GPUs, then hold the new ones (checked against double use)
+
+    def _check(self, snap: Snapshot, plan: Plan, deltas: dict[str, JobDelta]) -> None:
+        """:func:`validate_plan`, and every job that gets new GPUs must make
+        progress on them (at its current batch)."""
+        try:
+            validate_plan(snap, plan)
+        except PlanError as e:
+            raise PolicyError(f"policy {self.policy.name}: {e}") from e
+        for jid, delta in deltas.items():
+            if delta.want and self._rate(self.jobs[jid], delta.want) <= 0:
+                raise PolicyError(f"job {jid} has zero throughput at {len(delta.want)} GPUs")
+
+    def _preempt(self, job: SimJob, now: float) -> None:
+        self.progress.advance(job, now)
+        self._release(job)
+        self._set_state(job, JobState.PENDING)
+        job.waiting_since = now
+        job.preemptions += 1
+        job.version += 1
+
+    def _rebatch(self, plan: Plan, deltas: dict[str, JobDelta], now: float) -> None:
+        """A new global batch for a job that keeps its GPUs: applied at the next
+        step boundary, no rescale (Elan §VI, hybrid scaling)."""
+        for jid in sorted(plan.batch):
+            job = self.running.get(jid)
+            b = plan.batch[jid]
+            if job is None or jid in deltas or b == job.batch:
+                continue
+            self.progress.advance(job, now)
+            job.batch = b
+            start, _, idle = job.segments[-1]
+            job.segments[-1] = (max(start, now), self._rate(job, job.gpus), idle)
+            self._schedule_completion(job)
+
+    def _move(self, plan: Plan, deltas: list[JobDelta], now: float) -> None:
+        """Start, grow, shrink and migrate jobs. Two passes, so that jobs may
+        swap GPUs: release every changing job's old GPUs, then hold the new
+        ones (checked against double use)."""
         changes = []
-        for jid, n in sorted(plan.allocation.items()):
-            if n <= 0:
-                continue
-            job = jobs[jid]
-            gpus = tuple(sorted(plan.placement[jid]))
-            new_batch = plan.batch.get(jid, job.batch)
-            if job.gpus == gpus and new_batch == job.batch:
-                continue
-            self._advance(job, now)
-            if job.gpus == gpus:
-                # batch change only: applied at the next step boundary, no rescale
-                job.batch = new_batch
-                start, _, idle = job.segments[-1]
-                job.segments[-1] = (max(start, now), self._rate(job, gpus), idle)
-                self._schedule_completion(job)
-                continue
-            job.batch = new_batch
-            changes.append((job, gpus, len(job.gpus), self._current_rate(job)))
+        for d in deltas:
+            job = self.jobs[d.job_id]
+            self.progress.advance(job, now)
+            job.batch = plan.batch.get(d.job_id, job.batch)
+            changes.append((job, d.want, len(job.gpus), job.segments[-1][1] if job.segments else 0.0))
             for g in job.gpus:
                 del self.owner[g]
             job.gpus = ()
@@ -419,55 +333,9 @@ class Simulator:
                     job.start_time = now
                 self._set_state(job, JobState.RUNNING)
             self._hold(job, gpus)
-            job.segments = [
-                (start, rate, len(gpus) if rate == 0 else (warm_idle if i == 0 else 0))
-                for i, (start, rate) in enumerate(segs)
-            ]
+            job.segments = with_idle(segs, len(gpus), warm_idle)
             job.last_t = now
             self._schedule_completion(job)
-
-    def _current_rate(self, job: SimJob) -> float:
-        return job.segments[-1][1] if job.segments else 0.0
-
-    def _check(self, plan: Plan) -> None:
-        """Validate the jobs whose GPUs change; unchanged ones were checked when
-        they got them. A new GPU must be free now or held by a job that gives
-        it up in this plan, and no two changing jobs may take the same GPU."""
-        taken: dict[int, str] = {}
-        total = self.cluster.num_gpus
-        for jid, b in plan.batch.items():
-            if not isinstance(b, int) or b <= 0:
-                raise PolicyError(f"global batch {b!r} for {jid} must be a positive integer")
-        keeps = {jid for jid, n in plan.allocation.items() if n > 0}
-        for jid, n in plan.allocation.items():
-            if n <= 0:
-                continue
-            job = self.jobs.get(jid)
-            if job is None or jid not in self.active:
-                raise PolicyError(f"allocation for unknown or finished job {jid}")
-            gpus = plan.placement.get(jid)
-            if gpus is None or len(gpus) != n or len(set(gpus)) != n:
-                raise PolicyError(f"placement of {jid} does not match its allocation {n}")
-            if job.gpus and (gpus is job.gpus or tuple(sorted(gpus)) == job.gpus):
-                continue
-            if not job.admitted:
-                raise PolicyError(f"allocation for job {jid} that was never admitted")
-            if not job.spec.can_run_at(n):
-                raise PolicyError(f"job {jid} cannot run at {n} GPUs")
-            for g in gpus:
-                if not 0 <= g < total:
-                    raise PolicyError(f"GPU {g} of {jid} is not in the cluster")
-                if g in taken:
-                    raise PolicyError(f"GPU {g} placed for both {taken[g]} and {jid}")
-                taken[g] = jid
-            if self._rate(job, tuple(gpus)) <= 0:
-                raise PolicyError(f"job {jid} has zero throughput at {n} GPUs")
-        for g, jid in taken.items():
-            holder = self.owner.get(g)
-            if holder is not None and holder != jid and holder in keeps:
-                held = plan.placement.get(holder, ())
-                if g in held:
-                    raise PolicyError(f"GPU {g} placed for both {holder} and {jid}")
 
 
 def simulate(

@@ -69,7 +69,6 @@ _SIGNATURE: dict[str, tuple[str, ...]] = {
     "philly-ef": ("ddl", "real_iteration"),
     "philly": ("timestamp", "num_gpus"),
 }
-FORMATS: tuple[str, ...] = ("itp", "philly-ef", "philly", "poisson")
 
 #: Synthetic workload: GPU requests and their (unnormalised) probabilities.
 POISSON_GPU_CHOICES: tuple[tuple[int, float], ...] = ((1, 0.5), (2, 0.25), (4, 0.15), (8, 0.1))

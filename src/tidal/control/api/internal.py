@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from tidal.control.api.deps import AdminDep, CoordinatorDep, CoordinatorDep, LogsDirDep, StoreDep
+from tidal.control.api.deps import AdminDep, CoordinatorDep, LogsDirDep, StoreDep
 from tidal.control.db import GPU, Job, Node, Process, Store
 
 router = APIRouter(prefix="/internal", tags=["internal"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from tidal.scheduler.api import Plan, Policy, Snapshot, register_policy, schedulable
+from tidal.scheduler.api import Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.estimate import remaining_time, rigid_count
 
 
@@ -24,9 +24,9 @@ def easy_backfill(snap: Snapshot, plan: Plan) -> None:
     queue = []
     for j in schedulable(snap, plan):
         if j.running:
-            plan.allocation[j.job_id] = j.n
-            free -= j.n
-            ends.append((now + remaining_time(snap, j, j.n), j.n))
+            plan.allocation[j.job_id] = j.size
+            free -= j.size
+            ends.append((now + remaining_time(snap, j, j.size), j.size))
         else:
             queue.append(j)
     queue.sort(key=lambda j: (j.spec.submit_time, j.job_id))
@@ -59,7 +59,6 @@ def easy_backfill(snap: Snapshot, plan: Plan) -> None:
             extra -= n
 
 
-@register_policy("backfill")
 class Backfill(Policy):
     def allocation(self, snap: Snapshot, plan: Plan) -> None:
         easy_backfill(snap, plan)

@@ -48,7 +48,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, register_policy, schedulable
+from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.policies.themis import LEASE_TAG, lease_end, lease_round, runnable_count
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,6 @@ def _trivially_feasible(jobs: list[SloJob], now: float, capacity: int) -> bool:
     return sum(j.gpus for j in jobs) <= capacity and all(now + j.need_s <= j.deadline for j in jobs)
 
 
-@register_policy("chronus")
 class Chronus(Policy):
     """Lease-based deadline-aware rigid scheduling with MILP admission and allocation (SoCC'21)."""
 
@@ -210,7 +209,7 @@ class Chronus(Policy):
         )
         accepted = [j for j in snap.jobs if j.admitted and j.tags.get(CLASS_TAG) == SLO]
         mid_lease = not lease_round(snap, [j for j in snap.jobs if j.admitted])
-        held_be = sum(j.n for j in snap.jobs if j.running and j.tags.get(CLASS_TAG) != SLO) if mid_lease else 0
+        held_be = sum(j.size for j in snap.jobs if j.running and j.tags.get(CLASS_TAG) != SLO) if mid_lease else 0
         slo = [self._slo_job(snap, j) for j in accepted]
         for j in new:
             if runnable_count(snap, j) <= 0:
@@ -296,8 +295,8 @@ class Chronus(Policy):
         else:
             for j in jobs:
                 if j.running:
-                    plan.allocation[j.job_id] = j.n
-                    free -= j.n
+                    plan.allocation[j.job_id] = j.size
+                    free -= j.size
             for j in by_slack + others:
                 if not j.running:
                     grant(j)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from tidal.scheduler.api import Plan, Policy, Snapshot, register_policy, schedulable
+from tidal.scheduler.api import Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.estimate import best_count, rigid_count
 
 
@@ -31,7 +31,6 @@ def edf_allocation(snap: Snapshot, plan: Plan) -> None:
             free -= n
 
 
-@register_policy("edf")
 class EDF(Policy):
     def allocation(self, snap: Snapshot, plan: Plan) -> None:
         edf_allocation(snap, plan)

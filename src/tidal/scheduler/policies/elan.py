@@ -38,7 +38,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, register_policy, schedulable
+from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.estimate import rigid_count
 
 _EPS = 1e-12
@@ -214,7 +214,7 @@ def _finish_times(rates: Rates, jobs: list[JobView], alloc: dict[str, int], shri
         n = alloc[j.job_id]
         r = rates.rate(j, n)
         t = j.remaining / r if r > 0 else math.inf
-        if j.running and n != j.n:
+        if j.running and n != j.size:
             t += shrink_cost
         out[j.job_id] = t
     return out
@@ -236,7 +236,7 @@ def _fluid_sum(
         alloc, speed = rates.allocation(present, total)
         if first:
             for j in present:
-                if j.running and alloc[j.job_id] < j.n:
+                if j.running and alloc[j.job_id] < j.size:
                     rem[j.job_id] += shrink_cost * speed[j.job_id]
             first = False
         dt = min(rem[jid] / r if r > 0 else math.inf for jid, r in speed.items())
@@ -286,7 +286,7 @@ def elastic_admission(
     jobs = schedulable(snap, plan)
     active = [j for j in jobs if j.running]
     queue = sorted((j for j in jobs if not j.running), key=lambda j: (j.spec.submit_time, j.job_id))
-    idle = total - sum(j.n for j in active)
+    idle = total - sum(j.size for j in active)
 
     def admissible(w: JobView) -> bool:
         lo = rates.counts(w)[0]
@@ -352,12 +352,10 @@ class _Elan(Policy):
                 plan.batch[j.job_id] = b
 
 
-@register_policy("e-fifo")
 class EFIFO(_Elan):
     """Elan §VI-C E-FIFO: FIFO admission by the Elan rule, elastic allocation."""
 
 
-@register_policy("e-backfill")
 class EBackfill(_Elan):
     """Elan §VI-C E-Backfill: E-FIFO's allocation with EASY backfill's admission."""
 

@@ -34,7 +34,7 @@ import heapq
 import math
 from collections import defaultdict
 
-from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, register_policy
+from tidal.scheduler.api import JobView, Plan, Policy, Snapshot
 from tidal.scheduler.estimate import rigid_count
 from tidal.scheduler.placement import place_consolidated
 from tidal.scheduler.policies.tiresias import queue_of, tiresias_allocation
@@ -226,7 +226,6 @@ def expansion(snap: Snapshot, plan: Plan, st: _State, jobs: list[JobView]) -> No
         push(by_id[jid])
 
 
-@register_policy("elastic-tiresias")
 class ElasticTiresias(Policy):
     def __init__(
         self,

@@ -7,7 +7,7 @@ every job behind it.
 
 from __future__ import annotations
 
-from tidal.scheduler.api import Plan, Policy, Snapshot, register_policy
+from tidal.scheduler.api import Plan, Policy, Snapshot
 from tidal.scheduler.estimate import keep_running, rigid_count
 
 
@@ -21,7 +21,6 @@ def fifo_allocation(snap: Snapshot, plan: Plan) -> None:
         free -= n
 
 
-@register_policy("fifo")
 class FIFO(Policy):
     def allocation(self, snap: Snapshot, plan: Plan) -> None:
         fifo_allocation(snap, plan)

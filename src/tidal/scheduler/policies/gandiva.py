@@ -37,7 +37,7 @@ from collections import defaultdict
 from itertools import combinations
 
 from tidal.core.topology import Cluster
-from tidal.scheduler.api import Plan, Policy, Snapshot, register_policy
+from tidal.scheduler.api import Plan, Policy, Snapshot
 from tidal.scheduler.estimate import keep_running
 from tidal.scheduler.policies.themis import runnable_count
 
@@ -243,7 +243,7 @@ class _Layout:
 def gandiva_placement(snap: Snapshot, allocation: dict[str, int], migrate: bool = True) -> dict[str, tuple[int, ...]]:
     lay = _Layout(snap.cluster)
     for j in snap.jobs:
-        if j.gpus and allocation.get(j.job_id, 0) == j.n:
+        if j.gpus and allocation.get(j.job_id, 0) == j.size:
             lay.hold(j.job_id, list(j.gpus))
     for jid, n in allocation.items():  # allocation order: running, then FIFO
         if n > 0 and jid not in lay.gpus:
@@ -256,7 +256,6 @@ def gandiva_placement(snap: Snapshot, allocation: dict[str, int], migrate: bool 
     return {jid: tuple(g) for jid, g in lay.gpus.items()}
 
 
-@register_policy("gandiva")
 class Gandiva(Policy):
     """Rigid FIFO-with-skip, affinity packing and migration (Gandiva, OSDI'18 §4.1-4.2)."""
 

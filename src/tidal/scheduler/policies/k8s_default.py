@@ -14,7 +14,7 @@ from __future__ import annotations
 import zlib
 
 from tidal.core.job import JobSpec
-from tidal.scheduler.api import Plan, Policy, Snapshot, register_policy
+from tidal.scheduler.api import Plan, Policy, Snapshot
 from tidal.scheduler.estimate import keep_running, rigid_count
 
 
@@ -32,7 +32,6 @@ def fixed_count(snap: Snapshot, spec: JobSpec) -> int:
     return allowed[zlib.crc32(spec.job_id.encode()) % len(allowed)]
 
 
-@register_policy("k8s-default")
 class K8sDefault(Policy):
     def allocation(self, snap: Snapshot, plan: Plan) -> None:
         free, queue = keep_running(snap, plan)

@@ -43,13 +43,14 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 from scipy.optimize import minimize_scalar, nnls
 
 from tidal.core.job import JobSpec
-from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, register_policy, schedulable
+from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.estimate import rigid_count, useful_counts
 
 # -- optional GPU counts -----------------------------------------------------
@@ -226,7 +227,7 @@ class Predictor:
 
     def keep(self, job: JobView) -> float:
         """Running on at its current count."""
-        r = self.rate(job, job.n)
+        r = self.rate(job, job.size)
         return self.work(job) / r if r > 0 else math.inf
 
     def start(self, job: JobView, n: int, delay: float = 0.0) -> float:
@@ -236,12 +237,12 @@ class Predictor:
 
     def resize(self, job: JobView, n: int) -> float:
         now = self.snap.now
-        segs = self.snap.overheads.resize(now, self.rate(job, job.n), self.rate(job, n), grow=n > job.n)
+        segs = self.snap.overheads.resize(now, self.rate(job, job.size), self.rate(job, n), grow=n > job.size)
         return finish_in(segs, now, self.work(job))
 
     def downtime(self, job: JobView, n: int) -> float:
         """Seconds a reshaped job makes no progress (checkpoint, stop, restart)."""
-        segs = self.snap.overheads.resize(self.snap.now, 1.0, 1.0, grow=n > job.n)
+        segs = self.snap.overheads.resize(self.snap.now, 1.0, 1.0, grow=n > job.size)
         return sum(
             (segs[i + 1][0] if i + 1 < len(segs) else s) - s for i, (s, r) in enumerate(segs) if r == 0
         )
@@ -257,98 +258,138 @@ def _top2(times: dict[str, float]) -> tuple[tuple[float, str], float]:
     return first, second
 
 
-def reshaping_allocation(snap: Snapshot, plan: Plan, early_init: bool = True) -> None:
-    pred = Predictor(snap)
-    cache: dict[str, list[int]] = {}
+@dataclass
+class _Tentative:
+    """A round's allocation in the making: GPUs and predicted completion time
+    per job, the free GPUs, and the jobs already started or reshaped (each
+    job changes at most once per round)."""
 
-    def opts(j: JobView) -> list[int]:  # options() is pure within a round: once per job
-        hit = cache.get(j.job_id)
+    snap: Snapshot
+    pred: Predictor
+    running: dict[str, JobView]
+    alloc: dict[str, int]
+    done_at: dict[str, float]
+    free: int
+    touched: set[str] = field(default_factory=set)
+    _options: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, snap: Snapshot, jobs: list[JobView]) -> "_Tentative":
+        pred = Predictor(snap)
+        running = {j.job_id: j for j in jobs if j.running}
+        alloc = {jid: j.size for jid, j in running.items()}
+        done_at = {jid: pred.keep(j) for jid, j in running.items()}
+        return cls(snap, pred, running, alloc, done_at, snap.cluster.num_gpus - sum(alloc.values()))
+
+    def opts(self, j: JobView) -> list[int]:
+        """:func:`options`, computed once per job (it is pure within a round)."""
+        hit = self._options.get(j.job_id)
         if hit is None:
-            hit = cache[j.job_id] = options(snap, j)
+            hit = self._options[j.job_id] = options(self.snap, j)
         return hit
 
+    def assign(self, jid: str, n: int, t: float) -> None:
+        self.alloc[jid] = n
+        self.done_at[jid] = t
+        self.touched.add(jid)
+
+
+def _reshape_down(
+    st: _Tentative, w: JobView, g: int, reserved: int, top: tuple[float, str], second: float, total: float,
+    early_init: bool,
+) -> list[tuple]:
+    """Candidates for waiting job ``w`` at ``g`` GPUs when not enough are idle:
+    wait for idle GPUs (donor ``""``), or take the missing ones from one
+    running job whose remaining count is still one of its options."""
+    avail, t_free = st.free, math.inf
+    for t, n in sorted((t, st.alloc[jid]) for jid, t in st.done_at.items()):
+        avail += n
+        if avail >= g + reserved:
+            t_free = t
+            break
+    t_w = t_free + st.pred.start(w, g)
+    top_t, top_id = top
+    cand = [(max(top_t, t_w), total + t_w, 0, g, "", 0, t_w, 0.0)]
+    need = g - max(0, st.free - reserved)
+    for jid, d in st.running.items():
+        left = st.alloc[jid] - need
+        if jid in st.touched or left not in st.opts(d):
+            continue
+        delay = 0.0 if early_init else st.pred.downtime(d, left)
+        t_w = st.pred.start(w, g, delay)
+        t_d = st.pred.resize(d, left)
+        others = second if jid == top_id else top_t
+        cand.append((max(others, t_w, t_d), total - st.done_at[jid] + t_d + t_w, need, g, jid, left, t_w, t_d))
+    return cand
+
+
+def _best_start(st: _Tentative, w: JobView, reserved: int, early_init: bool) -> tuple | None:
+    """Algorithm 1 for one incoming job: the best (makespan, sum of completion
+    times, GPUs taken, g, donor, donor count, t_w, t_d), or None."""
+    top, second = _top2(st.done_at)
+    total = sum(st.done_at.values())
+    best = None
+    for g in st.opts(w):
+        if g <= st.free - reserved:
+            t_w = st.pred.start(w, g)
+            cand = [(max(top[0], t_w), total + t_w, 0, g, None, 0, t_w, 0.0)]
+        else:
+            cand = _reshape_down(st, w, g, reserved, top, second, total, early_init)
+        for c in cand:
+            if best is None or c[:4] < best[:4]:
+                best = c
+    return best
+
+
+def _best_growth(st: _Tentative) -> tuple | None:
+    """Algorithm 2, one step: the running job whose growth lowers the
+    predicted makespan most, as (makespan, gain, job, count, completion)."""
+    (top_t, top_id), second = _top2(st.done_at)
+    best = None
+    for jid, j in st.running.items():
+        if jid in st.touched:
+            continue
+        for c in st.opts(j):
+            if c <= st.alloc[jid] or c - st.alloc[jid] > st.free:
+                continue
+            t = st.pred.resize(j, c)
+            if t >= st.done_at[jid]:
+                continue
+            others = second if jid == top_id else top_t
+            key = (max(others, t), t - st.done_at[jid], jid, c, t)
+            if best is None or key < best:
+                best = key
+    return best
+
+
+def reshaping_allocation(snap: Snapshot, plan: Plan, early_init: bool = True) -> None:
+    """Algorithm 1 for the incoming jobs in submission order, then Algorithm 2
+    while GPUs are idle and nothing waits."""
     jobs = schedulable(snap, plan)
-    running = {j.job_id: j for j in jobs if j.running}
-    alloc = {jid: j.n for jid, j in running.items()}
-    done_at = {jid: pred.keep(j) for jid, j in running.items()}
-    free = snap.cluster.num_gpus - sum(alloc.values())
-    touched: set[str] = set()
+    st = _Tentative.of(snap, jobs)
     waiting = 0
     reserved = 0  # GPUs that earlier waiting jobs will take as they free up
-    # Algorithm 1: incoming jobs, reshaping down at most one running job
     for w in sorted((j for j in jobs if not j.running), key=lambda j: (j.spec.submit_time, j.job_id)):
-        (top_t, top_id), second = _top2(done_at)
-        total = sum(done_at.values())
-        ends = sorted((t, alloc[jid]) for jid, t in done_at.items())
-        best = None  # (makespan, sum of completion times, GPUs taken, g, donor, donor count, t_w, t_d)
-        for g in opts(w):
-            if g <= free - reserved:
-                t_w = pred.start(w, g)
-                cand = [(max(top_t, t_w), total + t_w, 0, g, None, 0, t_w, 0.0)]
-            else:
-                # waiting for idle GPUs is one of the choices
-                avail, t_free = free, math.inf
-                for t, n in ends:
-                    avail += n
-                    if avail >= g + reserved:
-                        t_free = t
-                        break
-                t_w = t_free + pred.start(w, g)
-                cand = [(max(top_t, t_w), total + t_w, 0, g, "", 0, t_w, 0.0)]
-                need = g - max(0, free - reserved)
-                for jid, d in running.items():
-                    left = alloc[jid] - need
-                    if jid in touched or left not in opts(d):
-                        continue
-                    delay = 0.0 if early_init else pred.downtime(d, left)
-                    t_w = pred.start(w, g, delay)
-                    t_d = pred.resize(d, left)
-                    others = second if jid == top_id else top_t
-                    cand.append((max(others, t_w, t_d), total - done_at[jid] + t_d + t_w, need, g, jid, left, t_w, t_d))
-            for c in cand:
-                if best is None or c[:4] < best[:4]:
-                    best = c
+        best = _best_start(st, w, reserved, early_init)
         if best is None or best[4] == "":
             waiting += 1  # no feasible triple, or waiting is predicted best
             reserved += best[3] if best else 0  # FIFO: later jobs do not take its GPUs
             continue
         _, _, need, g, donor, left, t_w, t_d = best
-        alloc[w.job_id] = g
-        done_at[w.job_id] = t_w
-        touched.add(w.job_id)
-        free -= g - need
+        st.assign(w.job_id, g, t_w)
+        st.free -= g - need
         if donor is not None:
-            alloc[donor] = left
-            done_at[donor] = t_d
-            touched.add(donor)
-    # Algorithm 2: reshaping up when GPUs are idle and nothing waits
-    while free > 0 and waiting == 0:
-        (top_t, top_id), second = _top2(done_at)
-        best = None
-        for jid, j in running.items():
-            if jid in touched:
-                continue
-            for c in opts(j):
-                if c <= alloc[jid] or c - alloc[jid] > free:
-                    continue
-                t = pred.resize(j, c)
-                if t >= done_at[jid]:
-                    continue
-                others = second if jid == top_id else top_t
-                key = (max(others, t), t - done_at[jid], jid, c, t)
-                if best is None or key < best:
-                    best = key
-        if best is None:
+            st.assign(donor, left, t_d)
+    while st.free > 0 and waiting == 0:
+        step = _best_growth(st)
+        if step is None:
             break
-        _, _, jid, c, t = best
-        free -= c - alloc[jid]
-        alloc[jid] = c
-        done_at[jid] = t
-        touched.add(jid)
-    plan.allocation.update({jid: n for jid, n in alloc.items() if n > 0})
+        _, _, jid, c, t = step
+        st.free -= c - st.alloc[jid]
+        st.assign(jid, c, t)
+    plan.allocation.update({jid: n for jid, n in st.alloc.items() if n > 0})
 
 
-@register_policy("reshaping")
 class Reshaping(Policy):
     def __init__(self, early_init: bool = True) -> None:
         self.early_init = early_init

@@ -14,7 +14,7 @@ with a target accuracy).
 
 from __future__ import annotations
 
-from tidal.scheduler.api import Plan, Policy, Snapshot, register_policy, schedulable
+from tidal.scheduler.api import Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.policies.reshaping import Predictor, options
 
 
@@ -24,8 +24,8 @@ def termination_allocation(snap: Snapshot, plan: Plan, interval: float = 600.0) 
     queue, running = [], []
     for j in schedulable(snap, plan):
         if j.running:
-            plan.allocation[j.job_id] = j.n
-            free -= j.n
+            plan.allocation[j.job_id] = j.size
+            free -= j.size
             running.append(j)
         else:
             queue.append(j)
@@ -40,19 +40,19 @@ def termination_allocation(snap: Snapshot, plan: Plan, interval: float = 600.0) 
         for j in running:
             if j.job_id in grown:
                 continue
-            bigger = [c for c in options(snap, j) if c > j.n]
+            bigger = [c for c in options(snap, j) if c > j.size]
             if not bigger:
                 continue
             c = bigger[0]
-            if c - j.n > free:
+            if c - j.size > free:
                 continue
-            gain = (pred.keep(j) - pred.resize(j, c)) / (c - j.n)
+            gain = (pred.keep(j) - pred.resize(j, c)) / (c - j.size)
             if gain > 0 and (best is None or (gain, j.job_id) > best[:2]):
                 best = (gain, j.job_id, j, c)
         if best is None:
             break
         _, jid, j, c = best
-        free -= c - j.n
+        free -= c - j.size
         plan.allocation[jid] = c
         grown.add(jid)
     by_id = {j.job_id: j for j in queue + running}
@@ -60,7 +60,6 @@ def termination_allocation(snap: Snapshot, plan: Plan, interval: float = 600.0) 
         plan.wake_at = snap.now + interval  # a job could still grow: look again
 
 
-@register_policy("termination")
 class Termination(Policy):
     def __init__(self, interval: float = 600.0) -> None:
         self.interval = interval

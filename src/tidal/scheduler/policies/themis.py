@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, register_policy, schedulable
+from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.estimate import rigid_count
 
 LEASE_TAG = "lease_end"
@@ -61,7 +61,7 @@ def finish_time_fairness(snap: Snapshot, job: JobView, n: int) -> float:
 
 def runnable_count(snap: Snapshot, job: JobView) -> int:
     """The rigid count of ``job``, or 0 if the profile says it cannot run there."""
-    n = job.n if job.running else rigid_count(job.spec, snap.cluster.num_gpus)
+    n = job.size if job.running else rigid_count(job.spec, snap.cluster.num_gpus)
     return n if snap.throughput(job, n) > 0 else 0
 
 
@@ -99,8 +99,8 @@ def themis_allocation(snap: Snapshot, plan: Plan, lease: float = 600.0, fairness
     else:
         for j in jobs:  # leases still valid: nobody is preempted
             if j.running:
-                plan.allocation[j.job_id] = j.n
-                free -= j.n
+                plan.allocation[j.job_id] = j.size
+                free -= j.size
         for j in worst_first:
             if not j.running:
                 grant(j)
@@ -108,7 +108,6 @@ def themis_allocation(snap: Snapshot, plan: Plan, lease: float = 600.0, fairness
         plan.wake_at = end
 
 
-@register_policy("themis")
 class Themis(Policy):
     """Finish-time fairness with leases (Themis, NSDI'20 §3-4), rigid jobs."""
 

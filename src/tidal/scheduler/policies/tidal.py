@@ -26,12 +26,12 @@ leave. docs/results.md compares it with every seed policy on each one's metric.
 
 from __future__ import annotations
 
-from tidal.scheduler.api import JobView, Snapshot, register_policy
-from tidal.scheduler.policies.elasticflow import ElasticFlow, Levels
+from tidal.scheduler.api import JobView, Snapshot
+from tidal.scheduler.policies.elasticflow import ElasticFlow
 from tidal.scheduler.policies.tiresias import queue_of
+from tidal.scheduler.timeline import Levels
 
 
-@register_policy("tidal")
 class Tidal(ElasticFlow):
     def __init__(self, slot: float = 60.0, thresholds: tuple[float, ...] = (500.0, 10_000.0), **kw) -> None:
         super().__init__(slot=slot, **kw)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, register_policy, schedulable
+from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.estimate import rigid_count
 
 
@@ -49,7 +49,7 @@ def tiresias_allocation(
     free = snap.cluster.num_gpus
     waiting = False
     for q, _, jid, j in order:
-        n = j.n if j.running else rigid_count(j.spec, snap.cluster.num_gpus)
+        n = j.size if j.running else rigid_count(j.spec, snap.cluster.num_gpus)
         if n <= free:
             plan.allocation[jid] = n
             free -= n
@@ -67,7 +67,6 @@ def tiresias_allocation(
     return [x[3] for x in order]
 
 
-@register_policy("tiresias")
 class Tiresias(Policy):
     def __init__(self, thresholds: tuple[float, ...] = (500.0, 10_000.0), promote_knob: float = 8.0) -> None:
         self.thresholds = tuple(thresholds)
