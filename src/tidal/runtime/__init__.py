@@ -5,24 +5,39 @@ Worker side: :func:`init`, :class:`Job`, :class:`ElasticState`.
 Job master: :class:`JobMaster`, :class:`MasterServer`, :class:`MasterClient`.
 Operations: :func:`profile` (a job's scaling curve), :func:`assign_sources`
 (who sends newcomers their state).
+
+Names are loaded on first use (PEP 562), so that importing a light module of
+this package (``tidal.runtime.spawner``, ``tidal.runtime.client``) does not
+import torch.
 """
 
-from tidal.runtime.client import MasterClient, MasterUnavailable
-from tidal.runtime.data import ElasticBatchIterator, ShardManager, ShardReader, epoch_permutation, split_sizes, step_slice
-from tidal.runtime.master import JobMaster
-from tidal.runtime.server import MasterServer
-from tidal.runtime.messages import Generation, SwitchPlan, ScaleAnswer, Status
-from tidal.runtime.reducer import GradReducer
-from tidal.runtime.persistence import StateBackend, open_backend, register_backend
-from tidal.runtime.profiling import ProfileResult, profile
-from tidal.runtime.replication import Location, assign_sources
-from tidal.runtime.scaling import BatchPolicy, HybridScaling, StrongScaling, WeakScaling, make_policy
-from tidal.runtime.state import ElasticState
-from tidal.runtime.worker import Job, init
+from __future__ import annotations
 
-__all__ = [
-    "BatchPolicy", "ElasticBatchIterator", "Location", "ProfileResult", "assign_sources", "profile", "ElasticState", "Generation", "GradReducer", "HybridScaling", "Job", "JobMaster",
-    "MasterClient", "MasterServer", "MasterUnavailable", "SwitchPlan", "ScaleAnswer", "ShardManager", "ShardReader", "StateBackend",
-    "Status", "StrongScaling", "WeakScaling", "epoch_permutation", "init", "make_policy", "open_backend",
-    "register_backend", "split_sizes", "step_slice",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "client": ("MasterClient", "MasterUnavailable"),
+    "data": ("ElasticBatchIterator", "ShardManager", "ShardReader", "epoch_permutation", "split_sizes", "step_slice"),
+    "master": ("JobMaster",),
+    "server": ("MasterServer",),
+    "messages": ("Generation", "SwitchPlan", "ScaleAnswer", "Status"),
+    "reducer": ("GradReducer",),
+    "persistence": ("StateBackend", "open_backend", "register_backend"),
+    "profiling": ("ProfileResult", "profile"),
+    "replication": ("Location", "assign_sources"),
+    "scaling": ("BatchPolicy", "HybridScaling", "StrongScaling", "WeakScaling", "make_policy"),
+    "state": ("ElasticState",),
+    "worker": ("Job", "init"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tidal.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"tidal.runtime.{module}"), name)
+    globals()[name] = value
+    return value
