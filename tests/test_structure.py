@@ -201,3 +201,17 @@ def test_a_bad_setting_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv(settings.HEARTBEAT_S.name, "fast")
     with pytest.raises(ValueError, match="TIDAL_HEARTBEAT_S"):
         settings.HEARTBEAT_S.get()
+
+
+def sizes_markdown() -> str:
+    """The two lists in docs/architecture.md (``python tests/test_structure.py``)."""
+    all_sizes = sorted(sizes(), reverse=True)
+    out = []
+    for kind in ("class", "function"):
+        rows = [f"| `{q}` | {n} |" for n, k, q in all_sizes if k == kind][:5]
+        out.append("\n".join([f"| {kind} | lines |", "|---|---|", *rows]))
+    return "\n\n".join(out)
+
+
+if __name__ == "__main__":  # pragma: no cover - docs helper
+    print(sizes_markdown())

@@ -1,0 +1,141 @@
+"""Plan validation and diffing, shared by the simulator engine and the coordinator.
+
+:func:`validate_plan` checks a policy's :class:`~tidal.scheduler.api.Plan`
+against the :class:`~tidal.scheduler.api.Snapshot` it was made from;
+:func:`diff_plan` lists, per job, the GPUs it holds now and the GPUs the plan
+places it on. Both run every scheduling round of the simulator, so they only
+look closely at the jobs whose GPUs change: a job that keeps its GPUs was
+checked when it got them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.scheduler.api import JobView, Plan, Snapshot
+
+
+class PlanError(ValueError):
+    """A plan breaks an invariant; names the job and the reason."""
+
+    def __init__(self, job_id: str, reason: str) -> None:
+        super().__init__(f"job {job_id}: {reason}")
+        self.job_id = job_id
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class JobDelta:
+    """One job whose GPUs change: ``have`` now, ``want`` after the plan (both sorted)."""
+
+    job_id: str
+    have: tuple[int, ...]
+    want: tuple[int, ...]
+
+    @property
+    def kind(self) -> str:
+        """``start``, ``stop``, ``grow``, ``shrink`` or ``move`` (adds and removes GPUs)."""
+        if not self.have:
+            return "start"
+        if not self.want:
+            return "stop"
+        added, removed = self.added, self.removed
+        if added and removed:
+            return "move"
+        return "grow" if added else "shrink"
+
+    @property
+    def added(self) -> tuple[int, ...]:
+        have = set(self.have)
+        return tuple(g for g in self.want if g not in have)
+
+    @property
+    def removed(self) -> tuple[int, ...]:
+        want = set(self.want)
+        return tuple(g for g in self.have if g not in want)
+
+
+def validate_plan(snap: Snapshot, plan: Plan) -> None:
+    """Raise :class:`PlanError` if ``plan`` cannot be executed from ``snap``.
+
+    Checks every allocation (the job is in the snapshot, neither dropped nor
+    unadmitted, its placement has as many distinct GPUs as its count) and, for
+    the jobs whose GPUs change, that the count is one the job's spec allows,
+    every GPU is in the cluster and no GPU goes to two jobs. A new batch must
+    be a positive integer.
+    """
+    for jid, b in plan.batch.items():
+        if not isinstance(b, int) or b <= 0:
+            raise PlanError(jid, f"global batch {b!r} must be a positive integer")
+    alloc = {jid: n for jid, n in plan.allocation.items() if n > 0}
+    if not alloc:
+        return
+    placement, drop = plan.placement, plan.drop
+    taken: dict[int, str] = {}  # new GPU -> the changing job that takes it
+    kept: list[JobView] = []  # jobs that keep their GPUs
+    found = 0
+    for view in snap.jobs:
+        jid = view.spec.job_id
+        n = alloc.get(jid)
+        if n is None:
+            continue
+        found += 1
+        if jid in drop:
+            raise PlanError(jid, "allocated GPUs but dropped by the same plan")
+        gpus = placement.get(jid)
+        have = view.gpus
+        if have and gpus is not None and len(gpus) == n and (gpus is have or sorted(gpus) == sorted(have)):
+            kept.append(view)
+        else:
+            _check_change(snap, plan, view, n, gpus, taken)
+    if found != len(alloc):
+        ids = {j.spec.job_id for j in snap.jobs}
+        raise PlanError(min(jid for jid in alloc if jid not in ids), "allocated GPUs but not in the snapshot")
+    if taken:
+        for view in kept:
+            if not taken.keys().isdisjoint(view.gpus):
+                g = min(set(taken) & set(view.gpus))
+                raise PlanError(taken[g], f"GPU {g} is placed for both {view.spec.job_id} and {taken[g]}")
+
+
+def _check_change(
+    snap: Snapshot, plan: Plan, view: JobView, n: int, gpus: tuple[int, ...] | None, taken: dict[int, str]
+) -> None:
+    """Check an allocation of ``n`` GPUs on ``gpus`` to ``view``'s job, which does
+    not hold exactly those now; record its GPUs in ``taken``."""
+    jid = view.spec.job_id
+    if gpus is None or len(gpus) != n or len(set(gpus)) != n:
+        raise PlanError(jid, f"placement {gpus!r} does not match its allocation of {n} GPUs")
+    if not (view.admitted or jid in plan.admit):
+        raise PlanError(jid, "allocated GPUs but never admitted")
+    if not view.spec.can_run_at(n):
+        raise PlanError(jid, f"cannot run at {n} GPUs")
+    total = snap.cluster.num_gpus
+    for g in gpus:
+        if not 0 <= g < total:
+            raise PlanError(jid, f"GPU {g} is not in the cluster")
+        if g in taken:
+            raise PlanError(jid, f"GPU {g} is placed for both {taken[g]} and {jid}")
+        taken[g] = jid
+
+
+def diff_plan(snap: Snapshot, plan: Plan) -> dict[str, JobDelta]:
+    """Every job of ``snap.jobs`` whose GPUs change under ``plan``, in snapshot
+    order (a job left out of ``plan.allocation``, or allocated 0, holds none)."""
+    alloc, placement = plan.allocation, plan.placement
+    out: dict[str, JobDelta] = {}
+    for view in snap.jobs:
+        have = view.gpus
+        jid = view.spec.job_id
+        n = alloc.get(jid, 0)
+        if n > 0:
+            gpus = placement.get(jid, ())
+            if have and (gpus is have or gpus == have):
+                continue
+            want = tuple(sorted(gpus))
+            have = tuple(sorted(have))
+            if want != have:
+                out[jid] = JobDelta(jid, have, want)
+        elif have:
+            out[jid] = JobDelta(jid, tuple(sorted(have)), ())
+    return out

@@ -1,0 +1,64 @@
+"""The built-in policies by name: ``get_policy("tiresias")``."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from tidal.scheduler.api import Policy
+from tidal.scheduler.policies.backfill import Backfill
+from tidal.scheduler.policies.chronus import Chronus
+from tidal.scheduler.policies.edf import EDF
+from tidal.scheduler.policies.elan import EFIFO, EBackfill
+from tidal.scheduler.policies.elastic_tiresias import ElasticTiresias
+from tidal.scheduler.policies.elasticflow import ElasticFlow
+from tidal.scheduler.policies.fifo import FIFO
+from tidal.scheduler.policies.gandiva import Gandiva
+from tidal.scheduler.policies.k8s_default import K8sDefault
+from tidal.scheduler.policies.reshaping import Reshaping
+from tidal.scheduler.policies.termination import Termination
+from tidal.scheduler.policies.themis import Themis
+from tidal.scheduler.policies.tidal import Tidal
+from tidal.scheduler.policies.tiresias import Tiresias
+
+_POLICIES: dict[str, Callable[..., Policy]] = {
+    "backfill": Backfill,
+    "chronus": Chronus,
+    "e-backfill": EBackfill,
+    "e-fifo": EFIFO,
+    "edf": EDF,
+    "elastic-tiresias": ElasticTiresias,
+    "elasticflow": ElasticFlow,
+    "fifo": FIFO,
+    "gandiva": Gandiva,
+    "k8s-default": K8sDefault,
+    "reshaping": Reshaping,
+    "termination": Termination,
+    "themis": Themis,
+    "tidal": Tidal,
+    "tiresias": Tiresias,
+}
+
+
+def get_policy(name: str, **options: Any) -> Policy:
+    """A new policy object; ``options`` go to its constructor."""
+    try:
+        factory = _POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(_POLICIES))}") from None
+    policy = factory(**options)
+    policy.name = name
+    return policy
+
+
+def get_policy_for_slot(name: str, slot: float, **options: Any) -> Policy:
+    """A policy that plans in time slots (ElasticFlow, Chronus, ...) is told
+    the executor's scheduling slot; others ignore it."""
+    factory = _POLICIES.get(name)
+    if factory is not None and slot > 0 and "slot" in inspect.signature(factory).parameters:
+        options.setdefault("slot", slot)
+    return get_policy(name, **options)
+
+
+def policy_names() -> list[str]:
+    return sorted(_POLICIES)
