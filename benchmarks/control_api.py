@@ -1,5 +1,5 @@
 """Control-plane speed: API submissions per second and the latency from
-submission to placement decision (issue 6).
+submission to placement decision.
 
     python benchmarks/control_api.py --json [--jobs 300] [--clients 8] [--policy fifo]
 

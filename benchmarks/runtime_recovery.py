@@ -1,4 +1,4 @@
-"""Benchmark of the runtime's failure recovery (issue 5): a worker is killed
+"""Benchmark of the runtime's failure recovery: a worker is killed
 with SIGKILL (``kill -9``, via ``$TIDAL_FAULTS``) in a 3-worker job under
 ``tidal run``; the survivors detect it, re-form without it and redo the step
 (EDL §4.2 forced exit as a scale-in, Elan §V-D, DLRover §5.3).

@@ -1,4 +1,4 @@
-"""Benchmark of the elastic runtime (issue 4): rescale pauses, steady-state
+"""Benchmark of the elastic runtime: rescale pauses, steady-state
 overhead and per-step coordination round trip, versus torchrun.
 
 One file, several roles (same model and data everywhere: a 3-layer MLP,

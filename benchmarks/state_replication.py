@@ -1,4 +1,4 @@
-"""Concurrent vs single-source state replication (issue 5, item 6; Elan §IV).
+"""Concurrent vs single-source state replication (Elan §IV).
 
 ``S`` live workers hold the training state (``--mb`` MiB of float32 tensors,
 like model + optimizer state); ``J`` newcomers need it. Three ways, with the

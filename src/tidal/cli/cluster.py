@@ -59,7 +59,7 @@ def server(
 ) -> None:
     """Run the control plane (REST API + scheduler loop)."""
     from tidal.control.server import serve
-    from tidal.scheduler.api import policy_names
+    from tidal.scheduler.registry import policy_names
 
     if policy not in policy_names():
         err.print(f"[red]error:[/] unknown policy {policy!r}; known: {', '.join(policy_names())}")

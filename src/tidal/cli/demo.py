@@ -135,7 +135,7 @@ def live_demo(con: Console, home: Optional[Path], policy: str, timeout_s: float)
 def sim_demo(con: Console, jobs: int, cluster: str, seed: int, out: Path) -> None:
     from tidal.cli.simulate import results_table, run_policies
     from tidal.core.topology import parse_cluster
-    from tidal.scheduler.api import policy_names
+    from tidal.scheduler.registry import policy_names
     from tidal.sim.metrics import summarize, write_outputs
     from tidal.sim.traces import poisson_jobs
 

@@ -63,7 +63,7 @@ def run_policies(
     show_progress: bool = True,
     console: Console | None = None,
 ):
-    from tidal.scheduler.api import get_policy_for_slot
+    from tidal.scheduler.registry import get_policy_for_slot
     from tidal.sim.engine import Simulator
 
     console = console or Console(stderr=True)
@@ -118,7 +118,7 @@ def simulate(
     from tidal.core.overhead import OverheadModel
     from tidal.core.profile import load_profiles
     from tidal.core.topology import parse_cluster
-    from tidal.scheduler.api import policy_names
+    from tidal.scheduler.registry import policy_names
     from tidal.sim.metrics import summarize, write_outputs
     from tidal.sim.traces import load_trace
 

@@ -13,7 +13,6 @@ executor stores it, the policy object stays stateless.
 from __future__ import annotations
 
 import abc
-import importlib
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple
@@ -142,21 +141,3 @@ def schedulable(snap: Snapshot, plan: Plan) -> list[JobView]:
         for j in snap.jobs
         if j.job_id not in plan.drop and (j.admitted or j.job_id in plan.admit)
     ]
-
-
-# The policy registry lives in tidal.scheduler.registry (it imports every
-# policy module, which import this one). These wrappers keep the old import
-# path working for callers not yet moved to tidal.scheduler.registry.
-def get_policy(name: str, **options: Any) -> Policy:
-    """See :func:`tidal.scheduler.registry.get_policy`."""
-    return importlib.import_module("tidal.scheduler.registry").get_policy(name, **options)
-
-
-def get_policy_for_slot(name: str, slot: float, **options: Any) -> Policy:
-    """See :func:`tidal.scheduler.registry.get_policy_for_slot`."""
-    return importlib.import_module("tidal.scheduler.registry").get_policy_for_slot(name, slot, **options)
-
-
-def policy_names() -> list[str]:
-    """See :func:`tidal.scheduler.registry.policy_names`."""
-    return importlib.import_module("tidal.scheduler.registry").policy_names()
