@@ -191,6 +191,7 @@ class Membership:
         self.pauses: list[dict[str, Any]] = []
         self.failures: list[dict[str, Any]] = []  # detected peer failures (wall time, step, generation)
         self.joined_at_step = 0
+        self.backend = "gloo"  # NCCL once CUDA parameters are registered (tidal.runtime.devices)
 
     # ------------------------------------------------------------------ joining
     def register(self, checkpoints: bool) -> dict[str, Any]:
@@ -302,7 +303,8 @@ class Membership:
         """Rendezvous with the generation's members under its store prefix."""
         store = dist.PrefixStore(g.prefix, self.stores.get(g.store_host, g.store_port))
         rank = g.rank_of(self.worker_id)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=g.world_size, timeout=self.pg_timeout)
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=g.world_size,
+                                timeout=self.pg_timeout)
         self.seat = Seat(g, rank, g.world_size)
 
     def sync_state(self, train: TrainState, src: int = 0, sources: dict[int, int] | None = None) -> None:

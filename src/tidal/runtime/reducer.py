@@ -25,6 +25,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from tidal.runtime.devices import params_device
+
 log = logging.getLogger(__name__)
 
 
@@ -37,7 +39,7 @@ class _Bucket:
         for p in params:
             self.offsets[id(p)] = (off, p.numel())
             off += p.numel()
-        self.buf = torch.zeros(off, dtype=self.dtype)
+        self.buf = torch.zeros(off, dtype=self.dtype, device=params[0].device)
         self.ready: set[int] = set()
         self.work: Any = None
         self.launched = False
@@ -48,6 +50,7 @@ class GradReducer:
 
     def __init__(self, params: list[torch.nn.Parameter], bucket_cap_mb: float = 4.0, overlap: bool = True) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self.device = params_device(self.params)  # buckets and the control tensor live here
         cap = int(bucket_cap_mb * 2**20)
         self.buckets: list[_Bucket] = []
         cur: list[torch.nn.Parameter] = []
@@ -135,7 +138,8 @@ class GradReducer:
                     self._fill(b, p)
             self._launch(b)
         self._next = len(self.buckets)
-        c = torch.tensor([ctrl[0], ctrl[1], 1.0 if self.redo else 0.0, *extra], dtype=torch.float64)
+        c = torch.tensor([ctrl[0], ctrl[1], 1.0 if self.redo else 0.0, *extra], dtype=torch.float64,
+                         device=self.device)
         if self.distributed:
             dist.all_reduce(c)
         for b in self.buckets:

@@ -54,6 +54,7 @@ from tidal.runtime.client import MasterClient
 from tidal.runtime.data import ElasticBatchIterator, StepSlice, default_collate
 from tidal.runtime.faults import FaultInjector
 from tidal.runtime.heartbeat import Heartbeat, StoreEndpoint, StragglerWatch
+from tidal.runtime.devices import backend_for, params_device
 from tidal.runtime.membership import Membership
 from tidal.runtime.messages import Generation
 from tidal.runtime.reducer import GradReducer
@@ -292,7 +293,10 @@ class Job:
         scheduler: Any | None = None,
         extras: dict[str, Any] | None = None,
     ) -> ElasticState:
-        """Register what must survive a rescale (Elan's RegisterState)."""
+        """Register what must survive a rescale (Elan's RegisterState). The
+        model's device picks the collective backend: NCCL for CUDA, gloo on
+        the CPU."""
+        self.membership.backend = backend_for(params_device(model.parameters()))
         self.train.elastic = ElasticState(model, optimizer, scheduler, extras)
         self.runner.drop_reducer()
         return self.train.elastic
