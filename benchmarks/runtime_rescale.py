@@ -104,7 +104,9 @@ def role_elastic(a: argparse.Namespace) -> None:
 def role_ddp(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from tidal.runtime.data import default_collate, epoch_permutation, step_slice
+    from torch.utils.data import default_collate
+
+    from tidal.runtime.data import epoch_permutation, step_slice
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

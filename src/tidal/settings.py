@@ -95,6 +95,12 @@ STATE_MAX_MBPS: Setting[float] = Setting("TIDAL_STATE_MAX_MBPS", float, 0.0,
                                          "cap on one source's state-transfer egress in MB/s (0: none)", "worker")
 HEARTBEAT_S: Setting[float] = Setting("TIDAL_HEARTBEAT_S", float, 0.05,
                                       "rank 0's progress heartbeat interval in seconds", "worker")
+DEVICE: Setting[str | None] = Setting("TIDAL_DEVICE", _opt_str, None,
+                                      "this worker's device (cpu, cuda:1); default: its GPU if it has one "
+                                      "(CUDA_VISIBLE_DEVICES, then LOCAL_RANK), else the CPU", "worker")
+COLLECTIVE_TIMEOUT_S: Setting[float] = Setting("TIDAL_COLLECTIVE_TIMEOUT_S", float, 1800.0,
+                                               "how long a collective may wait for a live peer (a dead peer "
+                                               "fails it at once); see docs/runtime.md, Timeouts", "worker")
 OVERLAP: Setting[bool] = Setting("TIDAL_OVERLAP", _bool, True,
                                  "bucketed gradient all-reduce overlapped with backward (0: after backward)",
                                  "worker")

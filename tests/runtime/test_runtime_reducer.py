@@ -1,7 +1,8 @@
-"""The weighted, overlapped gradient all-reduce in two real gloo processes:
-uneven local batches give exactly the full-batch gradient, also when one rank
-runs backward twice (the late-gradient fallback must be taken by both ranks)
-or has an empty local batch."""
+"""The weighted, overlapped gradient all-reduce in two real gloo processes,
+with DDP's contract: when backward returns, p.grad holds the full-batch
+gradient, for uneven local batches, an accumulation window of uneven
+micro-batches (no_sync), an empty share (weight 0 on a stand-in sample) and
+a parameter unused on one rank or on both (the latter keeps grad None)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,35 @@ def _full_grads(n: int) -> list[torch.Tensor]:
     return [p.grad.clone() for p in m.parameters()]
 
 
-CASES = ("uneven", "twice", "empty")
+CASES = ("uneven", "accumulate", "empty", "unused")
+
+
+class _Listener:
+    def __init__(self, rank: int) -> None:
+        self.rank, self.reduced = rank, []
+
+    def sync_begin(self) -> list[float]:
+        return [5.0, 42.0] if self.rank == 0 else [0.0, 0.0]
+
+    def sync_done(self, reduced: list[float]) -> None:
+        self.reduced.append(reduced)
+
+    def sync_failed(self, error: Exception) -> None:
+        raise error
+
+
+class _Branchy(torch.nn.Module):
+    """_model() plus a head used only by rank 0 and one used by nobody."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _model()
+        torch.manual_seed(3)
+        self.extra = torch.nn.Linear(6, 1).double()
+        self.never = torch.nn.Linear(6, 1).double()
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        return self.body(x) + (0.0 * self.extra(x) if use_extra else 0.0)  # used, without changing the loss
 
 
 def _worker(rank: int, port: int, out: dict) -> None:
@@ -44,21 +73,31 @@ def _worker(rank: int, port: int, out: dict) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
     n = 7
     x, y = _data(n)
+    mse = torch.nn.functional.mse_loss
     for case in CASES:
-        m = _model()
-        red = GradReducer(list(m.parameters()), bucket_cap_mb=0.0005)  # tiny buckets: several async launches
+        m = _Branchy() if case == "unused" else _model()
+        lis = _Listener(rank)
+        red = GradReducer(list(m.parameters()), listener=lis, bucket_cap_mb=0.0005)  # several async launches
         sizes = [n, 0] if case == "empty" else split_sizes(n, 2)
         lo = sum(sizes[:rank])
         xb, yb = x[lo : lo + sizes[rank]], y[lo : lo + sizes[rank]]
-        red.begin(sizes[rank] / n, True)
-        if case == "twice" and rank == 1:  # two half-batch backward passes: mean = average of the halves
-            h = len(xb) // 2
-            for a, b in ((0, h), (h, len(xb))):
-                (torch.nn.functional.mse_loss(m(xb[a:b]), yb[a:b]) * (b - a) / len(xb)).backward()
+        if case == "accumulate" and rank == 1:  # micro-batches of 1 and 2 samples: each weighted by its own share
+            red.arm(1 / n, True)
+            with red.no_sync():
+                mse(m(xb[:1]), yb[:1]).backward()
+            red.arm(2 / n, True)
+            mse(m(xb[1:]), yb[1:]).backward()
+        elif case == "empty" and rank == 1:  # a stand-in sample with weight 0
+            red.arm(0.0, True)
+            mse(m(x[:1]), y[:1]).backward()
+        elif case == "unused":
+            red.arm(sizes[rank] / n, True)
+            mse(m(xb, use_extra=rank == 0), yb).backward()
         else:
-            torch.nn.functional.mse_loss(m(xb), yb).backward()
-        gen, step = red.finish((5.0, 42.0) if rank == 0 else (0.0, 0.0))
-        out[(case, rank)] = ([p.grad.clone() for p in m.parameters()], gen, step, len(red.buckets), red.last_redo)
+            red.arm(sizes[rank] / n, True)
+            mse(m(xb), yb).backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in m.parameters()]
+        out[(case, rank)] = (grads, lis.reduced, len(red.buckets))
         red.remove()
     dist.destroy_process_group()
 
@@ -89,9 +128,13 @@ def test_weighted_allreduce_equals_full_batch_gradient() -> None:
     full = _full_grads(7)
     for case in CASES:
         for rank in (0, 1):
-            grads, gen, step, nb, redo = res[(case, rank)]
+            grads, reduced, nb = res[(case, rank)]
             assert nb > 1
-            assert (gen, step) == (5.0, 42.0)  # the control pair piggy-backs on the reduction
-            assert redo == (case == "twice")  # the fallback is taken by both ranks or by none
+            assert reduced == [[5.0, 42.0]]  # one sync; the control pair piggy-backs on the reduction
+            if case == "unused":
+                *body, ew, eb, nw, nbias = grads
+                assert nw is None and nbias is None  # unused on every rank: grad stays None, as in DDP
+                assert ew is not None and eb is not None  # used by rank 0 only: reduced on both
+                grads = body
             for g, f in zip(grads, full):
                 assert torch.allclose(g, f, rtol=1e-12, atol=1e-14), (case, rank, (g - f).abs().max())

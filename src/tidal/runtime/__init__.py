@@ -18,7 +18,8 @@ from typing import Any
 
 _EXPORTS = {
     "client": ("MasterClient", "MasterUnavailable"),
-    "data": ("ElasticBatchIterator", "ShardManager", "ShardReader", "epoch_permutation", "split_sizes", "step_slice"),
+    "data": ("ShardManager", "ShardReader", "epoch_permutation", "split_sizes", "step_slice"),
+    "loader": ("ElasticLoader",),
     "master": ("JobMaster",),
     "server": ("MasterServer",),
     "messages": ("Generation", "SwitchPlan", "ScaleAnswer", "Status"),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -88,84 +88,6 @@ def step_slice(cursor: int, n: int, batch_size: int, rank: int, world_size: int,
         sizes = split_sizes(stop - start, world_size)
     lo = start + sum(sizes[:rank])
     return StepSlice(epoch, start, stop, lo, lo + sizes[rank])
-
-
-def default_collate(samples: Sequence[Any]) -> Any:
-    """Stack tensors / tuples of tensors; empty batches stay empty lists."""
-    if len(samples) == 0:
-        return []
-    first = samples[0]
-    if isinstance(first, torch.Tensor):
-        return torch.stack(list(samples))
-    if isinstance(first, (tuple, list)):
-        return type(first)(default_collate([s[i] for s in samples]) for i in range(len(first)))
-    if isinstance(first, (int, float)):
-        return torch.tensor(samples)
-    return list(samples)
-
-
-class PermutationCache:
-    """Caches the current epoch's permutation."""
-
-    def __init__(self, n: int, seed: int) -> None:
-        self.n, self.seed = n, seed
-        self._epoch = -1
-        self._perm: torch.Tensor | None = None
-
-    def get(self, epoch: int) -> torch.Tensor:
-        if epoch != self._epoch:
-            self._perm, self._epoch = epoch_permutation(self.n, self.seed, epoch), epoch
-        assert self._perm is not None
-        return self._perm
-
-
-class ElasticBatchIterator:
-    """Iterates this worker's local batches across epochs and rescaling.
-
-    Created by :meth:`tidal.runtime.Job.data`. Every ``next`` reads the job's
-    cursor, world size and global batch size, so a rescale between two steps
-    simply changes the split. ``last_indices`` holds the dataset indices of the
-    batch just returned (useful to audit exactly-once).
-    """
-
-    def __init__(
-        self,
-        job: Any,
-        dataset: Any,
-        epochs: int,
-        seed: int = 0,
-        collate_fn: Callable[[Sequence[Any]], Any] = default_collate,
-    ) -> None:
-        self.job = job
-        self.dataset = dataset
-        self.n = len(dataset)
-        self.epochs = int(epochs)
-        self.seed = int(seed)
-        self.collate_fn = collate_fn
-        self._perms = PermutationCache(self.n, self.seed)
-        self.last_indices: list[int] = []
-        self.epoch = 0
-
-    @property
-    def end_cursor(self) -> int:
-        return self.epochs * self.n
-
-    def __len__(self) -> int:
-        return self.epochs * ((self.n + self.job.global_batch_size - 1) // self.job.global_batch_size)
-
-    def __iter__(self) -> Iterator[Any]:
-        self.job._attach_data(self)
-        while True:
-            if not self.job._ready_for_next_batch(self):
-                return
-            sl = step_slice(self.job.cursor, self.n, self.job.global_batch_size, self.job.rank, self.job.world_size,
-                            self.job.shares)
-            self.epoch = sl.epoch
-            perm = self._perms.get(sl.epoch)
-            idx = perm[sl.lo : sl.hi].tolist()
-            self.last_indices = idx
-            self.job._begin_batch(sl)
-            yield self.collate_fn([self.dataset[i] for i in idx])
 
 
 # --------------------------------------------------------------------------- shard mode

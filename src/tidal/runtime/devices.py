@@ -29,3 +29,27 @@ def backend_for(device: torch.device, nccl_available: Callable[[], bool] = dist.
             raise RuntimeError("CUDA parameters need the NCCL backend, which this torch build lacks")
         return "nccl"
     return "gloo"
+
+
+def local_device(cuda_count: int, local_rank: str | None, visible: str | None, override: str | None = None
+                 ) -> torch.device:
+    """The device of one worker process, as torchrun users expect.
+
+    ``override`` (``$TIDAL_DEVICE``) wins. Without a GPU: the CPU. With one
+    visible GPU (the launcher set ``CUDA_VISIBLE_DEVICES`` to this worker's
+    GPU): ``cuda:0``. With several: ``cuda:$LOCAL_RANK`` (torchrun's and
+    Ray's convention), refused by name when that GPU is not visible."""
+    if override:
+        return torch.device(override)
+    if cuda_count <= 0:
+        return torch.device("cpu")
+    if local_rank is None or cuda_count == 1:
+        return torch.device("cuda", 0)
+    try:
+        lr = int(local_rank)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={local_rank!r} is not an integer") from None
+    if not 0 <= lr < cuda_count:
+        raise ValueError(f"LOCAL_RANK={lr} but only {cuda_count} GPU(s) are visible "
+                         f"(CUDA_VISIBLE_DEVICES={visible!r}); give each worker its GPU")
+    return torch.device("cuda", lr)

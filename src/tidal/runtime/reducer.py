@@ -1,165 +1,246 @@
-"""Weighted gradient all-reduce, overlapped with the backward pass.
+"""Weighted gradient all-reduce with DDP's contract: when ``loss.backward()``
+returns, every ``p.grad`` holds the globally reduced gradient.
 
-Strong scaling (Elan §V-B): rank ``r`` contributes ``(b_r / B) * grad_r`` where
-``grad_r`` is the gradient of its mean local loss; the SUM over ranks is then
-exactly the fixed-size gradient ``(1/B) * sum_i grad l_i`` for any split.
+Strong scaling (Elan §V-B): rank ``r`` contributes ``(b_r / B) * grad_r``,
+``grad_r`` being the gradient of its mean local loss; the SUM over ranks is
+then the fixed-size gradient ``(1/B) * sum_i grad l_i`` for any split. The
+weights add up to 1, so reducing a gradient that is already equal on every
+rank leaves it unchanged (a second backward pass in the same step reduces
+the sum, as in DDP).
 
-Like DDP, parameters are grouped into buckets in reverse registration order
-(roughly the order backward produces gradients); a post-accumulate-grad hook
-copies the scaled gradient into its bucket, and a full bucket is all-reduced
-asynchronously while backward continues. Buckets are launched strictly in
-index order, so every rank issues the same collectives in the same order.
-A three-number control tensor (target generation, switch step, a "redo"
-flag) is reduced at the end of every step; it carries the switch agreement
-(EDL §4.2) at no extra synchronisation. If a gradient changed after its
-bucket was sent (e.g. several backward passes per step) any rank can raise
-the redo flag and every rank then falls back to one synchronous flat
-all-reduce, so the result is always correct.
+Like DDP, parameters are grouped into buckets in reverse registration order;
+a post-accumulate-grad hook copies the scaled gradient into its bucket and a
+full bucket is all-reduced asynchronously while backward continues. The
+first hook of a backward pass queues a callback on the autograd engine that
+runs when backward ends: it launches the buckets whose hooks did not fire
+(parameters unused on this rank, as with ``find_unused_parameters``), reduces
+a small control tensor (the switch agreement, EDL §4.2, and per-rank compute
+times) and writes the reduced gradients back. Buckets are launched strictly
+in index order, so every rank issues the same collectives in the same order.
+A parameter unused on every rank keeps ``grad = None``, as in DDP.
+
+Gradient accumulation: inside :meth:`GradReducer.no_sync` nothing is
+reduced; each micro-batch's incoming gradient is scaled by its own weight
+before it is accumulated (a pre-accumulation hook), so a window of uneven
+micro-batches still sums to the exact fixed-size gradient, and the synced
+backward that closes the window reduces without scaling again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Sequence
+from typing import Any, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 
 from tidal.runtime.devices import params_device
 
 log = logging.getLogger(__name__)
 
 
+class SyncListener(Protocol):
+    """What the step runner learns from a synced backward pass."""
+
+    def sync_begin(self) -> list[float]:
+        """Backward ended on this rank: the numbers to add to the control
+        tensor (summed over ranks)."""
+
+    def sync_done(self, reduced: list[float]) -> None:
+        """The reduction finished; ``reduced`` is the reduced control tensor."""
+
+    def sync_failed(self, error: Exception) -> None:
+        """A collective failed (a peer died): every gradient is now None."""
+
+
 class _Bucket:
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
-        self.dtype = params[0].dtype
         self.offsets: dict[int, tuple[int, int]] = {}
         off = 0
         for p in params:
             self.offsets[id(p)] = (off, p.numel())
             off += p.numel()
-        self.buf = torch.zeros(off, dtype=self.dtype, device=params[0].device)
+        self.buf = torch.zeros(off, dtype=params[0].dtype, device=params[0].device)
         self.ready: set[int] = set()
         self.work: Any = None
-        self.launched = False
+
+    def view(self, p: torch.Tensor) -> torch.Tensor:
+        off, n = self.offsets[id(p)]
+        return self.buf[off : off + n]
 
 
 class GradReducer:
     """Owns the hooks and buckets for one model's trainable parameters."""
 
-    def __init__(self, params: list[torch.nn.Parameter], bucket_cap_mb: float = 4.0, overlap: bool = True) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], listener: SyncListener | None = None,
+                 bucket_cap_mb: float = 4.0, overlap: bool = True) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.device = params_device(self.params)  # buckets and the control tensor live here
-        cap = int(bucket_cap_mb * 2**20)
-        self.buckets: list[_Bucket] = []
-        cur: list[torch.nn.Parameter] = []
-        size = 0
-        for p in reversed(self.params):
-            nbytes = p.numel() * p.element_size()
-            if cur and (size + nbytes > cap or p.dtype != cur[0].dtype):
-                self.buckets.append(_Bucket(cur))
-                cur, size = [], 0
-            cur.append(p)
-            size += nbytes
-        if cur:
-            self.buckets.append(_Bucket(cur))
+        self.listener = listener
+        self.buckets = _make_buckets(self.params, int(bucket_cap_mb * 2**20))
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self.overlap = overlap and hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params] if self.overlap else []
-        self.active = False
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.overlap = overlap
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        self._handles += [p.register_hook(self._prescale) for p in self.params]
         self.weight = 1.0
         self.distributed = False
-        self.redo = False
-        self.last_redo = False  # whether the last step took the synchronous fallback (on every rank)
+        self.armed = False
+        self.syncing = True  # False inside no_sync()
+        self.scaled = False  # the accumulated gradients are already weighted (an accumulation window)
+        self.queued = False  # the end-of-backward callback is queued for the running backward
+        self.syncs = 0  # synced backward passes since arm()
         self.last_extra: list[float] = []
         self._next = 0
-
-    def abort(self) -> None:
-        """Drop in-flight work after a failed collective, so the broken process
-        group can really be torn down (its sockets closed, which is how the
-        other survivors notice quickly)."""
-        self.active = False
-        for b in self.buckets:
-            b.work = None
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
 
-    # -------------------------------------------------------------- per step
-    def begin(self, weight: float, distributed: bool) -> None:
-        """Arm the hooks for the batch about to be computed."""
-        self.weight, self.distributed, self.redo, self._next = weight, distributed, False, 0
-        for b in self.buckets:
-            b.ready.clear()
-            b.work, b.launched = None, False
-        self.active = True
+    def arm(self, weight: float, distributed: bool) -> None:
+        """A micro-batch starts: its weight ``b_r / B`` and whether to reduce."""
+        self.weight, self.distributed, self.armed = weight, distributed, True
 
-    def _fill(self, b: _Bucket, p: torch.nn.Parameter) -> None:
-        off, n = b.offsets[id(p)]
-        view = b.buf[off : off + n]
-        if p.grad is None or self.weight == 0.0:
-            view.zero_()  # an empty local batch contributes nothing (its mean loss is NaN)
-        else:
-            torch.mul(p.grad.detach().reshape(-1), self.weight, out=view)
+    def disarm(self) -> None:
+        """No reduction until the next :meth:`arm` (a failed collective, or local code)."""
+        self.armed, self.distributed = False, False
+        for b in self.buckets:
+            b.work = None  # in-flight work would keep a broken group alive
+
+    def closed(self) -> None:
+        """The step ended: the next window starts from zeroed gradients."""
+        self.scaled, self.syncs = False, 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate locally; the first backward after the block reduces."""
+        prev = self.syncing
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = prev
+
+    # -------------------------------------------------------------- hooks
+    def _prescale(self, grad: torch.Tensor) -> torch.Tensor | None:
+        if not self.armed or not (self.scaled or not self.syncing):
+            return None
+        self.scaled = True
+        if self.weight == 1.0:
+            return None
+        return torch.zeros_like(grad) if self.weight == 0.0 else grad * self.weight
 
     def _hook(self, p: torch.Tensor) -> None:
-        if not self.active:
+        if not self.armed:
+            return
+        if not self.queued:
+            self.queued = True
+            self._next = 0
+            for b in self.buckets:
+                b.ready.clear()
+                b.work = None
+            Variable._execution_engine.queue_callback(self._finalize)
+        if not self.syncing or not self.overlap:
             return
         b = self.bucket_of[id(p)]
-        if b.launched:
-            self.redo = True  # accumulated again after its bucket was sent
-            return
         self._fill(b, p)  # type: ignore[arg-type]
         b.ready.add(id(p))
-        self._launch_ready()
-
-    def _launch(self, b: _Bucket) -> None:
-        b.launched = True
-        if self.distributed:
-            b.work = dist.all_reduce(b.buf, async_op=True)
-
-    def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
             self._launch(self.buckets[self._next])
             self._next += 1
 
-    def finish(self, ctrl: tuple[float, float], extra: Sequence[float] = ()) -> tuple[float, float]:
-        """Complete the reduction, write the gradients back and return the
-        reduced control pair (target generation, switch step). ``extra``
-        numbers ride along in the same control tensor (summed); their reduced
-        values are in ``last_extra`` (e.g. per-rank compute times)."""
-        self.active = False
-        for b in self.buckets[self._next :]:  # buckets whose hooks did not all fire (unused params, no overlap)
+    def _fill(self, b: _Bucket, p: torch.nn.Parameter) -> None:
+        view = b.view(p)
+        if p.grad is None or (self.weight == 0.0 and not self.scaled):
+            view.zero_()  # unused here, or an empty share: contributes nothing
+        elif self.scaled:
+            view.copy_(p.grad.detach().reshape(-1))
+        else:
+            torch.mul(p.grad.detach().reshape(-1), self.weight, out=view)
+
+    def _launch(self, b: _Bucket) -> None:
+        if self.distributed:
+            b.work = dist.all_reduce(b.buf, async_op=True)
+
+    # -------------------------------------------------------------- end of backward
+    def _finalize(self) -> None:
+        self.queued = False
+        if not self.syncing or not self.armed:
+            return
+        try:
+            self._reduce()
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError/DistBackendError subclasses
+            self.disarm()
+            for p in self.params:
+                p.grad = None  # a dropped step: an optimizer step the script still takes changes nothing
+            if self.listener is None:
+                raise
+            self.listener.sync_failed(e)
+        else:
+            self.syncs += 1
+
+    def _reduce(self) -> None:
+        unused = []
+        for b in self.buckets[self._next :]:
             for p in b.params:
                 if id(p) not in b.ready:
                     self._fill(b, p)
             self._launch(b)
+        for b in self.buckets:
+            unused.extend(p for p in b.params if p.grad is None)
         self._next = len(self.buckets)
-        c = torch.tensor([ctrl[0], ctrl[1], 1.0 if self.redo else 0.0, *extra], dtype=torch.float64,
-                         device=self.device)
+        extra = self.listener.sync_begin() if self.listener is not None else []
+        c = torch.tensor([1.0 if unused else 0.0, *extra], dtype=torch.float64, device=self.device)
         if self.distributed:
             dist.all_reduce(c)
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
-        self.last_redo = c[2].item() > 0
-        self.last_extra = c[3:].tolist()
-        if self.last_redo:  # some rank saw late gradients: redo synchronously, identically everywhere
-            log.debug("gradient changed after its bucket was sent; synchronous all-reduce")
-            for b in self.buckets:
-                for p in b.params:
-                    self._fill(b, p)
-                if self.distributed:
-                    dist.all_reduce(b.buf)
+                b.work = None
+        reduced = c.tolist()
+        skip = self._globally_unused(unused) if reduced[0] > 0 else set()
         for b in self.buckets:
             for p in b.params:
-                off, n = b.offsets[id(p)]
-                g = b.buf[off : off + n].view_as(p)
+                if id(p) in skip:
+                    continue
+                g = b.view(p).view_as(p)
                 if p.grad is None:
                     p.grad = g.clone()
                 else:
                     p.grad.copy_(g)
-        return c[0].item(), c[1].item()
+        self.scaled = False  # the window's sum is reduced; further backward passes reduce like DDP
+        self.last_extra = reduced[1:]
+        if self.listener is not None:
+            self.listener.sync_done(reduced[1:])
+
+    def _globally_unused(self, unused: list[torch.nn.Parameter]) -> set[int]:
+        """Parameters no rank used (their grad stays None): one more small
+        all-reduce, only in steps where some rank had unused parameters."""
+        used = torch.ones(len(self.params), dtype=torch.float32, device=self.device)
+        for p in unused:
+            used[self.index[id(p)]] = 0.0
+        if self.distributed:
+            dist.all_reduce(used)
+        flags = used.tolist()
+        return {id(p) for p in self.params if flags[self.index[id(p)]] == 0.0}
+
+
+def _make_buckets(params: list[torch.nn.Parameter], cap: int) -> list[_Bucket]:
+    """Reverse registration order, one dtype per bucket, about ``cap`` bytes each."""
+    buckets: list[_Bucket] = []
+    cur: list[torch.nn.Parameter] = []
+    size = 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if cur and (size + nbytes > cap or p.dtype != cur[0].dtype):
+            buckets.append(_Bucket(cur))
+            cur, size = [], 0
+        cur.append(p)
+        size += nbytes
+    if cur:
+        buckets.append(_Bucket(cur))
+    return buckets

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -29,53 +29,68 @@ worker of the new generation."""
 @dataclass(frozen=True)
 class StepSnapshot:
     """What user code may change after a step that is then dropped: the LR
-    scheduler, the extras, the torch RNG and the optimizer's param-group
-    settings (a scheduler stepped after a dropped step also wrote the LR into
-    the param groups; restoring the scheduler alone would not undo that)."""
+    schedulers, the GradScaler, the extras, the torch RNG and the optimizers'
+    param-group settings (a scheduler stepped after a dropped step also wrote
+    the LR into the param groups; restoring the scheduler alone would not
+    undo that)."""
 
-    scheduler: dict[str, Any] | None
+    schedulers: list[dict[str, Any]]
+    scaler: dict[str, Any] | None
     extras: dict[str, Any]
     rng: torch.Tensor
-    groups: list[dict[str, Any]] | None
+    groups: list[list[dict[str, Any]]]
 
 
 class ElasticState:
     """Holds references to the user's objects; no subclassing needed.
 
-    ``extras`` is a dict of picklable user values (e.g. a best-loss counter);
-    it is replaced in place on newcomers so references stay valid.
+    ``optimizers`` and ``schedulers`` are lists (a GAN has two optimizers);
+    ``scaler`` an AMP GradScaler. ``extras`` is a dict of picklable user values
+    (e.g. a best-loss counter); it is replaced in place on newcomers so
+    references stay valid. :mod:`tidal.runtime.capture` finds what the user
+    did not register.
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        scheduler: Any | None = None,
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = (),
+        schedulers: Any | Sequence[Any] | None = (),
         extras: dict[str, Any] | None = None,
+        scaler: Any | None = None,
         rng: bool = True,
     ) -> None:
         self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
+        self.optimizers: list[torch.optim.Optimizer] = as_list(optimizers)
+        self.schedulers: list[Any] = as_list(schedulers)
+        self.scaler = scaler
         self.extras = extras if extras is not None else {}
         self.rng = rng
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.optimizers[0] if self.optimizers else None
+
+    @property
+    def scheduler(self) -> Any | None:
+        return self.schedulers[0] if self.schedulers else None
+
     def state_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"model": self.model.state_dict(), "extras": dict(self.extras)}
-        if self.optimizer is not None:
-            d["optimizer"] = self.optimizer.state_dict()
-        if self.scheduler is not None:
-            d["scheduler"] = self.scheduler.state_dict()
+        d: dict[str, Any] = {"model": self.model.state_dict(), "extras": dict(self.extras),
+                             "optimizers": [o.state_dict() for o in self.optimizers],
+                             "schedulers": [s.state_dict() for s in self.schedulers]}
+        if self.scaler is not None:
+            d["scaler"] = self.scaler.state_dict()
         if self.rng:
             d["rng"] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
         return d
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.model.load_state_dict(d["model"])
-        if self.optimizer is not None and "optimizer" in d:
-            self.optimizer.load_state_dict(d["optimizer"])
-        if self.scheduler is not None and "scheduler" in d:
-            self.scheduler.load_state_dict(d["scheduler"])
+        _load_all("optimizer", self.optimizers, d.get("optimizers", []))
+        _load_all("LR scheduler", self.schedulers, d.get("schedulers", []))
+        if self.scaler is not None and "scaler" in d:
+            self.scaler.load_state_dict(d["scaler"])
         if self.rng and "rng" in d:
             torch.set_rng_state(d["rng"]["torch"])
             np.random.set_state(d["rng"]["numpy"])
@@ -85,25 +100,43 @@ class ElasticState:
 
     def step_snapshot(self) -> StepSnapshot:
         """The user-side state at the start of a step (see :class:`StepSnapshot`)."""
-        opt = self.optimizer
         return StepSnapshot(
-            scheduler=copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
+            schedulers=[copy.deepcopy(s.state_dict()) for s in self.schedulers],
+            scaler=copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None,
             extras=copy.deepcopy(self.extras),
             rng=torch.get_rng_state(),
-            groups=[copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups]
-            if opt is not None else None,
+            groups=[[copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in o.param_groups]
+                    for o in self.optimizers],
         )
 
     def restore_step_snapshot(self, snap: StepSnapshot) -> None:
         """Undo the user-side effects of a dropped step."""
-        if self.scheduler is not None and snap.scheduler is not None:
-            self.scheduler.load_state_dict(snap.scheduler)
+        for s, saved in zip(self.schedulers, snap.schedulers):
+            s.load_state_dict(saved)
+        if self.scaler is not None and snap.scaler is not None:
+            self.scaler.load_state_dict(snap.scaler)
         self.extras.clear()
         self.extras.update(snap.extras)
         torch.set_rng_state(snap.rng)
-        if self.optimizer is not None and snap.groups is not None:
-            for g, saved in zip(self.optimizer.param_groups, snap.groups):
+        for o, groups in zip(self.optimizers, snap.groups):
+            for g, saved in zip(o.param_groups, groups):
                 g.update(saved)
+
+
+def as_list(x: Any) -> list[Any]:
+    """None, one object or a sequence of them, as a list."""
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _load_all(what: str, objs: list[Any], states: list[dict[str, Any]]) -> None:
+    """Load states into objects, refusing a count mismatch by name."""
+    if len(objs) != len(states):
+        raise RuntimeError(f"the state has {len(states)} {what}(s) but this worker has {len(objs)}: every worker "
+                           f"must build the same training objects (register them with job.register_state)")
+    for o, st in zip(objs, states):
+        o.load_state_dict(st)
 
 
 @dataclass
@@ -144,7 +177,8 @@ class TrainState:
     def apply_lr(self) -> None:
         """Bring the optimizer's learning rates to the policy's factor at this step (Elan eq. 3)."""
         f = self.policy.lr_factor(self.step)
-        if f != self.lr_applied and self.elastic is not None and self.elastic.optimizer is not None:
-            for group in self.elastic.optimizer.param_groups:
-                group["lr"] = group["lr"] * f / self.lr_applied
+        if f != self.lr_applied and self.elastic is not None and self.elastic.optimizers:
+            for opt in self.elastic.optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = group["lr"] * f / self.lr_applied
             self.lr_applied = f
