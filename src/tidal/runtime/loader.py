@@ -131,6 +131,7 @@ class ElasticLoader:
         self.batch_size = int(batch_size)
         self.pending: deque[tuple[StepSlice, list[int]]] = deque()
         self.last_indices: list[int] = []
+        self.batch_index = -1  # of the batch just handed out, within its epoch (also on a newcomer)
         self.epoch = 0
         self._steps = _StepIndices(self)
         loader_kw.setdefault("generator", torch.Generator().manual_seed(seed))  # leaves the script's RNG alone
@@ -189,6 +190,7 @@ class ElasticLoader:
                 break
             sl, idx = self.pending.popleft()
             self.last_indices = idx
+            self.batch_index = sl.start // max(1, lay.batch)
             job.runner.begin(sl, epoch * self.n + sl.stop)
             yield batch
         self._drop_iterator()
