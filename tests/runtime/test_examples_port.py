@@ -1,0 +1,57 @@
+"""examples/port: a plain script, its DDP version and its Tidal version.
+Porting to Tidal changes no more lines than porting to DDP, and all three
+run (DDP under torchrun with 2 gloo processes)."""
+
+from __future__ import annotations
+
+import difflib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime_helpers import REPO, env
+
+PORT = REPO / "examples" / "port"
+
+
+def _code(path: Path) -> list[str]:
+    """The script without its module docstring (which says what it is)."""
+    text = path.read_text()
+    end = text.index('"""', 3) + 3
+    return text[end:].splitlines()
+
+
+def changed_lines(a: Path, b: Path) -> tuple[int, int]:
+    """(added, removed) lines from ``a`` to ``b``."""
+    added = removed = 0
+    for line in difflib.unified_diff(_code(a), _code(b), lineterm="", n=0):
+        if line.startswith("+") and not line.startswith("+++"):
+            added += 1
+        elif line.startswith("-") and not line.startswith("---"):
+            removed += 1
+    return added, removed
+
+
+def test_tidal_port_changes_no_more_lines_than_ddp() -> None:
+    ddp = changed_lines(PORT / "plain.py", PORT / "ddp.py")
+    tidal = changed_lines(PORT / "plain.py", PORT / "tidal_port.py")
+    assert sum(tidal) <= sum(ddp), f"Tidal +{tidal[0]}/-{tidal[1]} vs DDP +{ddp[0]}/-{ddp[1]}"
+    assert tidal[0] >= 5  # the count is real: the port does change lines
+
+
+@pytest.mark.timeout(120)
+def test_the_three_scripts_run(tmp_path: Path) -> None:
+    e = env(tmp_path / "home")
+    for script in ("plain.py", "tidal_port.py"):
+        r = subprocess.run([sys.executable, str(PORT / script), "--epochs", "1", "--save", str(tmp_path / script)],
+                           env=e, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert "accuracy" in r.stdout and (tmp_path / script).exists()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--standalone", str(PORT / "ddp.py"),
+                        "--epochs", "1", "--save", str(tmp_path / "ddp.pt")],
+                       env=e, capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "ddp.pt").exists()
