@@ -42,3 +42,18 @@ def test_a_cpu_job_uses_gloo() -> None:
     job = init(worker_id="w0")  # no master: one local worker
     job.register_state(torch.nn.Linear(2, 1))
     assert job.membership.backend == "gloo"
+
+
+def test_state_transfer_puts_cpu_tensors_back_on_the_cpu() -> None:
+    """Under NCCL the state travels in GPU memory; RNG states and step
+    counters, CPU tensors at the sender, must land on the CPU again (``torch.
+    set_rng_state`` takes only a CPU tensor), the rest on the receiver's
+    device. Checked with the meta device standing in for a GPU."""
+    from tidal.runtime.transfer import _Ref, _strip, comm_device, place
+
+    out: list[torch.Tensor] = []
+    meta = _strip({"rng": torch.get_rng_state(), "w": torch.zeros(2, device="meta")}, out)
+    assert meta["rng"].on_cpu and not meta["w"].on_cpu
+    travelled = torch.zeros(3, device="meta")  # as received in accelerator memory
+    assert place(travelled, _Ref(0, (3,), torch.float32, on_cpu=False)).device.type == "meta"
+    assert comm_device() == torch.device("cpu")  # no process group here: the CPU (gloo)

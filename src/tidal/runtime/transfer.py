@@ -26,12 +26,25 @@ class _Ref:
     index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    on_cpu: bool = True  # CPU tensors (RNG states, step counters) land on the CPU, the rest on the comm device
+
+
+def comm_device() -> torch.device:
+    """Where tensors travel: the current CUDA device under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def place(t: torch.Tensor, ref: _Ref) -> torch.Tensor:
+    """A received tensor on the device it belongs on at the receiver."""
+    return t.cpu() if ref.on_cpu and t.device.type != "cpu" else t
 
 
 def _strip(obj: Any, out: list[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         out.append(obj.detach())
-        return _Ref(len(out) - 1, tuple(obj.shape), obj.dtype)
+        return _Ref(len(out) - 1, tuple(obj.shape), obj.dtype, obj.device.type == "cpu")
     if isinstance(obj, dict):
         return {k: _strip(v, out) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -68,7 +81,7 @@ def _refs(obj: Any, acc: list[_Ref]) -> list[_Ref]:
 def broadcast_state(obj: Any, src: int = 0) -> Any:
     """Broadcast a nested dict/list of tensors and picklable values from
     ``src``; returns the received object on every rank (``obj`` itself on src)."""
-    rank = dist.get_rank()
+    rank, dev = dist.get_rank(), comm_device()
     tensors: list[torch.Tensor] = []
     meta = [_strip(obj, tensors) if rank == src else None]
     dist.broadcast_object_list(meta, src=src)
@@ -77,15 +90,16 @@ def broadcast_state(obj: Any, src: int = 0) -> Any:
     for dtype in sorted({r.dtype for r in refs}, key=str):
         group = [r for r in refs if r.dtype == dtype]
         if rank == src:
-            buf = torch.cat([tensors[r.index].reshape(-1) for r in group]) if group else torch.zeros(0, dtype=dtype)
+            buf = torch.cat([tensors[r.index].reshape(-1).to(dev) for r in group]) if group else \
+                torch.zeros(0, dtype=dtype, device=dev)
         else:
-            buf = torch.empty(sum(int(torch.Size(r.shape).numel()) for r in group), dtype=dtype)
+            buf = torch.empty(sum(int(torch.Size(r.shape).numel()) for r in group), dtype=dtype, device=dev)
         dist.broadcast(buf, src=src)
         if rank != src:
             off = 0
             for r in group:
                 n = int(torch.Size(r.shape).numel())
-                received[r.index] = buf[off : off + n].view(r.shape).clone()
+                received[r.index] = place(buf[off : off + n].view(r.shape).clone(), r)
                 off += n
     if rank == src:
         return obj
@@ -100,7 +114,7 @@ def _flat_buffers(tensors: list[torch.Tensor], refs: list[_Ref]) -> list[torch.T
     out = []
     for dtype in sorted({r.dtype for r in refs}, key=str):
         group = [r for r in refs if r.dtype == dtype]
-        out.append(torch.cat([tensors[r.index].reshape(-1) for r in group]))
+        out.append(torch.cat([tensors[r.index].reshape(-1).to(comm_device()) for r in group]))
     return out
 
 
@@ -124,8 +138,8 @@ def send_state(obj: Any, dsts: list[int], max_bytes_per_s: float = 0.0, chunk_by
     meta = _strip(obj, tensors)
     raw = pickle.dumps(meta)
     chunk = int(chunk_bytes) if max_bytes_per_s > 0 else 0
-    head = torch.tensor([len(raw), chunk], dtype=torch.int64)
-    body = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    head = torch.tensor([len(raw), chunk], dtype=torch.int64, device=comm_device())
+    body = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(comm_device())
     pieces = [c for b in _flat_buffers(tensors, sorted(_refs(meta, []), key=lambda r: r.index)) for c in _chunks(b, chunk)]
     works = []
     for d in dsts:
@@ -149,25 +163,25 @@ def send_state(obj: Any, dsts: list[int], max_bytes_per_s: float = 0.0, chunk_by
 
 def recv_state(src: int) -> Any:
     """Receive what :func:`send_state` sends from ``src``."""
-    head = torch.zeros(2, dtype=torch.int64)
+    head = torch.zeros(2, dtype=torch.int64, device=comm_device())
     dist.recv(head, src=src, tag=0)
-    body = torch.empty(int(head[0].item()), dtype=torch.uint8)
+    body = torch.empty(int(head[0].item()), dtype=torch.uint8, device=comm_device())
     dist.recv(body, src=src, tag=1)
     chunk = int(head[1].item())
-    meta = pickle.loads(body.numpy().tobytes())
+    meta = pickle.loads(body.cpu().numpy().tobytes())
     refs = sorted(_refs(meta, []), key=lambda r: r.index)
     received: list[torch.Tensor | None] = [None] * len(refs)
     tag = 2
     for dtype in sorted({r.dtype for r in refs}, key=str):
         group = [r for r in refs if r.dtype == dtype]
-        buf = torch.empty(sum(int(torch.Size(r.shape).numel()) for r in group), dtype=dtype)
+        buf = torch.empty(sum(int(torch.Size(r.shape).numel()) for r in group), dtype=dtype, device=comm_device())
         for piece in _chunks(buf, chunk):
             dist.recv(piece, src=src, tag=tag)
             tag += 1
         off = 0
         for r in group:
             n = int(torch.Size(r.shape).numel())
-            received[r.index] = buf[off : off + n].view(r.shape)
+            received[r.index] = place(buf[off : off + n].view(r.shape), r)
             off += n
     return _fill(meta, received)  # type: ignore[arg-type]
 
