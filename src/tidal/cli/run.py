@@ -22,7 +22,7 @@ def run(
     max_workers: Optional[int] = typer.Option(None, "--max-workers", help="Largest size scale-out may reach."),
     job: Optional[str] = typer.Option(None, "--job", help="Job name for `tidal scale` (default: script name)."),
     state: Optional[str] = typer.Option(None, "--state", help="Master state backend: file://PATH or sqlite://PATH."),
-    switch_lead: float = typer.Option(0.5, "--switch-lead", help="T_a in seconds: lead time of a planned switch."),
+    switch_lead: float = typer.Option(0.0, "--switch-lead", help="T_a in seconds: lead time of a planned switch."),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop the job after this many seconds."),
     straggler_policy: str = typer.Option(
         "report", "--straggler-policy",

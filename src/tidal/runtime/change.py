@@ -6,7 +6,9 @@ the others keep training), its plan is published on the store
 (``agreed``) and the target generation forms (``switched``); a change whose
 newcomers do not come, or that the job's end or a failure makes moot, is
 ``abandoned``. A failure during a change does not lose it: it goes back to
-``waiting`` for the survivors' generation (:class:`Restart`).
+``waiting`` for the survivors' generation (:class:`Restart`); a newcomer lost
+before it joined is dropped from it (:class:`Drop`), and the change waits
+again for the others.
 
 :func:`advance` is the pure transition function; the job master applies its
 results and persists them (:meth:`Change.to_json`).
@@ -129,7 +131,15 @@ class Restart:
     survivors: tuple[str, ...]
 
 
-Event = Union[Join, Publish, Agree, Switch, Abandon, Restart]
+@dataclass(frozen=True)
+class Drop:
+    """Newcomers ``workers`` died before they joined (or a member of the
+    published target did): the change waits again, without them."""
+
+    workers: tuple[str, ...]
+
+
+Event = Union[Join, Publish, Agree, Switch, Abandon, Restart, Drop]
 
 
 class IllegalTransition(ValueError):
@@ -174,6 +184,11 @@ def advance(change: Change, event: Event) -> Change:
         if change.kind not in RESTARTABLE_KINDS:
             raise bad("a scale-in or reshare planned for the failed generation is dropped")
         return _restart(change, event.survivors)
+    if isinstance(event, Drop):
+        lost = set(event.workers)
+        return dataclasses.replace(change, status=ChangeStatus.WAITING, published_at=None, agreed_step=None,
+                                   expect=tuple(w for w in change.expect if w not in lost),
+                                   joiners=tuple(w for w in change.joiners if w not in lost))
     raise bad("unknown event")
 
 

@@ -6,7 +6,11 @@ Per-step traffic goes through the store (C++), not HTTP: rank 0 writes its
 progress under ``tidal/<job>/progress`` and reads the published plan from
 ``tidal/<job>/plan`` (empty when none); every worker beats under
 ``tidal/<job>/alive/<worker>``; generation ``g``'s members start once
-``<prefix>go`` says ``go`` (``cancel``: the plan was dropped).
+``<prefix>go`` says ``go`` (``cancel``: the plan was dropped). Before they
+build the process group they pass a gate: each adds itself to
+``<prefix>arrived`` and the last one sets ``<prefix>state`` to ``commit``,
+unless the master set it to ``abort`` first because a member died before it
+arrived (one atomic compare-and-set decides, so every member sees the same).
 
 :class:`Generations` is not thread-safe: the job master calls it under its lock.
 """
@@ -52,6 +56,8 @@ class Generations:
         self.last_gen = 0  # generation numbers (and store prefixes) are never reused
         self.plan: SwitchPlan | None = None
         self.plans: dict[int, dict[str, Any]] = {}  # every published plan, by target generation
+        self.committed: set[int] = set()  # generations whose members all passed the gate (cache)
+        self.aborted: set[int] = set()  # generations the master stopped at the gate
         self.progress: dict[str, Any] = {"step": 0, "cursor": 0, "epoch": 0, "step_time_s": 0.0, "gen": 0}
 
     # ------------------------------------------------------------------ persistence
@@ -76,6 +82,7 @@ class Generations:
         if self.gen is not None:  # a member that had not seen its go yet finds it on this store
             self.gen = self._here(self.gen)
             self.store.set(self.gen.prefix + "go", "go")
+            self.store.set(self.gen.prefix + "state", "commit")
 
     def _here(self, g: Generation) -> Generation:
         return dataclasses.replace(g, store_host=self.store_host, store_port=self.store_port)
@@ -93,14 +100,14 @@ class Generations:
             return {"status": "wait"}  # a survivor waits for the recovery generation
         if after_gen and self.gen is not None and worker_id not in self.gen.members:
             return {"status": "finished"}  # declared dead: do not come back
-        if (self.workers.get(worker_id) or {}).get("state") == "left":
-            return {"status": "finished"}  # e.g. the replacement of an abandoned migration
-        if self.plan is not None and worker_id in self.plan.joiners:
+        if (self.workers.get(worker_id) or {}).get("state") in ("left", "failed"):
+            return {"status": "finished"}  # e.g. the replacement of an abandoned migration, or dropped as lost
+        if self.plan is not None and worker_id in self.plan.joiners and self.plan.target.gen not in self.aborted:
             return {"status": "assigned", "generation": self.plan.target.to_json(), "joining": True,
                     "plan": self.plan.to_json()}
-        if self.gen is not None and worker_id in self.gen.members:
+        if self.gen is not None and worker_id in self.gen.members and self.gen.gen not in self.aborted:
             return {"status": "assigned", "generation": self.gen.to_json(), "joining": False}
-        return {"status": "wait"}
+        return {"status": "wait"}  # e.g. its generation was aborted: the master plans again
 
     def at_ranks(self, ranks: Sequence[int]) -> list[str] | None:
         """The current members at ``ranks`` (rank order), or None if one is out of range."""
@@ -109,10 +116,37 @@ class Generations:
             return None
         return [members[r] for r in sorted(set(ranks))]
 
-    def beats(self) -> dict[str, bytes | None]:
-        """The current members' raw liveness beats (None: never beat)."""
-        keys = {w: f"tidal/{self.job}/alive/{w}" for w in (self.gen.members if self.gen else ())}
+    def beats(self, others: Sequence[str] = ()) -> dict[str, bytes | None]:
+        """The raw liveness beats (None: never beat) of the current members,
+        the queue, the plan's target and ``others``."""
+        ws = [*(self.gen.members if self.gen else ()), *self.queue, *(self.plan.target.members if self.plan else ()),
+              *others]
+        keys = {w: f"tidal/{self.job}/alive/{w}" for w in ws}
         return {w: self.store.get(k) if self.store.check([k]) else None for w, k in keys.items()}
+
+    # ------------------------------------------------------------------ the gate before a process group
+    def is_committed(self, g: Generation) -> bool:
+        """Every member of ``g`` passed its gate (its process group is being built or exists)."""
+        if g.gen not in self.committed and self.store.check([g.prefix + "state"]) \
+                and bytes(self.store.get(g.prefix + "state")) == b"commit":
+            self.committed.add(g.gen)
+        return g.gen in self.committed
+
+    def abort(self, g: Generation) -> bool:
+        """Stop ``g`` from forming (a member died before its gate); False if
+        every member had passed it already (too late: a normal failure)."""
+        if bytes(self.store.compare_set(g.prefix + "state", "", "abort")) == b"commit":
+            self.committed.add(g.gen)
+            return False
+        self.aborted.add(g.gen)
+        return True
+
+    def is_aborted(self, g: Generation) -> bool:
+        return g.gen in self.aborted
+
+    def gated(self, plan: SwitchPlan) -> bool:
+        """Whether ``plan``'s members build a new process group (and pass the gate)."""
+        return self.gen is None or plan.target.members != self.gen.members
 
     # ------------------------------------------------------------------ progress
     def read_progress(self) -> None:
@@ -154,8 +188,10 @@ class Generations:
         return self.gen
 
     def form_initial(self) -> bool:
-        """The first generation, once ``size`` workers registered."""
-        if self.gen is not None or len(self.queue) < self.size:
+        """The first generation, once ``size`` workers registered, less those
+        lost before it formed (marked failed)."""
+        lost = sum(1 for w in self.workers.values() if w.get("state") == "failed")
+        if self.gen is not None or not self.queue or len(self.queue) < self.size - lost:
             return False
         members, self.queue = self.queue[: self.size], self.queue[self.size :]
         self.form(members)
@@ -200,6 +236,8 @@ class Generations:
     def switch(self, plan: SwitchPlan, step: int) -> Generation | None:
         """The plan's target generation formed at ``step``; the old one."""
         old, self.gen = self.gen, plan.target
+        if old is not None and old.members == plan.target.members:
+            self.committed.add(plan.target.gen)  # new shares only: the group stays, no gate
         self.clear_plan()
         self.mark(plan.leavers, "left")
         self.mark(plan.joiners, "active")

@@ -93,10 +93,13 @@ class HealthMonitor:
             return []  # everyone silent at once: the master's view is stale (e.g. it just restarted), not a hang
         return found
 
-    def silent(self, now: float, quiet_s: float = 3.0) -> set[str]:
+    def silent(self, now: float, quiet_s: float = 3.0, phase: str | None = None) -> set[str]:
         """Workers that have beaten before but not in the last ``quiet_s``
-        seconds (as last observed): a recovery does not wait for their report."""
-        return {w for w, b in self._beats.items() if b.raw is not None and now - b.changed > quiet_s}
+        seconds (as last observed): a recovery does not wait for their report;
+        with ``phase``, only those last seen in it (``"join"``: lost before
+        their first step)."""
+        return {w for w, b in self._beats.items() if b.raw is not None and now - b.changed > quiet_s
+                and (phase is None or (b.state is not None and b.state[1] == phase))}
 
 
 def _is_worker(pid: int, worker_id: str) -> bool:

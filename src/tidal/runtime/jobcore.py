@@ -17,13 +17,13 @@ import time
 from typing import Any, Sequence
 
 from tidal.runtime.change import (NEWCOMER_KINDS, RESTARTABLE_KINDS, TERMINAL, Abandon, Agree, Change, ChangeKind,
-                                  ChangeStatus, Event, Join, Publish, Restart, Switch, advance)
+                                  ChangeStatus, Drop, Event, Join, Publish, Restart, Switch, advance)
 from tidal.runtime.data import ShardManager
 from tidal.runtime.generations import Generations
 from tidal.runtime.health import HealthMonitor
 from tidal.runtime.messages import ChangeRecord, ScaleAnswer, Status
 from tidal.runtime.persistence import StateBackend
-from tidal.runtime.recovery import Recovery, is_due, report, survivors
+from tidal.runtime.recovery import LostWorkers, Recovery, is_due, report, survivors
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class JobCore:
         self.answers: dict[str, dict[str, Any]] = {}
         self.stragglers: list[dict[str, Any]] = []
         self.hung: list[dict[str, Any]] = []
+        self.lost = LostWorkers()  # workers dropped before their first step
 
     # ------------------------------------------------------------------ persistence
     def to_json(self) -> dict[str, Any]:
@@ -59,7 +60,7 @@ class JobCore:
                 "finished": self.finished, "suspended": self.suspended, "spawned": self.spawned,
                 "shards": self.shards.snapshot() if self.shards else None,
                 "answers": dict(list(self.answers.items())[-64:]), "stragglers": self.stragglers[-64:],
-                "hung": self.hung[-64:]}
+                "hung": self.hung[-64:], "dropped": self.lost.records[-64:]}
 
     def restore(self, s: dict[str, Any]) -> None:
         self.group.size = int(s["initial_workers"])
@@ -69,6 +70,7 @@ class JobCore:
         self.spawned = int(s.get("spawned", 0))
         self.answers = dict(s.get("answers") or {})
         self.stragglers, self.hung = list(s.get("stragglers") or []), list(s.get("hung") or [])
+        self.lost.records = list(s.get("dropped") or [])
         if s.get("shards"):
             self.shards = ShardManager.from_snapshot(s["shards"])
         log.info("master resumed at gen %s step %s", self.group.gen and self.group.gen.gen,
@@ -189,7 +191,7 @@ class JobCore:
         rec = ChangeRecord(gen=gen, kind=plan.kind, from_size=old.world_size if old else 0,
                            to_size=plan.target.world_size, switch_step=int(step), requested_at=float(requested_at),
                            switched_at=time.time(), pause_s=float(pause_s), sources=plan.sources,
-                           shares=plan.target.shares)
+                           shares=plan.target.shares, published_at=self.change.published_at)
         self.changes.append(dict(rec.__dict__, sources=[list(p) for p in rec.sources], shares=list(rec.shares)))
         self.advance(Switch())
         log.info("switched to gen %d (%d workers) at step %d, pause %.1f ms", gen, plan.target.world_size, step,
@@ -225,14 +227,17 @@ class JobCore:
         if r is None or g is None or r.gen != g.gen:
             return
         dead = dead | self.health.silent(now)  # no liveness beat for a while: do not wait for its report
-        if is_due(r, g.members, dead, wall, self.recovery_window_s) and any(w in r.reporters for w in g.members):
-            self._recover(r, survivors(r, g.members, self.group.plan), wall)
+        left = {w for w, info in self.group.workers.items() if info.get("state") == "left"}  # leavers that went
+        if is_due(r, g.members, dead | left, wall, self.recovery_window_s) and any(w in r.reporters for w in g.members):
+            self.recovery = None
+            self.reform(survivors(r, g.members, self.group.plan), r.step, r.started, wall)
 
-    def _recover(self, r: Recovery, stay: list[str], wall: float) -> None:
-        """A forced scale-in to ``stay`` (EDL §4.2). A change in flight is not
-        lost: its newcomers (warming up, or waiting for the cancelled plan's
-        go, so they ask again) join the survivors' generation by a new plan
-        right after it formed; a suspension suspends the survivors."""
+    def reform(self, stay: list[str], step: int, started: float, wall: float) -> None:
+        """A forced scale-in to ``stay`` (EDL §4.2): after a failed generation,
+        or one that could not form. A change in flight is not lost: its
+        newcomers (warming up, or waiting for the cancelled plan's go, so they
+        ask again) join the survivors' generation by a new plan right after
+        it formed; a suspension suspends the survivors."""
         old = self.group.gen
         assert old is not None
         carry = self.change if self.change is not None and self.change.kind in RESTARTABLE_KINDS else None
@@ -243,9 +248,8 @@ class JobCore:
         new = self.group.form(stay)
         self.group.mark([w for w in old.members if w not in stay], "failed")
         self.changes.append(ChangeRecord(gen=new.gen, kind="recover", from_size=old.world_size,
-                                         to_size=new.world_size, switch_step=r.step, requested_at=r.started,
+                                         to_size=new.world_size, switch_step=step, requested_at=started,
                                          switched_at=wall).__dict__)
-        self.recovery = None
         log.warning("recovered: gen %d with %s", new.gen, stay)
         if carry is not None:
             self.change = advance(carry, Restart(tuple(stay)))
@@ -294,13 +298,17 @@ class JobCore:
 
     # ------------------------------------------------------------------ the periodic step
     def tick(self, dead: set[str], now: float, wall: float) -> list[dict[str, Any]]:
-        """Pick up rank 0's progress and the liveness beats, abandon a change
+        """Pick up rank 0's progress and the liveness beats, drop workers lost
+        before their first step (:class:`LostWorkers`), abandon a change
         whose newcomers did not come, end a recovery whose window is over
         (``dead``: workers whose process failed); returns the records of
         newly found hung members (none during a recovery: its survivors wait)."""
         g = self.group
         g.read_progress()
-        self.health.observe(g.beats(), now)
+        self.health.observe(g.beats(self.change.expect if self.change else ()), now)
+        gone = dead | self.health.silent(now, phase="join")  # lost: process failed, or silent while joining
+        self.lost.sweep(self, dead, gone, wall)
+        self.lost.replan(self, gone)
         self.expire(wall)
         self.check_recovery(dead, now, wall)
         if self.recovery is not None or g.gen is None:
@@ -328,4 +336,5 @@ def job_status(core: JobCore, url: str) -> Status:
                   members=g.members if g else (), step=int(p["step"]), cursor=int(p["cursor"]),
                   epoch=int(p["epoch"]), step_time_s=float(p["step_time_s"]), changing=c is not None,
                   pending=None if c is None else c.pending, changes=tuple(core.changes), master_url=url,
-                  stragglers=tuple(core.stragglers), hung=tuple(core.hung), last_step=tuple(p.get("last_step") or ()))
+                  stragglers=tuple(core.stragglers), hung=tuple(core.hung), last_step=tuple(p.get("last_step") or ()),
+                  dropped=tuple(core.lost.records))

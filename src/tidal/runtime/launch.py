@@ -30,7 +30,6 @@ from tidal.runtime.spawner import LocalSpawner, WorkerLaunch
 log = logging.getLogger(__name__)
 
 
-
 def jobs_dir() -> Path:
     return settings.home() / "jobs"
 
@@ -47,11 +46,14 @@ def resolve_master(job: str) -> str:
 
 class _RunWatch:
     """What ``tidal run`` prints while it hosts the master: progress lines,
-    failed and hung workers; and when it stops (every worker process exited)."""
+    failed, hung and dropped workers; and when it stops (every worker
+    process exited)."""
 
     def __init__(self, master: Any, spawner: LocalSpawner, out: Callable[[str], None], t0: float) -> None:
         self.master, self.spawner, self.out, self.t0 = master, spawner, out, t0
         self.reported: set[str] = set()
+        self.seen_failed: set[str] = set()  # failed, reported once the master had a periodic step to classify it
+        self.dropped = 0  # dropped-worker records printed
         self.finished_printed = False
 
     def on_hung(self, worker_id: str) -> None:
@@ -67,12 +69,23 @@ class _RunWatch:
 
     def stop(self) -> bool:
         codes = self.spawner.exit_codes()
-        hung = {h["worker_id"] for h in self.master.status().hung}
+        st = self.master.status()
+        for d in st.dropped[self.dropped:]:  # lost before their first step: no survivor reports them
+            w, c = d["worker_id"], codes.get(d["worker_id"])
+            self.reported.add(w)
+            self.out(f"tidal run: worker {w} was lost before its first step and dropped: {d['reason']}"
+                     + (f", exit code {c}" if c is not None else "") + "; the job goes on without it")
+        self.dropped = len(st.dropped)
+        done = bool(codes) and all(c is not None for c in codes.values())
+        hung = {h["worker_id"] for h in st.hung}
         for w, c in codes.items():
-            if c not in (None, 0) and w not in self.reported and w not in hung:
+            if c in (None, 0) or w in self.reported or w in hung:
+                continue
+            if w in self.seen_failed or done:
                 self.reported.add(w)
                 self.out(f"tidal run: worker {w} failed with exit code {c}; the survivors re-form without it")
-        return bool(codes) and all(c is not None for c in codes.values())
+            self.seen_failed.add(w)
+        return done
 
 
 def _summary(job: str, st: Status, master: Any, elapsed: float, out: Callable[[str], None]) -> None:
@@ -86,6 +99,8 @@ def _summary(job: str, st: Status, master: Any, elapsed: float, out: Callable[[s
             f"pause {1e3 * c['pause_s']:.1f} ms, {c['switched_at'] - c['requested_at']:.2f}s after request")
     for h in st.hung:
         out(f"  hung worker {h['worker_id']} in gen {h['gen']}: {h['reason']}; {h['action']}")
+    for d in st.dropped:
+        out(f"  dropped worker {d['worker_id']}: {d['reason']}")
     for s in st.stragglers:
         out(f"  straggler {s['worker_id']} in gen {s['gen']} at step {s['step']} ({s['ratio']:.2f}x median): {s['action']}")
 
@@ -98,7 +113,7 @@ def run_job(
     max_size: int | None = None,
     job: str | None = None,
     state_url: str | None = None,
-    switch_lead_s: float = 0.5,
+    switch_lead_s: float = 0.0,
     progress_every_s: float = 1.0,
     timeout_s: float | None = None,
     out: Callable[[str], None] = print,
@@ -141,6 +156,8 @@ def run_job(
         jf.unlink(missing_ok=True)
     if rc == 0 and st.state not in ("finished", "suspended"):
         rc = 1  # every worker exited but the job did not finish (e.g. all of them failed)
+        codes = ", ".join(f"{w}: {c}" for w, c in sorted(spawner.exit_codes().items()))
+        out(f"tidal run: job {job} did not finish ({st.state}): every worker exited (exit codes {codes})")
     _summary(job, st, master, time.time() - t0, out)
     return rc
 
@@ -236,7 +253,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--max-workers", type=int, default=None, help="largest size")
     r.add_argument("--job", default=None)
     r.add_argument("--state", default=None, help="master state backend URL (file://..., sqlite://...)")
-    r.add_argument("--switch-lead", type=float, default=0.5, help="T_a in seconds (EDL §4.2)")
+    r.add_argument("--switch-lead", type=float, default=0.0,
+                   help="T_a in seconds (EDL §4.2); 0: switch right after the step every rank agreed at")
     r.add_argument("--timeout", type=float, default=None)
     r.add_argument("--straggler-policy", choices=list(STRAGGLER_POLICIES), default="report",
                    help="a worker >1.2x the median compute time for 10 steps is reported, removed, replaced "

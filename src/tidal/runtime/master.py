@@ -114,7 +114,7 @@ class JobMaster:
     for workers started elsewhere to register."""
 
     def __init__(self, job: str, size: int, *, store_host: str = "127.0.0.1", store_port: int = 0,
-                 backend: StateBackend | None = None, spawner: Spawner | None = None, switch_lead_s: float = 0.5,
+                 backend: StateBackend | None = None, spawner: Spawner | None = None, switch_lead_s: float = 0.0,
                  join_timeout_s: float = 120.0, resume: bool = False, shard_manager: ShardManager | None = None,
                  max_size: int | None = None, first_worker: int = 0, recovery_window_s: float = 20.0,
                  straggler_policy: str = "report", replication: str = "topology",
@@ -183,7 +183,7 @@ class JobMaster:
         wall = time.time() if wall is None else wall
         dead = failed_workers(self.spawner)
         with self._lock:
-            if self.group.gen is None or self.core.finished or self.moved_to:
+            if self.core.finished or self.moved_to:
                 return []
             recs = self.core.tick(dead, now, wall)
             infos = [dict(self.group.workers.get(r["worker_id"]) or {}) for r in recs]

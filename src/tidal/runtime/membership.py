@@ -18,7 +18,9 @@ Threads (who writes what):
   from the store) and :meth:`SwitchAgreement.complete` (other ranks: the
   agreed plan, fetched before the switch step);
 * every thread: :class:`StoreCache`, one store client per (address, tag), a
-  thread using its own tag ("" training, "hb" heartbeat, "beat" liveness).
+  thread using its own tag ("" training, "hb" heartbeat, "beat" liveness);
+  :class:`Gate` (waiting for a generation's go and passing its gate before
+  the process group forms) runs on the training thread.
 
 :class:`SwitchAgreement` and :class:`StoreCache` hold a lock; the training
 thread takes the agreement's lock once per step (rank 0's proposal).
@@ -139,6 +141,13 @@ class SwitchAgreement:
         with self._lock:
             self._agreed = None
 
+    def forget(self, gen: int) -> None:
+        """Training thread: generation ``gen`` was aborted before it formed;
+        do not propose its plan again (a newer one replaces it)."""
+        with self._lock:
+            if self._seen is not None and self._seen.target.gen <= gen:
+                self._seen = None
+
 
 class StoreCache:
     """Clients of the master's TCPStore, one per (host, port, tag); each
@@ -173,19 +182,99 @@ class StoreCache:
             self._stores.pop((host, port, tag), None)
 
 
+def most_advanced(seat: Seat, step: int) -> int:
+    """The lowest rank of ``seat``'s group among those that completed the most steps."""
+    mine = torch.tensor([float(step)], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    best = int(mine.item())
+    cand = torch.tensor([float(seat.rank if step == best else seat.world_size)], dtype=torch.float64)
+    dist.all_reduce(cand, op=dist.ReduceOp.MIN)
+    return int(cand.item())
+
+
+class Gate:
+    """How a worker waits for a generation to start: its ``go`` key, then
+    the gate before its process group (see :mod:`tidal.runtime.generations`),
+    where the master can still abort it if a member was lost on the way."""
+
+    def __init__(self, worker_id: str, client: MasterClient | None, stores: StoreCache) -> None:
+        self.worker_id, self.client, self.stores = worker_id, client, stores
+
+    def await_go(self, g: Generation, deadline: float) -> bytes | None:
+        """Wait for generation ``g``'s go key: set by the master (gen 1) or the
+        old rank 0 at the switch. Polled (a few µs per check), asking the
+        master once a second whether the job ended (None) or the plan was
+        replaced (``b"cancel"``); survives a master restart (Elan §V-D)."""
+        assert self.client is not None
+        store = self.stores.get(g.store_host, g.store_port)
+        next_ask = time.monotonic() + 1.0
+        while True:
+            try:
+                if store.check([g.prefix + "go"]):
+                    return bytes(store.get(g.prefix + "go"))
+            except Exception as e:  # noqa: BLE001 - the master (and its store) restarts: reconnect
+                store = self._reconnect(g, store, f"while waiting for gen {g.gen} ({e})")
+            time.sleep(0.002)
+            if time.monotonic() > next_ask:
+                next_ask = time.monotonic() + 1.0
+                if time.monotonic() > deadline:
+                    return None
+                try:
+                    a = self.client.get("/assignment", worker_id=self.worker_id)
+                except Exception as e:  # noqa: BLE001 - a master down for longer than the client's patience
+                    log.warning("worker %s: master unreachable while waiting (%s)", self.worker_id, e)
+                    continue
+                if a["status"] == "finished":
+                    return None
+                if a["status"] == "assigned" and int(a["generation"]["gen"]) != g.gen:
+                    return b"cancel"  # re-planned meanwhile
+
+    def _reconnect(self, g: Generation, store: Any, why: str) -> Any:
+        """The store connection was lost (a master restart): a new client, or the old one if none yet."""
+        log.warning("worker %s: store lost %s; reconnecting", self.worker_id, why)
+        self.stores.drop(g.store_host, g.store_port)
+        time.sleep(0.2)
+        try:
+            return self.stores.get(g.store_host, g.store_port)
+        except Exception as e:  # noqa: BLE001
+            log.debug("store reconnect failed: %s", e)
+            return store
+
+    def arrive(self, g: Generation, timeout_s: float) -> bool:
+        """The gate before ``g``'s process group: True once every member
+        arrived (the last one commits), False if the master aborted ``g``
+        because a member was lost before it arrived. One compare-and-set on
+        ``<prefix>state`` decides, so every member of ``g`` sees the same."""
+        store = self.stores.get(g.store_host, g.store_port)
+        key = g.prefix + "state"
+        if int(store.add(g.prefix + "arrived", 1)) >= g.world_size:
+            store.compare_set(key, "", "commit")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if store.check([key]):
+                    return bytes(store.get(key)) == b"commit"
+            except Exception as e:  # noqa: BLE001 - the master (and its store) restarts: reconnect
+                store = self._reconnect(g, store, f"at the gate of gen {g.gen} ({e})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self.worker_id}: gen {g.gen} did not form in {timeout_s}s")
+            time.sleep(0.001)
+
+
 class Membership:
     """Joins generations, switches between them and recovers from failed
     collectives for one worker, running the rescale hooks and recording
     every pause (switch or recovery) and detected failure."""
 
-    def __init__(self, worker_id: str, client: MasterClient | None, pg_timeout_s: float = 60.0,
-                 join_timeout_s: float = 300.0) -> None:
+    def __init__(self, worker_id: str, client: MasterClient | None, collective_timeout_s: float = 60.0,
+                 join_timeout_s: float = 300.0, store_timeout_s: float = 60.0) -> None:
         self.worker_id = worker_id
         self.client = client
         self.join_timeout_s = join_timeout_s
-        self.pg_timeout = datetime.timedelta(seconds=pg_timeout_s)
+        self.pg_timeout = datetime.timedelta(seconds=collective_timeout_s)  # a collective waits for live peers
         self.seat = Seat(None, 0 if client is None else -1, 1)  # local mode: rank 0 of 1
-        self.stores = StoreCache(self.pg_timeout)
+        self.stores = StoreCache(datetime.timedelta(seconds=store_timeout_s))
+        self.gate = Gate(worker_id, client, self.stores)
         self.agreement = SwitchAgreement()
         self.hooks: list[RescaleHook] = []
         self.pauses: list[dict[str, Any]] = []
@@ -215,10 +304,32 @@ class Membership:
         log.debug("worker %s: go for gen %d", self.worker_id, g.gen)
         if not a.get("joining"):
             resume()
-        self.init_group(g)
-        log.debug("worker %s: group formed", self.worker_id)
-        plan = SwitchPlan.from_json(a["plan"]) if a.get("joining") and a.get("plan") else None
-        self.sync_state(train, sources=plan.source_ranks() if plan is not None else None)
+        while True:
+            if not self._arrive(g):  # a member was lost before the group formed: the master plans again
+                log.warning("worker %s: gen %d was aborted (a member was lost before it formed); asking again",
+                            self.worker_id, g.gen)
+                assigned = self._await_generation()
+                if assigned is None:
+                    return False
+                a, g = assigned
+                continue
+            try:
+                self.init_group(g)
+                plan = SwitchPlan.from_json(a["plan"]) if a.get("joining") and a.get("plan") else None
+                self.sync_state(train, sources=plan.source_ranks() if plan is not None else None)
+                break
+            except Exception as e:  # noqa: BLE001 - a member died after the gate, before the first step
+                if a.get("joining"):
+                    raise  # a newcomer exits: the master drops it and the others recover without it
+                err = f"gen {g.gen} failed while it formed ({e})"
+            # out of the handler: its traceback no longer holds the broken group, which closes at once
+            self.fail(train.step, g.gen, err)
+            assert self.client is not None
+            self.client.post("/failed", {"worker_id": self.worker_id, "gen": g.gen, "step": train.step})
+            nxt = self._await_assignment(time.monotonic() + self.join_timeout_s, after_gen=g.gen)
+            if nxt is None:
+                return False
+            a, g = nxt, Generation.from_json(nxt["generation"])
         if a.get("joining"):
             self.joined_at_step = train.step
         else:
@@ -237,7 +348,7 @@ class Membership:
                 return None
             g = Generation.from_json(a["generation"])
             log.debug("worker %s assigned to gen %d", self.worker_id, g.gen)
-            go = self._await_go(g, deadline)
+            go = self.gate.await_go(g, deadline)
             if go is None:
                 return None
             if go == b"go":
@@ -262,43 +373,11 @@ class Membership:
                 raise TimeoutError(f"worker {self.worker_id}{what} within {self.join_timeout_s}s")
             time.sleep(0.01)
 
-    def _await_go(self, g: Generation, deadline: float) -> bytes | None:
-        """Wait for generation ``g``'s go key: set by the master (gen 1) or the
-        old rank 0 at the switch. Polled (a few µs per check), asking the
-        master once a second whether the job ended (None) or the plan was
-        replaced (``b"cancel"``); survives a master restart (Elan §V-D)."""
-        assert self.client is not None
-        store = self.stores.get(g.store_host, g.store_port)
-        next_ask = time.monotonic() + 1.0
-        while True:
-            try:
-                if store.check([g.prefix + "go"]):
-                    return bytes(store.get(g.prefix + "go"))
-            except Exception as e:  # noqa: BLE001 - the master (and its store) restarts: reconnect
-                log.warning("worker %s: store lost while waiting for gen %d (%s); reconnecting", self.worker_id,
-                            g.gen, e)
-                self.stores.drop(g.store_host, g.store_port)
-                time.sleep(0.2)
-                try:
-                    store = self.stores.get(g.store_host, g.store_port)
-                except Exception as e2:  # noqa: BLE001
-                    log.debug("store reconnect failed: %s", e2)
-            time.sleep(0.002)
-            if time.monotonic() > next_ask:
-                next_ask = time.monotonic() + 1.0
-                if time.monotonic() > deadline:
-                    return None
-                try:
-                    a = self.client.get("/assignment", worker_id=self.worker_id)
-                except Exception as e:  # noqa: BLE001 - a master down for longer than the client's patience
-                    log.warning("worker %s: master unreachable while waiting (%s)", self.worker_id, e)
-                    continue
-                if a["status"] == "finished":
-                    return None
-                if a["status"] == "assigned" and int(a["generation"]["gen"]) != g.gen:
-                    return b"cancel"  # re-planned meanwhile
-
     # ------------------------------------------------------------------ groups and state
+    def _arrive(self, g: Generation) -> bool:
+        """Pass ``g``'s gate (:meth:`Gate.arrive`); False: ``g`` was aborted."""
+        return self.gate.arrive(g, self.pg_timeout.total_seconds())
+
     def init_group(self, g: Generation) -> None:
         """Rendezvous with the generation's members under its store prefix."""
         store = dist.PrefixStore(g.prefix, self.stores.get(g.store_host, g.store_port))
@@ -364,16 +443,30 @@ class Membership:
         else:
             if g.rank_of(self.worker_id) == 0:
                 self.stores.get(g.store_host, g.store_port).set(g.prefix + "go", "go")
+            if not self._arrive(g):  # a member was lost before it formed: stay in the old group
+                self.agreement.forget(g.gen)
+                log.warning("worker %s: gen %d was aborted (a member was lost before it formed); staying in gen %d",
+                            self.worker_id, g.gen, old.gen.gen if old.gen else 0)
+                return {"gen": old.gen.gen if old.gen else 0, "step": train.step, "aborted": g.gen,
+                        "pause_s": time.perf_counter() - t0, "wall_start": wall0}
             dist.destroy_process_group()
             t1 = time.perf_counter()
-            self.init_group(g)
+            try:
+                self.init_group(g)
+            except Exception as e:  # noqa: BLE001 - a member died after the gate: recover like after a failed step
+                self.seat = Seat(g, g.rank_of(self.worker_id), old.world_size)
+                self.fail(train.step, g.gen, f"rendezvous of gen {g.gen} failed ({e})")
+                return None
             t2 = time.perf_counter()
         train.global_batch_size = train.policy.rescale(train.step, old.world_size, self.seat.world_size)
         if plan.joiners:
+            err = ""
             try:
                 self.sync_state(train, sources=plan.source_ranks() or None)
             except Exception as e:  # noqa: BLE001 - a newcomer (or source) died during the transfer
-                self.fail(train.step, g.gen, f"state transfer of gen {g.gen} failed ({e})")
+                err = f"state transfer of gen {g.gen} failed ({e})"
+            if err:  # out of the handler: its traceback no longer holds the broken group, which closes at once
+                self.fail(train.step, g.gen, err)
                 return None
         t3 = time.perf_counter()
         return self._regrouped(g, old.world_size, train.step, t0, wall0, destroy_s=t1 - t0, rendezvous_s=t2 - t1,
@@ -401,21 +494,15 @@ class Membership:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.client.post("/failed", {"worker_id": self.worker_id, "gen": failed_gen, "step": train.step})
-        a = self._await_assignment(time.monotonic() + self.join_timeout_s, after_gen=failed_gen)
-        if a is None:
-            return None
-        g = Generation.from_json(a["generation"])
+        while True:  # until the survivors' generation forms (the master re-forms it if a member is lost first)
+            a = self._await_assignment(time.monotonic() + self.join_timeout_s, after_gen=failed_gen)
+            if a is None:
+                return None
+            g = Generation.from_json(a["generation"])
+            if self._arrive(g):
+                break
+            failed_gen = g.gen
         self.init_group(g)
-        self.sync_state(train, src=self._most_advanced(train.step))
+        self.sync_state(train, src=most_advanced(self.seat, train.step))
         train.global_batch_size = train.policy.rescale(train.step, old_world, self.seat.world_size)
         return self._regrouped(g, old_world, train.step, t0, wall0, kind="recover")
-
-    def _most_advanced(self, step: int) -> int:
-        """The lowest rank among those that completed the most steps."""
-        mine = torch.tensor([float(step)], dtype=torch.float64)
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-        best = int(mine.item())
-        rank, world = self.seat.rank, self.seat.world_size
-        cand = torch.tensor([float(rank if step == best else world)], dtype=torch.float64)
-        dist.all_reduce(cand, op=dist.ReduceOp.MIN)
-        return int(cand.item())

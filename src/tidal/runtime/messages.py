@@ -121,6 +121,7 @@ class ChangeRecord:
     pause_s: float = 0.0
     sources: tuple[tuple[str, str], ...] = ()  # (newcomer, worker that sent it the state)
     shares: tuple[float, ...] = ()  # batch shares of the new generation (empty: even)
+    published_at: float | None = None  # when its plan was published (wall clock)
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,8 @@ class Status:
     # rank 0's latest step: (step, wall time at its end, world size), or () (used by profile())
     last_step: tuple[Any, ...] = field(default_factory=tuple)
     hung: tuple[dict[str, Any], ...] = field(default_factory=tuple)  # hung workers found and killed
+    # workers lost before their first step and dropped: worker_id, reason, gen, at
+    dropped: tuple[dict[str, Any], ...] = field(default_factory=tuple)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -152,6 +155,7 @@ class Status:
         d["stragglers"] = list(self.stragglers)
         d["last_step"] = list(self.last_step)
         d["hung"] = list(self.hung)
+        d["dropped"] = list(self.dropped)
         return d
 
     @classmethod
@@ -162,6 +166,7 @@ class Status:
         d["stragglers"] = tuple(d.get("stragglers", ()))
         d["last_step"] = tuple(d.get("last_step", ()))
         d["hung"] = tuple(d.get("hung", ()))
+        d["dropped"] = tuple(d.get("dropped", ()))
         return cls(**d)
 
 

@@ -4,15 +4,24 @@ When a worker dies, its peers' collective fails; each survivor reports the
 failure to the master and waits. The survivors that report within a window
 (or until every member not known dead has reported) form the next
 generation. These are the pure steps; the master applies them.
+:class:`LostWorkers` drops the workers lost before their first step, whom
+no collective reports.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+from tidal.runtime.change import NEWCOMER_KINDS, Abandon, ChangeKind, Drop
 from tidal.runtime.messages import SwitchPlan
+
+if TYPE_CHECKING:
+    from tidal.runtime.jobcore import JobCore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,3 +59,103 @@ def survivors(rec: Recovery, members: Sequence[str], plan: SwitchPlan | None) ->
     if plan is not None and plan.kind not in ("migrate", "suspend"):
         out = [w for w in out if w not in plan.leavers]
     return out
+
+
+
+class LostWorkers:
+    """Workers lost before their first step — while starting, after
+    registering, or before the process group they were assigned to formed —
+    dropped like any lost worker (a forced scale-in): the first generation
+    forms with the live ones, a generation that cannot form is formed again
+    without them, and a scale-out or migration goes on without its lost
+    newcomers (abandoned if none is left). ``records``: who, why, when."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def note(self, workers: Iterable[str], what: str, dead: set[str], wall: float, gen: int = 0) -> None:
+        """Record (and log) the drop of ``workers``; ``dead``: those whose process failed."""
+        for w in workers:
+            why = "its process failed" if w in dead else "no liveness beat for 3 s"
+            rec = {"worker_id": w, "reason": f"{what} ({why})", "gen": int(gen), "at": wall}
+            self.records.append(rec)
+            log.warning("dropped worker %s: %s", w, rec["reason"])
+
+    def sweep(self, core: "JobCore", dead: set[str], gone: set[str], wall: float) -> None:
+        """Drop the lost workers ``gone`` (``dead``: those whose process
+        failed) that have not taken a step yet."""
+        g = core.group
+        if not gone or core.finished:
+            return
+        if g.gen is None:
+            self._forming(core, dead, gone, wall)
+            return
+        members = g.gen.members
+        if set(members) & gone and not g.is_committed(g.gen) and g.abort(g.gen):
+            stay = [w for w in members if w not in gone]
+            self.note([w for w in members if w in gone], f"died before generation {g.gen.gen} formed", dead, wall,
+                      g.gen.gen)
+            if stay:
+                core.reform(stay, int(g.progress.get("step", 0)), wall, wall)
+            return
+        plan = g.plan
+        if plan is not None and g.gated(plan) and set(plan.target.members) & gone:
+            g.abort(plan.target)  # nobody builds it; too late if every member passed the gate already
+        if core.change is not None and core.change.kind in NEWCOMER_KINDS and not set(members) & gone:
+            self._newcomers(core, dead, gone, wall)
+
+    def _forming(self, core: "JobCore", dead: set[str], gone: set[str], wall: float) -> None:
+        """Before the first generation: drop the lost ones and form it with
+        the others once every worker started either registered or was lost."""
+        g = core.group
+        registered = [w for w in g.queue if w in gone]
+        unseen = sorted(w for w in dead if w not in g.workers)
+        if not registered and not unseen:
+            return
+        g.queue = [w for w in g.queue if w not in gone]
+        self.note(registered, "died after registering, before the first generation formed", dead, wall)
+        self.note(unseen, "died before it registered", dead, wall)
+        for w in unseen:
+            g.workers[w] = {"state": "failed", "pid": 0, "host": ""}
+        g.mark(registered, "failed")
+        g.form_initial()
+        core.save()
+
+    def _newcomers(self, core: "JobCore", dead: set[str], gone: set[str], wall: float) -> None:
+        """A scale-out or migration lost newcomers: drop them (a published
+        plan whose target did not form is withdrawn, and the change waits
+        again); none left, or a migration: abandon it."""
+        g, c = core.group, core.change
+        assert c is not None
+        lost = [w for w in c.expect if w in gone]
+        if not lost or (g.plan is not None and not g.is_aborted(g.plan.target)):
+            return  # nothing lost, or the target formed already: a failure of the new group follows
+        target = g.plan.target.gen if g.plan is not None else 0
+        g.cancel_plan()
+        what = f"newcomer of a {c.kind.value}: died "
+        self.note([w for w in lost if w not in g.workers], what + "before it registered", dead, wall)
+        self.note([w for w in lost if w in g.workers], what + "after registering, before it joined"
+                  + (f" generation {target}" if target else ""), dead, wall, target)
+        for w in lost:
+            g.workers.setdefault(w, {"pid": 0, "host": ""})["state"] = "failed"
+        core.advance(Drop(tuple(lost)))
+        c = core.change
+        if c is not None and (not c.expect or c.kind is ChangeKind.MIGRATE):
+            g.mark(c.joiners, "left")  # a half-done move is not a scale-out: its replacements exit
+            core.advance(Abandon(f"newcomers {lost} were lost before they joined"))
+        core.save()
+
+    @staticmethod
+    def replan(core: "JobCore", gone: set[str]) -> None:
+        """Publish a change that waits with every newcomer registered (its
+        last one was lost, or its published target could not form because a
+        member was lost and no failure followed); not while members are lost."""
+        g = core.group
+        if core.change is None or core.recovery is not None or g.gen is None or set(g.gen.members) & gone:
+            return
+        if g.plan is not None and g.is_aborted(g.plan.target):
+            g.cancel_plan()
+            core.advance(Drop(()))
+        if core.change is not None and core.change.ready:
+            core.publish()
+            core.save()

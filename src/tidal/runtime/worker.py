@@ -40,7 +40,6 @@ values replaced whole); everything else they share goes through the locks of
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import operator
 import os
@@ -102,9 +101,8 @@ class Job:
         self.train = TrainState()
         # periodic checkpoints (consistent recovery when every worker died): see tidal.runtime.checkpoint
         self.checkpointer = Checkpointer.configure(checkpoint_dir, checkpoint_every, checkpoint_keep)
-        self.membership = Membership(worker_id, self.client, 60.0, join_timeout_s)  # 60 s: store requests
         timeout = settings.COLLECTIVE_TIMEOUT_S.get() if collective_timeout_s is None else collective_timeout_s
-        self.membership.pg_timeout = datetime.timedelta(seconds=timeout)  # collectives wait for live peers
+        self.membership = Membership(worker_id, self.client, timeout, join_timeout_s)
         interval = settings.HEARTBEAT_S.get() if heartbeat_interval_s is None else heartbeat_interval_s
         self.heartbeat = Heartbeat(self.membership, interval, self._progress)
         self.runner = StepRunner(worker_id, self.train, self.membership, self.heartbeat)
