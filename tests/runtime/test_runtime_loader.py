@@ -46,9 +46,13 @@ class _Reverse(Sampler[int]):
 def test_sequential_order_and_len_per_epoch() -> None:
     job, model, opt, loader = _setup(batch_size=16, shuffle=False)
     assert len(loader) == 4  # ceil(50 / 16), per epoch
+    restarts = []
+    real = loader._restart
+    loader._restart = lambda pos, lay: (restarts.append(pos), real(pos, lay))  # type: ignore[method-assign]
     seen = _train(job, model, opt, loader, 2)
     assert seen == {0: list(range(50)), 1: list(range(50))}
     assert job.step_count == 8
+    assert restarts == [0, 50]  # loading starts once per epoch, not once per batch
 
 
 def test_custom_sampler_order_and_drop_last() -> None:

@@ -66,7 +66,9 @@ def find_scalers(objs: list[Any]) -> list[Any]:
 
 def complete(state: ElasticState) -> list[str]:
     """Add what the user did not register; returns what was added (logged)."""
-    objs = gc.get_objects()  # isinstance would touch lazy modules' __class__; type() does not
+    kinds = (torch.optim.Optimizer, LRScheduler, torch.amp.GradScaler)
+    # one pass over the heap; type() rather than isinstance, which would touch lazy modules' __class__
+    objs = [o for o in gc.get_objects() if issubclass(type(o), kinds)]
     added: list[str] = []
     if not state.optimizers:
         state.optimizers = find_optimizers(state.model, objs)

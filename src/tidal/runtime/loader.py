@@ -94,6 +94,7 @@ class _StepIndices(Sampler[list[int]]):
         self.owner = owner
         self.start = 0
         self.layout = Layout(0, 0, 1, (), 1)
+        self.next_pos = 0  # the global position of the next batch this iterator hands out
 
     def __iter__(self) -> Iterator[list[int]]:
         o, lay = self.owner, self.layout
@@ -105,8 +106,8 @@ class _StepIndices(Sampler[list[int]]):
                 return
             idx = order[sl.lo : sl.hi].tolist()
             o.pending.append((sl, idx))
+            pos = self.next_pos = lay.epoch * n + sl.stop
             yield idx if idx else order[sl.start : sl.start + 1].tolist()  # weight 0: counts nothing
-            pos = lay.epoch * n + sl.stop
 
     def __len__(self) -> int:
         return self.owner.steps_per_epoch()
@@ -179,9 +180,9 @@ class ElasticLoader:
                 break
             pos = job.runner.live_cursor
             lay = Layout(epoch, job.rank, job.world_size, tuple(job.shares), job.global_batch_size)
-            if self._it is None or lay != self._steps.layout or not self.pending or \
-                    lay.epoch * self.n + self.pending[0][0].start != pos:
-                self._restart(pos, lay)
+            ahead = lay.epoch * self.n + self.pending[0][0].start if self.pending else self._steps.next_pos
+            if self._it is None or lay != self._steps.layout or ahead != pos:
+                self._restart(pos, lay)  # the split changed (a switch, a recovery): drop what was prefetched
             assert self._it is not None
             try:
                 batch = next(self._it)
@@ -198,7 +199,7 @@ class ElasticLoader:
     def _restart(self, pos: int, lay: Layout) -> None:
         """(Re)start loading at ``pos`` under ``lay`` (prefetched batches dropped)."""
         self._drop_iterator()
-        self._steps.start, self._steps.layout = pos, lay
+        self._steps.start, self._steps.next_pos, self._steps.layout = pos, pos, lay
         self._it = iter(self._dl)
 
     def _drop_iterator(self) -> None:

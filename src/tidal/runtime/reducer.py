@@ -76,11 +76,11 @@ class GradReducer:
     """Owns the hooks and buckets for one model's trainable parameters."""
 
     def __init__(self, params: list[torch.nn.Parameter], listener: SyncListener | None = None,
-                 bucket_cap_mb: float = 4.0, overlap: bool = True) -> None:
+                 bucket_cap_mb: float = 25.0, overlap: bool = True, first_bucket_mb: float = 1.0) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.device = params_device(self.params)  # buckets and the control tensor live here
         self.listener = listener
-        self.buckets = _make_buckets(self.params, int(bucket_cap_mb * 2**20))
+        self.buckets = _make_buckets(self.params, int(bucket_cap_mb * 2**20), int(min(first_bucket_mb, bucket_cap_mb) * 2**20))
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.overlap = overlap
@@ -174,14 +174,16 @@ class GradReducer:
         try:
             self._reduce()
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError/DistBackendError subclasses
-            self.disarm()
-            for p in self.params:
-                p.grad = None  # a dropped step: an optimizer step the script still takes changes nothing
             if self.listener is None:
                 raise
-            self.listener.sync_failed(e)
+            failure = RuntimeError(f"{type(e).__name__}: {e}")  # without the traceback, which holds the group
         else:
             self.syncs += 1
+            return
+        self.disarm()
+        for p in self.params:
+            p.grad = None  # a dropped step: an optimizer step the script still takes changes nothing
+        self.listener.sync_failed(failure)
 
     def _reduce(self) -> None:
         unused = []
@@ -229,14 +231,15 @@ class GradReducer:
         return {id(p) for p in self.params if flags[self.index[id(p)]] == 0.0}
 
 
-def _make_buckets(params: list[torch.nn.Parameter], cap: int) -> list[_Bucket]:
-    """Reverse registration order, one dtype per bucket, about ``cap`` bytes each."""
+def _make_buckets(params: list[torch.nn.Parameter], cap: int, first_cap: int) -> list[_Bucket]:
+    """Reverse registration order, one dtype per bucket, about ``cap`` bytes
+    each, the first about ``first_cap`` (DDP's defaults: 25 MB, 1 MB)."""
     buckets: list[_Bucket] = []
     cur: list[torch.nn.Parameter] = []
     size = 0
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
-        if cur and (size + nbytes > cap or p.dtype != cur[0].dtype):
+        if cur and (size + nbytes > (cap if buckets else first_cap) or p.dtype != cur[0].dtype):
             buckets.append(_Bucket(cur))
             cur, size = [], 0
         cur.append(p)
