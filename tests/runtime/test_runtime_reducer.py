@@ -2,7 +2,11 @@
 with DDP's contract: when backward returns, p.grad holds the full-batch
 gradient, for uneven local batches, an accumulation window of uneven
 micro-batches (no_sync), an empty share (weight 0 on a stand-in sample) and
-a parameter unused on one rank or on both (the latter keeps grad None)."""
+a parameter unused on one rank or on both (the latter keeps grad None).
+Also: the gradients are views of the buckets and stay right over further
+steps (zero_grad with and without set_to_none), the copying mode
+(``grad_views=False``), and the control numbers riding in a float32 bucket
+stay exact for large integers."""
 
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ def _full_grads(n: int) -> list[torch.Tensor]:
     return [p.grad.clone() for p in m.parameters()]
 
 
-CASES = ("uneven", "accumulate", "empty", "unused")
+CASES = ("uneven", "accumulate", "empty", "unused", "float32", "steps", "steps_none", "copy")
+BIG = float(2**40 + 3)  # a step number float32 alone would round
 
 
 class _Listener:
@@ -44,7 +49,7 @@ class _Listener:
         self.rank, self.reduced = rank, []
 
     def sync_begin(self) -> list[float]:
-        return [5.0, 42.0] if self.rank == 0 else [0.0, 0.0]
+        return [5.0, 42.0, BIG] if self.rank == 0 else [0.0, 0.0, 0.0]
 
     def sync_done(self, reduced: list[float]) -> None:
         self.reduced.append(reduced)
@@ -76,8 +81,11 @@ def _worker(rank: int, port: int, out: dict) -> None:
     mse = torch.nn.functional.mse_loss
     for case in CASES:
         m = _Branchy() if case == "unused" else _model()
+        if case == "float32":
+            m = m.float()
         lis = _Listener(rank)
-        red = GradReducer(list(m.parameters()), listener=lis, bucket_cap_mb=0.0005)  # several async launches
+        red = GradReducer(list(m.parameters()), listener=lis, bucket_cap_mb=0.0005,  # several async launches
+                          grad_views=case != "copy")
         sizes = [n, 0] if case == "empty" else split_sizes(n, 2)
         lo = sum(sizes[:rank])
         xb, yb = x[lo : lo + sizes[rank]], y[lo : lo + sizes[rank]]
@@ -93,10 +101,22 @@ def _worker(rank: int, port: int, out: dict) -> None:
         elif case == "unused":
             red.arm(sizes[rank] / n, True)
             mse(m(xb, use_extra=rank == 0), yb).backward()
+        elif case == "float32":
+            red.arm(sizes[rank] / n, True)
+            mse(m(xb.float()), yb.float()).backward()
+        elif case in ("steps", "steps_none", "copy"):
+            for _ in range(3):  # the same batch three times: each step's gradient is the full-batch one again
+                m.zero_grad(set_to_none=case != "steps")
+                red.arm(sizes[rank] / n, True)
+                mse(m(xb), yb).backward()
+                red.closed()
+            lis.reduced = lis.reduced[-1:]
+            views = [b.view(p).data_ptr() for b in red.buckets for p in b.params]
+            assert sorted(p.grad.data_ptr() for p in m.parameters()) == sorted(views) or case == "copy"
         else:
             red.arm(sizes[rank] / n, True)
             mse(m(xb), yb).backward()
-        grads = [None if p.grad is None else p.grad.clone() for p in m.parameters()]
+        grads = [None if p.grad is None else p.grad.clone().double() for p in m.parameters()]
         out[(case, rank)] = (grads, lis.reduced, len(red.buckets))
         red.remove()
     dist.destroy_process_group()
@@ -130,11 +150,12 @@ def test_weighted_allreduce_equals_full_batch_gradient() -> None:
         for rank in (0, 1):
             grads, reduced, nb = res[(case, rank)]
             assert nb > 1
-            assert reduced == [[5.0, 42.0]]  # one sync; the control pair piggy-backs on the reduction
+            assert reduced == [[5.0, 42.0, BIG]]  # one sync; the control numbers ride with the gradients
             if case == "unused":
                 *body, ew, eb, nw, nbias = grads
                 assert nw is None and nbias is None  # unused on every rank: grad stays None, as in DDP
                 assert ew is not None and eb is not None  # used by rank 0 only: reduced on both
                 grads = body
+            tol = dict(rtol=1e-5, atol=1e-6) if case == "float32" else dict(rtol=1e-12, atol=1e-14)
             for g, f in zip(grads, full):
-                assert torch.allclose(g, f, rtol=1e-12, atol=1e-14), (case, rank, (g - f).abs().max())
+                assert torch.allclose(g, f, **tol), (case, rank, (g - f).abs().max())

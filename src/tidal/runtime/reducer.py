@@ -19,6 +19,15 @@ times) and writes the reduced gradients back. Buckets are launched strictly
 in index order, so every rank issues the same collectives in the same order.
 A parameter unused on every rank keeps ``grad = None``, as in DDP.
 
+Like DDP's ``gradient_as_bucket_view=True`` (the default here, ``grad_views``),
+the reduced gradient is not copied out: ``p.grad`` becomes a view of its
+bucket, and a later backward accumulates straight into the bucket. A
+reference to ``p.grad`` kept across steps therefore sees the next step's
+values (clone it to keep it). The control numbers ride in a tail of the last
+bucket (each as two float32 halves, exact for integers below 2**48) when that
+bucket is float32 or float64, saving a collective per step; otherwise they
+are a separate float64 tensor.
+
 Gradient accumulation: inside :meth:`GradReducer.no_sync` nothing is
 reduced; each micro-batch's incoming gradient is scaled by its own weight
 before it is accumulated (a pre-accumulation hook), so a window of uneven
@@ -56,27 +65,47 @@ class SyncListener(Protocol):
 
 
 class _Bucket:
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+    """Parameters reduced together: one flat buffer of their gradients, then
+    room for the control tail (used only by the last bucket)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], tail: int = 0) -> None:
         self.params = params
-        self.offsets: dict[int, tuple[int, int]] = {}
-        off = 0
-        for p in params:
-            self.offsets[id(p)] = (off, p.numel())
-            off += p.numel()
-        self.buf = torch.zeros(off, dtype=params[0].dtype, device=params[0].device)
+        self.n = sum(p.numel() for p in params)
+        self.slot: dict[int, int] = {id(p): i for i, p in enumerate(params)}
         self.ready: set[int] = set()
         self.work: Any = None
+        self.tail = 0
+        self.buf = torch.zeros(self.n + tail, dtype=params[0].dtype, device=params[0].device)
+        self._views()
+        self.tail = tail
+
+    def _views(self) -> None:
+        self.views: list[torch.Tensor] = []
+        off = 0
+        for p in self.params:
+            self.views.append(self.buf[off : off + p.numel()].view(p.shape))
+            off += p.numel()
 
     def view(self, p: torch.Tensor) -> torch.Tensor:
-        off, n = self.offsets[id(p)]
-        return self.buf[off : off + n]
+        return self.views[self.slot[id(p)]]
+
+    def grow_tail(self, k: int) -> None:
+        """Room for ``k`` control numbers after the gradients (keeps them)."""
+        if k <= self.tail:
+            return
+        old = self.buf
+        self.buf = torch.zeros(self.n + k + 16, dtype=old.dtype, device=old.device)
+        self.buf[: self.n].copy_(old[: self.n])
+        self.tail = k + 16
+        self._views()
 
 
 class GradReducer:
     """Owns the hooks and buckets for one model's trainable parameters."""
 
     def __init__(self, params: list[torch.nn.Parameter], listener: SyncListener | None = None,
-                 bucket_cap_mb: float = 25.0, overlap: bool = True, first_bucket_mb: float = 1.0) -> None:
+                 bucket_cap_mb: float = 25.0, overlap: bool = True, first_bucket_mb: float = 1.0,
+                 grad_views: bool = True) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.device = params_device(self.params)  # buckets and the control tensor live here
         self.listener = listener
@@ -84,6 +113,10 @@ class GradReducer:
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.overlap = overlap
+        self.grad_views = grad_views
+        self.merge = self.buckets[-1].buf.dtype in (torch.float32, torch.float64) if self.buckets else False
+        if self.merge:
+            self.buckets[-1].grow_tail(2 * 20)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         self._handles += [p.register_hook(self._prescale) for p in self.params]
         self.weight = 1.0
@@ -149,22 +182,26 @@ class GradReducer:
         b = self.bucket_of[id(p)]
         self._fill(b, p)  # type: ignore[arg-type]
         b.ready.add(id(p))
-        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+        last = len(self.buckets) - 1 if self.merge else len(self.buckets)  # the last one carries the control tail
+        while self._next < last and len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
             self._launch(self.buckets[self._next])
             self._next += 1
 
     def _fill(self, b: _Bucket, p: torch.nn.Parameter) -> None:
-        view = b.view(p)
-        if p.grad is None or (self.weight == 0.0 and not self.scaled):
+        view, g = b.view(p), p.grad
+        if g is None or (self.weight == 0.0 and not self.scaled):
             view.zero_()  # unused here, or an empty share: contributes nothing
+        elif g is view or (g.data_ptr() == view.data_ptr() and g.shape == view.shape):
+            if not self.scaled and self.weight != 1.0:
+                view.mul_(self.weight)  # accumulated straight into the bucket
         elif self.scaled:
-            view.copy_(p.grad.detach().reshape(-1))
+            view.copy_(g.detach())
         else:
-            torch.mul(p.grad.detach().reshape(-1), self.weight, out=view)
+            torch.mul(g.detach(), self.weight, out=view)
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: _Bucket, extra: int = 0) -> None:
         if self.distributed:
-            b.work = dist.all_reduce(b.buf, async_op=True)
+            b.work = dist.all_reduce(b.buf[: b.n + extra] if extra else b.buf[: b.n], async_op=True)
 
     # -------------------------------------------------------------- end of backward
     def _finalize(self) -> None:
@@ -186,31 +223,39 @@ class GradReducer:
         self.listener.sync_failed(failure)
 
     def _reduce(self) -> None:
-        unused = []
         for b in self.buckets[self._next :]:
             for p in b.params:
                 if id(p) not in b.ready:
                     self._fill(b, p)
-            self._launch(b)
-        for b in self.buckets:
-            unused.extend(p for p in b.params if p.grad is None)
-        self._next = len(self.buckets)
+        unused = [p for b in self.buckets for p in b.params if p.grad is None]
         extra = self.listener.sync_begin() if self.listener is not None else []
-        c = torch.tensor([1.0 if unused else 0.0, *extra], dtype=torch.float64, device=self.device)
-        if self.distributed:
-            dist.all_reduce(c)
+        control = [1.0 if unused else 0.0, *extra]
+        if self.merge:
+            tail = self._put_tail(control)
+            for b in self.buckets[self._next : -1]:
+                self._launch(b)
+            self._launch(self.buckets[-1], tail)
+        else:
+            for b in self.buckets[self._next :]:
+                self._launch(b)
+            c = torch.tensor(control, dtype=torch.float64, device=self.device)
+            if self.distributed:
+                dist.all_reduce(c)
+        self._next = len(self.buckets)
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
-        reduced = c.tolist()
+        reduced = self._get_tail(len(control)) if self.merge else c.tolist()
         skip = self._globally_unused(unused) if reduced[0] > 0 else set()
         for b in self.buckets:
-            for p in b.params:
+            for p, g in zip(b.params, b.views):
                 if id(p) in skip:
                     continue
-                g = b.view(p).view_as(p)
-                if p.grad is None:
+                if self.grad_views:
+                    if p.grad is not g:
+                        p.grad = g
+                elif p.grad is None:
                     p.grad = g.clone()
                 else:
                     p.grad.copy_(g)
@@ -218,6 +263,26 @@ class GradReducer:
         self.last_extra = reduced[1:]
         if self.listener is not None:
             self.listener.sync_done(reduced[1:])
+
+    def _put_tail(self, control: list[float]) -> int:
+        """Write the control numbers after the last bucket's gradients; a
+        float32 bucket gets each as (hi, lo) float32 halves. Returns the
+        tail's length."""
+        b = self.buckets[-1]
+        v = torch.tensor(control, dtype=torch.float64)
+        if b.buf.dtype != torch.float64:
+            hi = v.to(b.buf.dtype)
+            v = torch.cat([hi, (v - hi.double()).to(b.buf.dtype)])
+        b.grow_tail(len(v))
+        b.buf[b.n : b.n + len(v)].copy_(v)
+        return len(v)
+
+    def _get_tail(self, k: int) -> list[float]:
+        b = self.buckets[-1]
+        if b.buf.dtype == torch.float64:
+            return b.buf[b.n : b.n + k].tolist()
+        t = b.buf[b.n : b.n + 2 * k].double()
+        return (t[:k] + t[k:]).tolist()
 
     def _globally_unused(self, unused: list[torch.nn.Parameter]) -> set[int]:
         """Parameters no rank used (their grad stays None): one more small

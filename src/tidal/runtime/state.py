@@ -99,13 +99,14 @@ class ElasticState:
         self.extras.update(d.get("extras", {}))
 
     def step_snapshot(self) -> StepSnapshot:
-        """The user-side state at the start of a step (see :class:`StepSnapshot`)."""
+        """The user-side state at the start of a step (see :class:`StepSnapshot`).
+        Taken at every step, so immutable values are shared, not copied."""
         return StepSnapshot(
-            schedulers=[copy.deepcopy(s.state_dict()) for s in self.schedulers],
-            scaler=copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None,
-            extras=copy.deepcopy(self.extras),
+            schedulers=[_copy_value(s.state_dict()) for s in self.schedulers],
+            scaler=_copy_value(self.scaler.state_dict()) if self.scaler is not None else None,
+            extras=_copy_value(self.extras),
             rng=torch.get_rng_state(),
-            groups=[[copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in o.param_groups]
+            groups=[[{k: _copy_value(v) for k, v in g.items() if k != "params"} for g in o.param_groups]
                     for o in self.optimizers],
         )
 
@@ -121,6 +122,24 @@ class ElasticState:
         for o, groups in zip(self.optimizers, snap.groups):
             for g, saved in zip(o.param_groups, groups):
                 g.update(saved)
+
+
+_IMMUTABLE = (int, float, bool, str, bytes, type(None))
+
+
+def _copy_value(v: Any) -> Any:
+    """A copy of ``v`` that later in-place changes cannot reach: scalars and
+    tuples of them shared, dicts and lists copied level by level, anything
+    else (tensors, objects) deep-copied."""
+    if isinstance(v, _IMMUTABLE):
+        return v
+    if type(v) is dict:
+        return {k: _copy_value(x) for k, x in v.items()}
+    if type(v) is list:
+        return [_copy_value(x) for x in v]
+    if type(v) is tuple and all(isinstance(x, _IMMUTABLE) for x in v):
+        return v
+    return copy.deepcopy(v)
 
 
 def as_list(x: Any) -> list[Any]:
