@@ -57,3 +57,57 @@ def test_state_transfer_puts_cpu_tensors_back_on_the_cpu() -> None:
     travelled = torch.zeros(3, device="meta")  # as received in accelerator memory
     assert place(travelled, _Ref(0, (3,), torch.float32, on_cpu=False)).device.type == "meta"
     assert comm_device() == torch.device("cpu")  # no process group here: the CPU (gloo)
+
+
+def test_tidal_run_gives_each_worker_its_own_gpu_and_never_one_twice(tmp_path) -> None:
+    """The local spawner (``tidal run``) hands out LOCAL_RANK as torchrun
+    does; with GPUs that is the worker's GPU: a freed GPU is reused, and a
+    worker beyond the last free one is refused (the GPU ids are given, as
+    this machine has none)."""
+    import subprocess
+    import time
+
+    from tidal.runtime.spawner import LocalSpawner, WorkerLaunch
+
+    script = tmp_path / "w.py"
+    script.write_text("import os, sys, time\n"
+                      "open(sys.argv[1] + '/' + os.environ['TIDAL_WORKER_ID'], 'w').write(os.environ['LOCAL_RANK'])\n"
+                      "time.sleep(60)\n")
+    sp = LocalSpawner(str(script), [str(tmp_path)], env={"PATH": "/usr/bin:/bin"}, gpus=["4", "7"])
+
+    def local_rank(w: str) -> str:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / w).exists() or not (tmp_path / w).read_text():
+            assert time.monotonic() < deadline, f"{w} did not start"
+            time.sleep(0.05)
+        return (tmp_path / w).read_text()
+
+    try:
+        sp.spawn([WorkerLaunch("w0"), WorkerLaunch("w1")])
+        assert (local_rank("w0"), local_rank("w1")) == ("0", "1")
+        with pytest.raises(ValueError, match="2 GPU"):
+            sp.spawn([WorkerLaunch("w2")])
+        assert "w2" not in sp.procs  # nothing half-started
+        sp.kill("w0")
+        sp.procs["w0"].wait(timeout=10)
+        sp.spawn([WorkerLaunch("w2")])
+        assert local_rank("w2") == "0"  # w0's GPU, free again
+        cpu = LocalSpawner(str(script), [str(tmp_path / "cpu")], env={"PATH": "/usr/bin:/bin"}, gpus=[])
+        (tmp_path / "cpu").mkdir()
+        cpu.spawn([WorkerLaunch(f"c{i}") for i in range(3)])  # no GPUs: slots without a cap
+        assert [local_rank(f"cpu/c{i}") for i in range(3)] == ["0", "1", "2"]
+        cpu.terminate(grace_s=5)
+    finally:
+        sp.terminate(grace_s=5)
+        for p in sp.procs.values():
+            if p.poll() is None:
+                p.kill()
+
+
+def test_visible_gpus_come_from_cuda_visible_devices() -> None:
+    from tidal.runtime.spawner import local_gpus
+
+    assert local_gpus({"CUDA_VISIBLE_DEVICES": "2, 5"}) == ["2", "5"]
+    assert local_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert local_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    assert local_gpus({}) == []  # this machine: torch counts no GPU

@@ -11,7 +11,8 @@ which of the workers it started have exited. Implementations:
 
 Each argument has one meaning: ``worker_id`` is the runtime's worker id
 (``w0``, ``w1``, ...), ``host`` a host (node) name, ``device`` the index of a
-GPU on that host (``CUDA_VISIBLE_DEVICES``).
+GPU on that host (the agents expose it as ``CUDA_VISIBLE_DEVICES``, the
+local spawner as ``LOCAL_RANK``, torchrun's convention).
 """
 
 from __future__ import annotations
@@ -97,33 +98,74 @@ def failed_workers(spawner: Spawner | None) -> set[str]:
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "")
 
 
+def local_gpus(env: dict[str, str]) -> list[str]:
+    """The GPUs a process started with ``env`` sees: ``CUDA_VISIBLE_DEVICES``
+    if set, else as many as torch counts (none without CUDA)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        return [] if ids and ids[0].startswith("-") else ids
+    try:
+        import torch
+    except ImportError:
+        return []
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
 @register_spawner("local")
 class LocalSpawner:
     """Processes of ``script`` on this host (``tidal run``). ``master_url``
-    is set once the master listens."""
+    is set once the master listens.
+
+    Like torchrun, every worker gets ``LOCAL_RANK``: here the lowest slot no
+    live worker of this spawner holds, or ``WorkerLaunch.device`` when the
+    caller chose. With GPUs (``gpus``: the ids of this host's visible GPUs,
+    detected when None) the slot is the worker's GPU (``cuda:$LOCAL_RANK``,
+    see :func:`tidal.runtime.devices.local_device`), so no GPU is given twice
+    and a worker beyond the last free GPU is refused."""
 
     def __init__(self, script: str, args: Sequence[str] = (), env: dict[str, str] | None = None,
-                 master_url: str = "") -> None:
+                 master_url: str = "", gpus: Sequence[str] | None = None) -> None:
         self.script, self.args = script, list(args)
         self.env = dict(os.environ if env is None else env)
         self.env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.env.setdefault("OMP_NUM_THREADS", "1")
+        self.gpus = list(gpus) if gpus is not None else local_gpus(self.env)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.slots: dict[str, int] = {}  # worker -> LOCAL_RANK (its GPU index with GPUs)
         self._lock = threading.Lock()
         self.master_url = master_url
+
+    def _assign(self, launches: Sequence[WorkerLaunch]) -> list[int]:
+        """One slot per launch, none held by a live worker; all or none."""
+        held = {s for w, s in self.slots.items() if self.procs[w].poll() is None}
+        out = []
+        for x in launches:
+            slot = x.device if x.device is not None else next(i for i in range(len(held) + 1) if i not in held)
+            if slot in held:
+                raise ValueError(f"worker {x.worker_id}: local slot/GPU {slot} is held by a running worker")
+            if self.gpus and slot >= len(self.gpus):
+                raise ValueError(f"worker {x.worker_id}: this host has {len(self.gpus)} GPU(s) "
+                                 f"({','.join(self.gpus)}) and all are held by running workers; "
+                                 "one worker per GPU")
+            held.add(slot)
+            out.append(slot)
+        return out
 
     def spawn(self, launches: Sequence[WorkerLaunch]) -> None:
         bad = [x.host for x in launches if x.host not in (None, *LOCAL_HOSTS)]
         if bad:
             raise ValueError(f"the local spawner starts workers on this host only, not on {bad}")
-        for x in launches:
-            env = dict(self.env, **{settings.MASTER_URL.name: self.master_url, settings.WORKER_ID.name: x.worker_id})
-            if x.device is not None:
-                env["CUDA_VISIBLE_DEVICES"] = str(x.device)
+        with self._lock:
+            slots = self._assign(launches)
+        for x, slot in zip(launches, slots):
+            env = dict(self.env, **{settings.MASTER_URL.name: self.master_url, settings.WORKER_ID.name: x.worker_id,
+                                    "LOCAL_RANK": str(slot)})
             p = subprocess.Popen([sys.executable, "-u", self.script, *self.args], env=env)
             with self._lock:
                 self.procs[x.worker_id] = p
-            log.info("started worker %s (pid %d)", x.worker_id, p.pid)
+                self.slots[x.worker_id] = slot
+            log.info("started worker %s (pid %d, LOCAL_RANK %d)", x.worker_id, p.pid, slot)
 
     def kill(self, worker_id: str) -> None:
         with self._lock:
