@@ -29,11 +29,15 @@ host, one wall clock). ``newcomer_startup_s``: a newcomer's process start
 (``/proc/self/stat``) to the moment its registration was answered (imports,
 model and data pipeline built), median over the newcomers.
 
-Overhead: median step time (end to end of consecutive steps, after warm-up)
-of the elastic runtime at 2 workers vs plain DDP at 2 workers, ``--repeats``
-alternating pairs (the order inside a pair alternates too); ``overhead_pct``
-is the median of the pairs' overheads, ``overhead_pct_min``/``_max`` their
-spread.
+Overhead: the elastic job and a plain DDP job (torchrun), 2 workers each,
+run at the same time but take turns: phases of ``--phase-steps`` steps
+alternate between them (ABBA; the other job waits in a sleep loop at its
+phase boundary), so each elastic phase has a DDP phase a second or two away
+(this VM's speed drifts by 10-30 % over tens of seconds, which separate runs
+cannot cancel). A phase's step time is the median gap between consecutive
+step ends inside it; phase 0 is warm-up. ``overhead_pct`` is the median over
+``--repeats`` phase pairs of elastic/DDP - 1, with min, max and quartiles;
+``cpu_overhead_pct`` the same for the CPU time per step of rank 0's process.
 
 Coordination round trip: rank 0's per-step store exchange with the master
 (progress write + plan read) in its background thread, p50 and p99.
@@ -109,6 +113,27 @@ def spawned_at() -> float:
         return float("nan")
 
 
+class Turns:
+    """Phase turn-taking between two jobs on one machine (``--turn FILE``):
+    before step ``s`` with ``s % phase == 0`` a rank waits until FILE reads
+    ``"<kind> <s // phase>"``; the driver hands the turn over."""
+
+    def __init__(self, path: str | None, kind: str, phase: int) -> None:
+        self.path, self.kind, self.phase = (Path(path) if path else None), kind, phase
+
+    def wait(self, step: int) -> None:
+        if self.path is None or step % self.phase:
+            return
+        want = f"{self.kind} {step // self.phase}"
+        while True:
+            try:
+                if self.path.read_text() == want:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.005)
+
+
 # ---------------------------------------------------------------------------- worker roles
 def _note_registration(job: Any, marks: dict[str, float]) -> None:
     """Record when this worker's registration with the master was answered."""
@@ -132,6 +157,7 @@ def role_elastic(a: argparse.Namespace) -> None:
     model = job.wrap(model)
     loader = job.loader(DataLoader(Synthetic(a.steps * BATCH), batch_size=BATCH, shuffle=True))
     log = StepLog(Path(a.out) / f"elastic-{job.worker_id}.jsonl")
+    turns = Turns(a.turn, "el", a.phase_steps)
     _note_registration(job, marks)
     marks["ready"] = time.time()  # imports done, model and data built; the first epoch registers
     for _epoch in job.epochs(1):
@@ -139,6 +165,7 @@ def role_elastic(a: argparse.Namespace) -> None:
             marks["joined"] = time.time()
             (Path(a.out) / f"elastic-start-{job.worker_id}.json").write_text(json.dumps(marks))
         for x, y in loader:
+            turns.wait(job.step_count)
             t_start = time.time()  # the batch is in hand (after any switch the iterator performed)
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
@@ -171,7 +198,9 @@ def role_ddp(a: argparse.Namespace) -> None:
     batches = [perm[sl.lo : sl.hi].tolist() for sl in
                (step_slice(s * BATCH, len(data), BATCH, rank, world) for s in range(start_step, start_step + a.steps))]
     log = StepLog(Path(a.out) / f"ddp-{a.tag}-{rank}.jsonl")
+    turns = Turns(a.turn, "ddp", a.phase_steps)
     for step, (x, y) in enumerate(DataLoader(data, batch_sampler=batches), start=start_step):
+        turns.wait(step)
         t_start = time.time()  # the batch is in hand
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
@@ -221,9 +250,9 @@ def request_size(c: Any, size: int, timeout_s: float = 120.0) -> float:
         time.sleep(max(0.05, ans.retry_after_s))
 
 
-def _run_elastic(out: Path, workers: int, steps: int, schedule: list[int]) -> list[dict[str, Any]]:
-    """Run ``tidal run`` in-process; apply ``schedule`` (world sizes) once the
-    job has run 15 steps at each size. Returns the requests (size, time)."""
+def _start_elastic(out: Path, workers: int, steps: int, extra: list[str] | None = None) -> tuple[Any, ...]:
+    """Start ``tidal run`` in-process (a thread); returns (thread, result,
+    output lines, master client) once the master answers."""
     home = out / "home"
     os.environ.update(_env(home))
     from tidal.runtime.client import MasterClient
@@ -233,18 +262,23 @@ def _run_elastic(out: Path, workers: int, steps: int, schedule: list[int]) -> li
     res: dict[str, Any] = {}
     lines: list[str] = []
     t = threading.Thread(target=lambda: res.setdefault("rc", run_job(
-        __file__, ["--role", "elastic", "--out", str(out), "--steps", str(steps)], workers, job=job,
-        timeout_s=600, out=lines.append)), daemon=True)
+        __file__, ["--role", "elastic", "--out", str(out), "--steps", str(steps), *(extra or [])], workers, job=job,
+        timeout_s=900, out=lines.append)), daemon=True)
     t.start()
     deadline = time.monotonic() + 60
     while True:
         try:
-            c = MasterClient(resolve_master(job))
-            break
+            return t, res, lines, MasterClient(resolve_master(job))
         except FileNotFoundError:
             if time.monotonic() > deadline or not t.is_alive():
                 raise RuntimeError("the launcher did not start:\n" + "\n".join(lines)) from None
             time.sleep(0.05)
+
+
+def _run_elastic(out: Path, workers: int, steps: int, schedule: list[int]) -> list[dict[str, Any]]:
+    """Run ``tidal run`` in-process; apply ``schedule`` (world sizes) once the
+    job has run 15 steps at each size. Returns the requests (size, time)."""
+    t, res, lines, c = _start_elastic(out, workers, steps)
     c.wait_for(workers, timeout_s=120)
     requests = []
     for size in schedule:
@@ -329,59 +363,82 @@ def measure_stop_resume(base: Path, a: argparse.Namespace) -> dict[str, Any]:
     return {"stop_resume_pause_s": first - last}
 
 
-def _steady_elastic(d: Path, steps: int) -> tuple[float, float, dict[str, Any]]:
-    """Median wall and CPU time per step of w0, and the heartbeat's summary."""
-    d.mkdir()
-    _run_elastic(d, 2, steps, [])
-    s = json.loads((d / "elastic-summary-w0.json").read_text())
-    if s["heartbeats"] == 0:
-        s = json.loads((d / "elastic-summary-w1.json").read_text())
-    recs = read_log(d / "elastic-w0.jsonl")
-    return median_step(recs, 10), median_step(recs, 10, "cpu"), s
+def _last_index(path: Path, offset: int) -> int:
+    """The 0-based index of the last step in a step log (-1: none yet)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return -1
+    return json.loads(lines[-1])["step"] - offset if lines and lines[-1].endswith("}") else -1
 
 
-def _steady_ddp(d: Path, steps: int) -> tuple[float, float]:
-    d.mkdir()
-    _torchrun(2, ["--role", "ddp", "--out", str(d), "--tag", "steady", "--steps", str(steps),
-                  "--total-steps", str(steps)])
-    recs = read_log(d / "ddp-steady-0.jsonl")
-    return median_step(recs, 10), median_step(recs, 10, "cpu")
+def _phase_stats(recs: list[dict[str, Any]], offset: int, lo: int, hi: int) -> tuple[float, float]:
+    """Median wall time and mean CPU time per step of the steps ``lo..hi-1``
+    (0-based), from consecutive step ends inside the phase."""
+    by = {r["step"] - offset: r for r in recs}
+    ph = [by[i] for i in range(lo, hi)]
+    wall = statistics.median(b["t_end"] - a["t_end"] for a, b in zip(ph, ph[1:]))
+    return wall, (ph[-1]["cpu"] - ph[0]["cpu"]) / (len(ph) - 1)
 
 
 def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
-    """Elastic vs DDP at 2 workers, ``a.repeats`` alternating pairs."""
-    el, dd, el_cpu, dd_cpu, rtt50, rtt99 = [], [], [], [], [], []
-    for i in range(a.repeats):
-        order = ("el", "ddp") if i % 2 == 0 else ("ddp", "el")
-        for kind in order:
-            if kind == "el":
-                t, c, s = _steady_elastic(base / f"steady-el-{i}", a.steady_steps)
-                el.append(t)
-                el_cpu.append(c)
-                rtt50.append(s["coord_rtt_ms_p50"])
-                rtt99.append(s["coord_rtt_ms_p99"])
-            else:
-                t, c = _steady_ddp(base / f"steady-ddp-{i}", a.steady_steps)
-                dd.append(t)
-                dd_cpu.append(c)
-    pairs = [100.0 * (e / d - 1.0) for e, d in zip(el, dd)]
-    cpu_pairs = [100.0 * (e / d - 1.0) for e, d in zip(el_cpu, dd_cpu)]
+    """Elastic vs DDP at 2 workers, both running at once but taking turns:
+    phases of ``a.phase_steps`` steps alternate (ABBA) between the two jobs,
+    so every elastic phase has a DDP phase seconds away (this VM's speed
+    drifts by 10-30 % over tens of seconds). Phase 0 of each is warm-up;
+    ``a.repeats`` pairs follow."""
+    d = base / "steady"
+    d.mkdir()
+    turn, ph, n = d / "turn", a.phase_steps, a.repeats + 1
+    turn.write_text("")
+    total = ph * n
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+           "--role", "ddp", "--out", str(d), "--tag", "steady", "--steps", str(total), "--total-steps", str(total),
+           "--turn", str(turn), "--phase-steps", str(ph)]
+    ddp = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    el = None
+    try:
+        el = _start_elastic(d, 2, total, ["--turn", str(turn), "--phase-steps", str(ph)])
+        logs = {"el": (d / "elastic-w0.jsonl", 0), "ddp": (d / "ddp-steady-0.jsonl", 1)}
+        for k in range(n):
+            for kind in (("el", "ddp") if k % 2 == 0 else ("ddp", "el")):
+                tmp = turn.with_suffix(".tmp")
+                tmp.write_text(f"{kind} {k}")
+                os.replace(tmp, turn)
+                deadline = time.monotonic() + 300
+                while _last_index(*logs[kind]) < (k + 1) * ph - 1:
+                    if time.monotonic() > deadline or ddp.poll() not in (None, 0) or not el[0].is_alive():
+                        raise RuntimeError(f"phase {k} of {kind} did not finish:\n" + "\n".join(el[2]))
+                    time.sleep(0.02)
+        ddp.wait(timeout=120)
+        el[0].join(timeout=120)
+        if el[1].get("rc") != 0 or ddp.returncode != 0:
+            raise RuntimeError("a run failed:\n" + "\n".join(el[2]))
+    finally:
+        if ddp.poll() is None:
+            ddp.kill()
+    er, dr = read_log(logs["el"][0]), read_log(logs["ddp"][0])
+    el_s = [_phase_stats(er, 0, k * ph, (k + 1) * ph) for k in range(1, n)]
+    dd_s = [_phase_stats(dr, 1, k * ph, (k + 1) * ph) for k in range(1, n)]
+    pairs = [100.0 * (e[0] / q[0] - 1.0) for e, q in zip(el_s, dd_s)]
+    cpu_pairs = [100.0 * (e[1] / q[1] - 1.0) for e, q in zip(el_s, dd_s)]
+    summ = json.loads((d / "elastic-summary-w0.json").read_text())
+    if summ["heartbeats"] == 0:
+        summ = json.loads((d / "elastic-summary-w1.json").read_text())
     return {
-        "step_time_s": statistics.median(el),
-        "ddp_step_time_s": statistics.median(dd),
+        "step_time_s": statistics.median(e[0] for e in el_s),
+        "ddp_step_time_s": statistics.median(q[0] for q in dd_s),
         "overhead_pct": statistics.median(pairs),
         "overhead_pct_min": min(pairs),
         "overhead_pct_max": max(pairs),
-        "overhead_pct_of_medians": 100.0 * (statistics.median(el) / statistics.median(dd) - 1.0),
-        "overhead_pct_runs": [round(p, 2) for p in pairs],
-        "step_time_runs_s": [round(x, 5) for x in el],
-        "ddp_step_time_runs_s": [round(x, 5) for x in dd],
-        "cpu_step_ms": 1e3 * statistics.median(el_cpu),
-        "ddp_cpu_step_ms": 1e3 * statistics.median(dd_cpu),
+        "overhead_pct_q1_q3": [round(x, 2) for x in statistics.quantiles(pairs, n=4)[::2]],
+        "overhead_pct_runs": [round(x, 2) for x in pairs],
+        "cpu_step_ms": 1e3 * statistics.median(e[1] for e in el_s),
+        "ddp_cpu_step_ms": 1e3 * statistics.median(q[1] for q in dd_s),
         "cpu_overhead_pct": statistics.median(cpu_pairs),
-        "cpu_overhead_pct_runs": [round(p, 2) for p in cpu_pairs],
-        "coord_rtt_ms_p50": statistics.median(rtt50),
-        "coord_rtt_ms_p99": max(rtt99),
+        "cpu_overhead_pct_runs": [round(x, 2) for x in cpu_pairs],
+        "coord_rtt_ms_p50": summ["coord_rtt_ms_p50"],
+        "coord_rtt_ms_p99": summ["coord_rtt_ms_p99"],
     }
 
 
@@ -396,7 +453,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     if a.repeats > 0:
         res |= measure_steady(base, a)
     res["config"] = {"model": f"MLP {DIM}-{HIDDEN}-{HIDDEN}-{CLASSES} fp32", "global_batch": BATCH,
-                     "steady_steps": a.steady_steps, "repeats": a.repeats, "cores": os.cpu_count(),
+                     "phase_steps": a.phase_steps, "repeats": a.repeats, "cores": os.cpu_count(),
                      "backend": "gloo", "load_avg_1m": round(os.getloadavg()[0], 2)}
     return res
 
@@ -412,8 +469,10 @@ def main() -> None:
     ap.add_argument("--save", default=None)
     ap.add_argument("--load", default=None)
     ap.add_argument("--rescale-steps", type=int, default=400)
-    ap.add_argument("--steady-steps", type=int, default=300)
-    ap.add_argument("--repeats", type=int, default=5, help="alternating elastic/DDP pairs (>= 5 for the report)")
+    ap.add_argument("--repeats", type=int, default=21,
+                    help="alternating elastic/DDP phase pairs for the overhead (>= 5 for the report)")
+    ap.add_argument("--phase-steps", type=int, default=40, help="steps per phase of the overhead measurement")
+    ap.add_argument("--turn", default=None, help="(worker roles) the turn file of the overhead measurement")
     ap.add_argument("--skip-rescale", action="store_true", help="only the steady-state overhead")
     a = ap.parse_args()
     if a.role == "elastic":
