@@ -41,6 +41,7 @@ import contextlib
 import logging
 from typing import Any, Iterator, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
@@ -269,20 +270,20 @@ class GradReducer:
         float32 bucket gets each as (hi, lo) float32 halves. Returns the
         tail's length."""
         b = self.buckets[-1]
-        v = torch.tensor(control, dtype=torch.float64)
+        v = np.asarray(control, dtype=np.float64)
         if b.buf.dtype != torch.float64:
-            hi = v.to(b.buf.dtype)
-            v = torch.cat([hi, (v - hi.double()).to(b.buf.dtype)])
+            hi = v.astype(np.float32)
+            v = np.concatenate([hi, (v - hi).astype(np.float32)])
         b.grow_tail(len(v))
-        b.buf[b.n : b.n + len(v)].copy_(v)
+        b.buf[b.n : b.n + len(v)].copy_(torch.from_numpy(v))
         return len(v)
 
     def _get_tail(self, k: int) -> list[float]:
         b = self.buckets[-1]
+        t = b.buf[b.n : b.n + (k if b.buf.dtype == torch.float64 else 2 * k)].cpu().numpy()
         if b.buf.dtype == torch.float64:
-            return b.buf[b.n : b.n + k].tolist()
-        t = b.buf[b.n : b.n + 2 * k].double()
-        return (t[:k] + t[k:]).tolist()
+            return t.tolist()
+        return (t[:k].astype(np.float64) + t[k:]).tolist()
 
     def _globally_unused(self, unused: list[torch.nn.Parameter]) -> set[int]:
         """Parameters no rank used (their grad stays None): one more small
