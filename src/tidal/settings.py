@@ -79,6 +79,15 @@ LOG_LEVEL: Setting[str | None] = Setting("TIDAL_LOG_LEVEL", _opt_str, None,
                                          "log level of worker processes (DEBUG, INFO, ...); unset: Python's default",
                                          "worker")
 
+# -- addresses (several hosts: see tidal.net) -----------------------------------------
+BIND_ADDR: Setting[str] = Setting("TIDAL_BIND_ADDR", _str, "127.0.0.1",
+                                  "address the job master, its store and the server listen on "
+                                  "(0.0.0.0: every interface)", "master")
+ADVERTISE_ADDR: Setting[str | None] = Setting("TIDAL_ADVERTISE_ADDR", _opt_str, None,
+                                              "address peers are told to reach this process at; default: the "
+                                              "bind address, or with 0.0.0.0 the interface routing to the "
+                                              "peer", "master")
+
 # -- a worker process (set by whoever starts it) ------------------------------------
 MASTER_URL: Setting[str | None] = Setting("TIDAL_MASTER_URL", _opt_str, None,
                                           "the job master's HTTP address; unset: the script runs alone", "worker")

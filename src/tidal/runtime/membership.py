@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tidal import settings
+from tidal.net import socket_env
 from tidal.runtime.client import MasterClient
 from tidal.runtime.messages import Generation, SwitchPlan
 from tidal.runtime.state import RescaleHook, TrainState
@@ -382,6 +383,7 @@ class Membership:
         """Rendezvous with the generation's members under its store prefix."""
         store = dist.PrefixStore(g.prefix, self.stores.get(g.store_host, g.store_port))
         rank = g.rank_of(self.worker_id)
+        os.environ.update(socket_env(g.store_host))  # the interface that routes to the job's hosts
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=g.world_size,
                                 timeout=self.pg_timeout)
         self.seat = Seat(g, rank, g.world_size)

@@ -40,6 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from tidal.net import LOOPBACK, advertise_addr
 from tidal.runtime.master import JobMaster
 
 log = logging.getLogger(__name__)
@@ -142,14 +143,16 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class MasterServer:
-    """Serves a :class:`JobMaster` over HTTP on ``host:port`` (0 = any free)."""
+    """Serves a :class:`JobMaster` over HTTP on ``host:port`` (0 = any free);
+    ``advertise``: the address in its URL (default: ``host``, see
+    :func:`tidal.net.advertise_addr`)."""
 
-    def __init__(self, master: JobMaster, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, master: JobMaster, host: str = LOOPBACK, port: int = 0, advertise: str | None = None) -> None:
         handler = type("Handler", (_Handler,), {"master": master})
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
         self.master = master
-        self.url = f"http://{host}:{self.httpd.server_address[1]}"
+        self.url = f"http://{advertise_addr(host, explicit=advertise)}:{self.httpd.server_address[1]}"
         master.url = self.url
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="tidal-master-http", daemon=True)
 

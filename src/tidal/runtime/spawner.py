@@ -128,7 +128,6 @@ class LocalSpawner:
                  master_url: str = "", gpus: Sequence[str] | None = None) -> None:
         self.script, self.args = script, list(args)
         self.env = dict(os.environ if env is None else env)
-        self.env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.env.setdefault("OMP_NUM_THREADS", "1")
         self.gpus = list(gpus) if gpus is not None else local_gpus(self.env)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}

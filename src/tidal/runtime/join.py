@@ -1,0 +1,98 @@
+"""``tidal run --join HOST:PORT``: add this host's workers to a running job
+(torchrun's multi-node launch, but elastic: the job does not stop).
+
+The launcher asks the job's master for a scale-out by worker ids it chose
+(``<host>-<pid>-<i>``, unique across hosts), starts those workers here with
+the master's URL, and waits. Ctrl-C or SIGTERM is a graceful scale-in of
+exactly these workers (they leave at the agreed switch step; nothing is
+lost); a second one kills them, which the job recovers from like any lost
+worker. The launcher's exit code is 0 when every worker it started exited 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Callable, Sequence
+
+from tidal.runtime.client import MasterClient, retry_while_busy
+from tidal.runtime.spawner import LocalSpawner, WorkerLaunch
+
+log = logging.getLogger(__name__)
+
+
+def master_url(join: str) -> str:
+    """``HOST:PORT`` or a URL, as a URL; a clear error otherwise."""
+    url = join if join.startswith(("http://", "https://")) else f"http://{join}"
+    rest = url.split("://", 1)[1].rstrip("/")
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--join {join!r}: expected HOST:PORT of the job's master (as `tidal run` prints it)")
+    return url.rstrip("/")
+
+
+def worker_ids(count: int, host: str | None = None, pid: int | None = None) -> list[str]:
+    """Ids no other launcher picks: host name, launcher pid, index."""
+    tag = (host or socket.gethostname()).split(".")[0].replace("-", "")[:16] or "host"
+    return [f"{tag}-{pid or os.getpid()}-{i}" for i in range(count)]
+
+
+def _leave(c: MasterClient, sp: LocalSpawner, out: Callable[[str], None], timeout_s: float) -> None:
+    """Scale in this launcher's live workers and wait for them to exit."""
+    live = [w for w, code in sp.exit_codes().items() if code is None]
+    if not live:
+        return
+    out(f"tidal run: leaving: scale-in of {', '.join(live)}")
+    try:
+        ans = retry_while_busy(lambda: c.scale_in(workers=live), timeout_s)
+        out(f"tidal run: {ans.status}: {ans.message}")
+    except Exception as e:  # noqa: BLE001 - the master may be gone; then the workers are killed
+        out(f"tidal run: scale-in failed ({e}); stopping the workers")
+    deadline = time.monotonic() + timeout_s
+    while any(code is None for code in sp.exit_codes().values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    sp.terminate(grace_s=5.0)
+
+
+def join_job(join: str, script: str, args: Sequence[str] = (), size: int = 1, *,
+             timeout_s: float = 120.0, out: Callable[[str], None] = print) -> int:
+    """Start ``size`` workers of ``script`` here, in the job whose master
+    answers at ``join``; returns the exit code (see the module docstring)."""
+    try:
+        url = master_url(join)
+    except ValueError as e:
+        out(f"tidal run: {e}")
+        return 2
+    if size < 1:
+        out(f"tidal run: --workers must be at least 1 to join, not {size}")
+        return 2
+    c = MasterClient(url)
+    ids = worker_ids(size)
+    ans = retry_while_busy(lambda: c.scale_out(workers=ids), timeout_s)
+    if ans.status != "accepted":
+        out(f"tidal run: the master at {url} refused the scale-out: {ans.status}: {ans.message}")
+        return 1
+    sp = LocalSpawner(script, args, master_url=url)
+    sp.spawn([WorkerLaunch(w) for w in ids])
+    out(f"tidal run: joined job at {url} with {', '.join(ids)}")
+    prev = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        while any(code is None for code in sp.exit_codes().values()):
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        try:
+            _leave(c, sp, out, timeout_s)
+        except KeyboardInterrupt:
+            sp.terminate(grace_s=0.0)
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+    codes = sp.exit_codes()
+    out("tidal run: workers exited: " + ", ".join(f"{w}: {code}" for w, code in sorted(codes.items())))
+    return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
