@@ -21,9 +21,9 @@ c. **overhead**: median step time of that job at n workers against torch
 Every step ends with ``torch.cuda.synchronize()`` in both, so step times are
 GPU times. Prints ONE JSON line; exits 1 if the equivalence check failed.
 
-Each worker takes GPU ``k mod n`` for worker id ``wk`` (the local launcher
-does not assign GPUs to its workers; 2 -> n -> 2 removes the highest ranks,
-so no two live workers share a GPU).
+Each worker trains on ``job.device``: the local launcher gives every worker
+the lowest GPU no running worker holds (``LOCAL_RANK``), so no two live
+workers share a GPU.
 """
 
 from __future__ import annotations
@@ -136,13 +136,11 @@ def role_worker(a: argparse.Namespace) -> None:
 
     import tidal.runtime
 
-    wid = os.environ.get("TIDAL_WORKER_ID", "w0")
-    device = f"cuda:{int(wid.lstrip('w') or 0) % torch.cuda.device_count()}"
     out = Path(a.out)
     if a.kind == "eq":  # ends by itself
-        job = tidal.runtime.init(device=device)
+        job = tidal.runtime.init()
     else:  # runs until the driver suspends it (a checkpoint only then)
-        job = tidal.runtime.init(device=device, checkpoint_dir=out / "ckpt", checkpoint_every=10**9)
+        job = tidal.runtime.init(checkpoint_dir=out / "ckpt", checkpoint_every=10**9)
     model = job.wrap((eq_model() if a.kind == "eq" else perf_model()).to(job.device))
     opt, sched = optimizer(model)
     data = Tensors(a.kind, a.samples)

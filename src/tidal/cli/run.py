@@ -31,8 +31,18 @@ def run(
         "topology", "--replication",
         help="How newcomers get the state: topology (nearest live worker, concurrent) | single | broadcast."),
     hang_timeout: float = typer.Option(30.0, "--hang-timeout", help="Kill a worker hung this many seconds (0: never)."),
+    bind: Optional[str] = typer.Option(
+        None, "--bind", help="Address the master listens on (0.0.0.0: every interface); default $TIDAL_BIND_ADDR "
+                             "or 127.0.0.1."),
+    advertise_addr: Optional[str] = typer.Option(None, "--advertise-addr",
+                                                 help="Address given to workers and joining hosts."),
+    port: int = typer.Option(0, "--port", help="The master's HTTP port (0: any free one)."),
+    join: Optional[str] = typer.Option(
+        None, "--join", metavar="HOST:PORT",
+        help="Add --workers workers on this host to the running job whose master is at HOST:PORT."),
 ) -> None:
-    """Run SCRIPT as an elastic job with a local job master (torchrun-like)."""
+    """Run SCRIPT as an elastic job with a local job master (torchrun-like),
+    or with --join add this host's workers to one running elsewhere."""
     from tidal.runtime.launch import run_job
     from tidal.runtime.stragglers import STRAGGLER_POLICIES
     from tidal.runtime.replication import MODES
@@ -41,9 +51,14 @@ def run(
         raise typer.BadParameter(f"one of {', '.join(STRAGGLER_POLICIES)}", param_hint="--straggler-policy")
     if replication not in MODES:
         raise typer.BadParameter(f"one of {', '.join(MODES)}", param_hint="--replication")
+    if join:
+        from tidal.runtime.join import join_job
+
+        raise typer.Exit(join_job(join, script, list(ctx.args), workers, timeout_s=timeout or 120.0, out=typer.echo))
     rc = run_job(script, list(ctx.args), workers, max_size=max_workers, job=job, state_url=state,
                  switch_lead_s=switch_lead, timeout_s=timeout, out=typer.echo, straggler_policy=straggler_policy,
-                 replication=replication, hang_timeout_s=hang_timeout)
+                 replication=replication, hang_timeout_s=hang_timeout, bind=bind, advertise=advertise_addr,
+                 port=port)
     raise typer.Exit(rc)
 
 

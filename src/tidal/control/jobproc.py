@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 from typing import Any, Callable, Sequence
 
 from tidal import settings
@@ -103,14 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     from tidal.runtime import JobMaster, MasterServer
     from tidal.runtime.host import host_master
     from tidal.runtime.persistence import open_backend
+    from tidal.net import advertise_addr, bind_addr
 
     server = JsonHttp(a.server, token=settings.AGENT_TOKEN.get(), timeout_s=10.0, patience_s=60.0)
     state_dir = Path(a.state_dir or settings.home() / "masters")
     state_dir.mkdir(parents=True, exist_ok=True)
     backend = open_backend(f"file://{state_dir / (a.job + '.json')}")
+    bind = bind_addr()
+    adv = advertise_addr(bind, peer=urlparse(a.server).hostname, explicit=settings.ADVERTISE_ADDR.get())
     master = JobMaster(a.job, a.size, backend=backend, spawner=ControlPlaneSpawner(server, a.job),
-                       first_worker=a.first_worker)
-    srv = MasterServer(master).start()
+                       first_worker=a.first_worker, store_host=adv)
+    srv = MasterServer(master, host=bind, advertise=adv).start()
     status, ans = server.call("POST", f"/internal/jobs/{a.job}/master", {"url": srv.url, "pid": os.getpid()})
     if status >= 400:
         log.error("the server refused this master: %s", ans)

@@ -33,7 +33,6 @@ def worker_env(job: Job, worker_id: str, home: Path) -> dict[str, str]:
     return {
         settings.MASTER_URL.name: job.master_url,
         settings.WORKER_ID.name: worker_id,
-        "GLOO_SOCKET_IFNAME": "lo",
         "OMP_NUM_THREADS": "1",
         settings.CHECKPOINT_DIR.name: str(home / "checkpoints" / job.id),
         **sub.get("env", {}),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tidal import settings
+from tidal.net import advertise_addr, bind_addr
 from tidal.runtime.client import MasterClient, retry_while_busy
 from tidal.runtime.host import host_master
 from tidal.runtime.messages import Status
@@ -120,18 +121,26 @@ def run_job(
     straggler_policy: str = "report",
     replication: str = "topology",
     hang_timeout_s: float = 30.0,
+    bind: str | None = None,
+    advertise: str | None = None,
+    port: int = 0,
 ) -> int:
-    """Run one elastic job of ``size`` workers to completion; returns the exit code."""
+    """Run one elastic job of ``size`` workers to completion; returns the
+    exit code. ``bind``/``advertise``/``port``: where the master listens and
+    the address it gives workers (:mod:`tidal.net`; other hosts join with
+    ``tidal run --join ADVERTISE:PORT``)."""
     from tidal.runtime.master import JobMaster
     from tidal.runtime.server import MasterServer
 
     job = job or Path(script).stem
     backend = open_backend(state_url) if state_url else None
     spawner = LocalSpawner(script, args)
+    bind = bind_addr(bind)
+    adv = advertise_addr(bind, explicit=advertise or settings.ADVERTISE_ADDR.get())
     master = JobMaster(job, size, backend=backend, spawner=spawner, switch_lead_s=switch_lead_s, max_size=max_size,
                        straggler_policy=straggler_policy, replication=replication, hang_timeout_s=hang_timeout_s,
-                       first_worker=size)
-    server = MasterServer(master).start()
+                       first_worker=size, store_host=adv)
+    server = MasterServer(master, host=bind, port=port, advertise=adv).start()
     spawner.master_url = server.url
     jf = jobs_dir() / f"{job}.json"
     jf.parent.mkdir(parents=True, exist_ok=True)
@@ -264,6 +273,12 @@ def _parser() -> argparse.ArgumentParser:
                         "from rank 0 only, or by one broadcast")
     r.add_argument("--hang-timeout", type=float, default=30.0,
                    help="kill a worker that stops beating (or computes) this long while its peers wait; 0: never")
+    r.add_argument("--bind", default=None, help="address the master listens on (0.0.0.0: every interface; "
+                                               "default $TIDAL_BIND_ADDR, else 127.0.0.1)")
+    r.add_argument("--advertise-addr", default=None, help="address given to workers and joining hosts")
+    r.add_argument("--port", type=int, default=0, help="the master's HTTP port (0: any free one)")
+    r.add_argument("--join", default=None, metavar="HOST:PORT",
+                   help="add --workers workers on this host to the running job whose master is at HOST:PORT")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     m = sub.add_parser("master", help="host only the job master (workers are started elsewhere)")
@@ -285,10 +300,15 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.cmd == "run" and a.join:
+        from tidal.runtime.join import join_job
+
+        return join_job(a.join, a.script, a.args, a.workers, timeout_s=a.timeout or 120.0)
     if a.cmd == "run":
         return run_job(a.script, a.args, a.workers, max_size=a.max_workers, job=a.job, state_url=a.state,
                        switch_lead_s=a.switch_lead, timeout_s=a.timeout, straggler_policy=a.straggler_policy,
-                       replication=a.replication, hang_timeout_s=a.hang_timeout)
+                       replication=a.replication, hang_timeout_s=a.hang_timeout, bind=a.bind,
+                       advertise=a.advertise_addr, port=a.port)
     if a.cmd == "master":
         return serve_master(a.job, a.workers, state_url=a.state, port=a.port, store_port=a.store_port,
                             resume=a.resume, timeout_s=a.timeout)
