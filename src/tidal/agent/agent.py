@@ -11,8 +11,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from tidal import settings
+from tidal.net import LOOPBACK, advertise_addr
 from tidal.httpjson import JsonHttp, Unavailable
 
 log = logging.getLogger("tidal.agent")
@@ -64,9 +66,12 @@ class Agent:
         virtual: bool = False,
         interval_s: float = 0.5,
         workdir: Path | None = None,
+        address: str | None = None,
     ) -> None:
         self.server = server.rstrip("/")
         self.name = name
+        # what the server and the job masters here are reached at: the interface routing to the server
+        self.address = address or advertise_addr("0.0.0.0", peer=urlparse(self.server).hostname or LOOPBACK)
         self.num_gpus = num_gpus
         self.virtual = virtual
         self.interval_s = interval_s
@@ -92,13 +97,13 @@ class Agent:
         self._stop.set()
 
     def run(self) -> None:
-        log.info("agent %s: %d %s GPU(s), server %s", self.name, self.num_gpus,
+        log.info("agent %s at %s: %d %s GPU(s), server %s", self.name, self.address, self.num_gpus,
                  "virtual" if self.virtual else "NVIDIA", self.server)
         while not self._stop.is_set():
             try:
                 if not self.registered:
                     self._post("/internal/agents/register", {"name": self.name, "num_gpus": self.num_gpus,
-                                                             "virtual": self.virtual})
+                                                             "virtual": self.virtual, "address": self.address})
                     self.registered = True
                 self.tick()
             except Refused as e:
@@ -190,6 +195,8 @@ class Agent:
         env = dict(os.environ)
         env.update({k: str(v) for k, v in (w.get("env") or {}).items()})
         env[settings.NODE.name] = self.name
+        # a job master started here listens on this node's address (loopback on one host)
+        env[settings.BIND_ADDR.name] = env[settings.ADVERTISE_ADDR.name] = self.address
         cwd = w.get("cwd") or None
         argv, gate = list(w["argv"]), None
         if w.get("gated"):

@@ -56,6 +56,9 @@ def server(
     policy: str = typer.Option("edf", "--policy", help="Scheduling policy (same names as `tidal simulate`)."),
     tick: float = typer.Option(2.0, "--tick", help="Scheduling round period in seconds."),
     token: Optional[str] = typer.Option(None, "--token", help="Admin token (default: $TIDAL_HOME/admin.token or new)."),
+    advertise_addr: Optional[str] = typer.Option(
+        None, "--advertise-addr", help="Address agents and job masters on other hosts reach the server at "
+                                       "(default: --host, or with 0.0.0.0 this host's first non-loopback address)."),
 ) -> None:
     """Run the control plane (REST API + scheduler loop)."""
     from tidal.control.server import serve
@@ -64,7 +67,7 @@ def server(
     if policy not in policy_names():
         err.print(f"[red]error:[/] unknown policy {policy!r}; known: {', '.join(policy_names())}")
         raise typer.Exit(2)
-    serve(host=host, port=port, db_url=db, policy=policy, admin_token=token, tick_s=tick)
+    serve(host=host, port=port, db_url=db, policy=policy, admin_token=token, tick_s=tick, advertise=advertise_addr)
 
 
 @app.command()
@@ -74,6 +77,9 @@ def agent(
     name: Optional[str] = typer.Option(None, "--name", help="Node name (default: host name)."),
     virtual_gpus: Optional[int] = typer.Option(None, "--virtual-gpus", help="Pretend to have N GPUs (no GPU needed)."),
     interval: float = typer.Option(0.5, "--interval", help="Heartbeat period in seconds."),
+    advertise_addr: Optional[str] = typer.Option(
+        None, "--advertise-addr", help="This node's address for the server and the job masters it starts "
+                                       "(default: the interface that routes to the server)."),
 ) -> None:
     """Run the node agent: register GPUs, launch and watch workers."""
     import logging
@@ -87,7 +93,7 @@ def agent(
         err.print("[red]error:[/] no GPU found; pass --virtual-gpus N to run without GPUs")
         raise typer.Exit(2)
     a = Agent(find_server(server_url), find_token(token), name or socket.gethostname(), n,
-              virtual=virtual_gpus is not None, interval_s=interval)
+              virtual=virtual_gpus is not None, interval_s=interval, address=advertise_addr)
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: a.stop())

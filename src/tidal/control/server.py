@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import select
 
 from tidal import settings
+from tidal.net import advertise_addr
 from tidal.control.api import cluster, internal, jobs, users
 from tidal.control.coordinator import Coordinator
 from tidal.control.db import Node, Store
@@ -100,10 +101,13 @@ def serve(
     admin_token: str | None = None,
     tick_s: float = 2.0,
     home: Path | None = None,
+    advertise: str | None = None,
 ) -> None:
     """Run the server until interrupted; state in ``home`` (default
     ``$TIDAL_HOME``): the SQLite store unless ``db_url``, and the admin token
-    (kept across restarts unless one is given)."""
+    (kept across restarts unless one is given). ``advertise``: the address
+    job masters and agents on other hosts reach it at (default: ``host``, or
+    with 0.0.0.0 this host's first non-loopback address; :mod:`tidal.net`)."""
     import uvicorn
 
     home = Path(home or settings.home())
@@ -114,6 +118,6 @@ def serve(
         admin_token = token_file.read_text().strip() if token_file.exists() else secrets.token_urlsafe(24)
     token_file.write_text(admin_token)
     token_file.chmod(0o600)
-    url = f"http://{host}:{port}"
+    url = f"http://{advertise_addr(host, explicit=advertise or settings.ADVERTISE_ADDR.get())}:{port}"
     app = create_app(store, policy=policy, admin_token=admin_token, tick_s=tick_s, home=home, server_url=url)
     uvicorn.run(app, host=host, port=port, log_level="warning")

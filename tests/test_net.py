@@ -1,0 +1,39 @@
+"""Addresses for several hosts (tidal.net, tidal run --join): what a
+listener advertises, which interface collectives use, and how a joining
+launcher names the master and its workers. The namespace tests
+(tests/multihost) run these across real network namespaces."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal import net
+from tidal.runtime.join import master_url, worker_ids
+
+
+def test_advertised_address_follows_bind_then_route_then_interfaces() -> None:
+    assert net.advertise_addr("127.0.0.1") == "127.0.0.1"
+    assert net.advertise_addr("10.1.2.3") == "10.1.2.3"  # a specific bind address is what peers use
+    assert net.advertise_addr("0.0.0.0", explicit="10.9.9.9") == "10.9.9.9"
+    assert net.advertise_addr("0.0.0.0", peer="127.0.0.1") == "127.0.0.1"  # the route to a local peer is loopback
+    own = [a for a in net.interface_addresses().values() if not a.startswith("127.")]
+    assert net.advertise_addr("0.0.0.0") in (own[:1] or ["127.0.0.1"])
+
+
+def test_collectives_use_the_interface_that_routes_to_the_store() -> None:
+    assert net.socket_env("127.0.0.1", {}) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    assert net.socket_env("127.0.0.1", {"GLOO_SOCKET_IFNAME": "eth7"}) == {"NCCL_SOCKET_IFNAME": "lo"}
+    assert net.socket_env("127.0.0.1", {"GLOO_SOCKET_IFNAME": "a", "NCCL_SOCKET_IFNAME": "b"}) == {}
+    assert net.interface_of("127.0.0.5") == "lo"
+    for name, addr in net.interface_addresses().items():
+        assert net.interface_of(addr) == ("lo" if addr.startswith("127.") else name)
+
+
+def test_join_names_the_master_and_picks_unique_worker_ids() -> None:
+    assert master_url("10.0.0.1:8123") == "http://10.0.0.1:8123"
+    assert master_url("http://h:1/") == "http://h:1"
+    for bad in ("10.0.0.1", "host:port", ":80"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            master_url(bad)
+    a, b = worker_ids(2, host="node-a.example", pid=7), worker_ids(2, host="node-a.example", pid=8)
+    assert a == ["nodea-7-0", "nodea-7-1"] and not set(a) & set(b)
