@@ -13,6 +13,8 @@ Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2 (``ip``, ``tc``).
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import logging
 import os
 import secrets
@@ -105,6 +107,16 @@ def _new_tag() -> str:
     raise RuntimeError("no free namespace tag")
 
 
+_CLONE_NEWNET = 0x40000000
+
+
+def _setns(fd: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
 class Host:
     """One host: a network namespace with ``eth0`` at ``addr``."""
 
@@ -136,6 +148,23 @@ class Host:
     def pids(self) -> list[int]:
         """PIDs of every process in this host's namespace, tracked or not."""
         return netns_pids(self.name)
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """Move the calling thread (only it) into this host's namespace for
+        the block: sockets it opens there talk to the hosts (an API client in
+        a test). The thread returns to its own namespace afterwards."""
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        target = os.open(f"/var/run/netns/{self.name}", os.O_RDONLY)
+        try:
+            _setns(target)
+            try:
+                yield
+            finally:
+                _setns(own)
+        finally:
+            os.close(target)
+            os.close(own)
 
 
 class Hosts:

@@ -1,0 +1,106 @@
+"""The control plane across hosts: network namespaces stand in for hosts
+(tests/multihost/netns.py). The server runs on host 0 (``--host 0.0.0.0``),
+one agent with 2 virtual GPUs on each of hosts 1-3; the test's API client
+enters host 0's namespace. A job on 4 GPUs spans two hosts, its master runs
+on one of them and is reached at that host's address.
+
+Then: the other host of the job dies (every process in it is killed); the
+server marks the node down and its processes lost, the job goes on without
+it. The server is restarted on its host; the agents on the other hosts
+reconnect. The job completes, every sample was used exactly once per epoch
+and the audit trail never shows a GPU held by two jobs."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CONTROL = Path(__file__).resolve().parents[1] / "control"
+if str(CONTROL) not in sys.path:
+    sys.path.insert(0, str(CONTROL))
+
+from test_e2e import check_exactly_once, job, replay_gpu_holders, wait  # noqa: E402
+
+from tidal.control.client import Api  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+PORT = 28470
+
+
+def _env(home: Path) -> dict[str, str]:
+    e = dict(os.environ)
+    for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TIDAL_BIND_ADDR", "TIDAL_ADVERTISE_ADDR", "TIDAL_SERVER"):
+        e.pop(k, None)  # each process finds its own interface and address
+    e.update(OMP_NUM_THREADS="1", TIDAL_HOME=str(home), PYTHONUNBUFFERED="1")
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), e.get("PYTHONPATH", "")])
+    return e
+
+
+def _tidal(h: Any, args: list[str], home: Path, log: str) -> subprocess.Popen[bytes]:
+    out = open(home / f"{log}.log", "ab")
+    return h.popen([sys.executable, "-m", "tidal", *args], env=_env(home), stdout=out, stderr=subprocess.STDOUT)
+
+
+def _procs(user: Api, jid: str, **match: Any) -> list[dict[str, Any]]:
+    return [p for p in user.job(jid)["processes"] if all(p[k] == v for k, v in match.items())]
+
+
+@pytest.mark.timeout(300)
+def test_a_job_spans_hosts_survives_losing_one_and_a_server_restart(hosts: Any, tmp_path: Path) -> None:
+    hs = hosts(4)
+    home, rec = tmp_path / "home", tmp_path / "records"
+    home.mkdir()
+    token = secrets.token_urlsafe(16)
+    server_args = ["server", "--host", "0.0.0.0", "--port", str(PORT), "--policy", "edf", "--tick", "1",
+                   "--token", token]
+    server = _tidal(hs[0], server_args, home, "server")
+    url = f"http://{hs[0].addr}:{PORT}"
+    for i in (1, 2, 3):
+        _tidal(hs[i], ["agent", "--server", url, "--token", token, "--name", f"node-{i}", "--virtual-gpus", "2",
+                       "--interval", "0.3"], home, f"agent-{i}")
+    addr = {f"node-{i}": hs[i].addr for i in (1, 2, 3)}
+    samples, epochs = 4096, 6
+    with hs[0].entered():  # the API client talks to host 0 from inside the namespaces
+        admin = Api(url, token)
+        wait(admin.healthy, 60, "the server")
+        wait(lambda: {n["name"]: n["address"] for n in admin.cluster()["nodes"] if n["state"] == "up"} == addr,
+             60, "three agents registered with their own addresses")
+        user = Api(url, admin.add_user("alice"))
+        a = user.submit(job("a", rec, samples=samples, epochs=epochs, gpus="1-4", deadline=3600))["id"]
+        wait(lambda: user.job(a)["world_size"] == 4 and user.job(a)["step"] > 3, 150, "A to train on 4 GPUs", user)
+        master = _procs(user, a, kind="master")[0]["node"]
+        assert user.job(a)["master_url"].startswith(f"http://{addr[master]}:"), user.job(a)["master_url"]
+        nodes = {p["node"] for p in _procs(user, a, kind="worker", state="running")}
+        assert len(nodes) == 2 and master in nodes, nodes  # 4 GPUs of 2 per host: two hosts
+        other = next(n for n in nodes if n != master)
+
+        # the other host of the job dies: its agent and its workers at once
+        doomed = _procs(user, a, node=other, state="running")
+        hs.kill_host(int(other[-1]))
+        wait(lambda: any(n["name"] == other and n["state"] == "down" for n in admin.cluster()["nodes"]), 40,
+             f"{other} to be marked down", user)
+        wait(lambda: {p["state"] for p in _procs(user, a, node=other) if p["pid"] in {d["pid"] for d in doomed}}
+             == {"lost"}, 30, "its processes to be marked lost", user)
+        step = user.job(a)["step"]
+        wait(lambda: user.job(a)["step"] > step + 3, 90, "A to train on after the loss", user)
+
+        # the server restarts on its host; the agents on the others reconnect
+        server.terminate()
+        server.wait(timeout=20)
+        server = _tidal(hs[0], server_args, home, "server")
+        wait(admin.healthy, 60, "the restarted server")
+        up = {n: addr[n] for n in addr if n != other}
+        wait(lambda: {n["name"]: n["address"] for n in admin.cluster()["nodes"] if n["state"] == "up"} == up, 60,
+             "the surviving agents to reconnect")
+        wait(lambda: user.job(a)["state"] in ("completed", "failed"), 240, "A to finish", user)
+        final = user.job(a)
+        assert final["state"] == "completed", final
+        assert final["gpus"] == []
+        replay_gpu_holders(admin.events())
+    check_exactly_once(rec / "a", samples, epochs)
