@@ -16,6 +16,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ def _procs(user: Api, jid: str, **match: Any) -> list[dict[str, Any]]:
     return [p for p in user.job(jid)["processes"] if all(p[k] == v for k, v in match.items())]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_job_spans_hosts_survives_losing_one_and_a_server_restart(hosts: Any, tmp_path: Path) -> None:
     hs = hosts(4)
@@ -102,5 +104,57 @@ def test_a_job_spans_hosts_survives_losing_one_and_a_server_restart(hosts: Any, 
         final = user.job(a)
         assert final["state"] == "completed", final
         assert final["gpus"] == []
+        replay_gpu_holders(admin.events())
+    check_exactly_once(rec / "a", samples, epochs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_host_cut_off_for_10s_comes_back_without_duplicates(hosts: Any, tmp_path: Path) -> None:
+    """The link of the job's second host goes down for 10 s and comes back:
+    the node is marked down and its processes lost; when the link heals the
+    cut-off workers are stopped, not re-admitted, the job trains on, and the
+    node's GPUs are handed out again only after that, never to two jobs.
+    (During the cut the survivors wait in their all-reduce: a cut link sends
+    no reset, so nothing fails until the cut-off processes are stopped.)"""
+    hs = hosts(3)
+    home, rec = tmp_path / "home", tmp_path / "records"
+    home.mkdir()
+    token = secrets.token_urlsafe(16)
+    _tidal(hs[0], ["server", "--host", "0.0.0.0", "--port", str(PORT), "--policy", "edf", "--tick", "1",
+                   "--token", token], home, "server")
+    url = f"http://{hs[0].addr}:{PORT}"
+    for i in (1, 2):
+        _tidal(hs[i], ["agent", "--server", url, "--token", token, "--name", f"node-{i}", "--virtual-gpus", "2",
+                       "--interval", "0.3"], home, f"agent-{i}")
+    samples, epochs = 4096, 8
+    with hs[0].entered():
+        admin = Api(url, token)
+        wait(admin.healthy, 60, "the server")
+        wait(lambda: sum(n["state"] == "up" for n in admin.cluster()["nodes"]) == 2, 60, "two agents")
+        user = Api(url, admin.add_user("alice"))
+        a = user.submit(job("a", rec, samples=samples, epochs=epochs, gpus="1-4", deadline=3600))["id"]
+        wait(lambda: user.job(a)["world_size"] == 4 and user.job(a)["step"] > 3, 150, "A on 4 GPUs", user)
+        master = _procs(user, a, kind="master")[0]["node"]
+        other = "node-1" if master == "node-2" else "node-2"
+        cut_off = {p["pid"] for p in _procs(user, a, node=other, state="running")}
+        t_cut = time.monotonic()
+        hs.cut(int(other[-1]))
+        wait(lambda: any(n["name"] == other and n["state"] == "down" for n in admin.cluster()["nodes"]), 30,
+             f"{other} to be marked down", user)
+        time.sleep(max(0.0, 10.0 - (time.monotonic() - t_cut)))
+        hs.heal(int(other[-1]))
+        wait(lambda: any(n["name"] == other and n["state"] == "up" for n in admin.cluster()["nodes"]), 30,
+             f"{other} to come back", user)
+        wait(lambda: all(p["state"] not in ("pending", "running", "lost") for p in user.job(a)["processes"]
+                         if p["node"] == other and p["pid"] in cut_off), 60, "the cut-off workers to be stopped", user)
+        step = user.job(a)["step"]
+        wait(lambda: user.job(a)["step"] > step + 3 or user.job(a)["state"] == "completed", 90,
+             "A to train on without them", user)
+        wait(lambda: user.job(a)["state"] in ("completed", "failed"), 240, "A to finish", user)
+        final = user.job(a)
+        assert final["state"] == "completed", final
+        live = [p for p in final["processes"] if p["state"] in ("pending", "running")]
+        assert live == [], live
         replay_gpu_holders(admin.events())
     check_exactly_once(rec / "a", samples, epochs)
