@@ -1,9 +1,10 @@
 """``tidal run`` across hosts, without the control plane: network namespaces
 stand in for hosts (tests/multihost/netns.py). Host A runs the job and its
 master (``--bind 0.0.0.0``), host B adds two workers with ``tidal run --join
-A:PORT``, host C one more, then C's launcher gets Ctrl-C (a graceful
-scale-in). Every sample is used exactly once per epoch and the surviving
-workers end with the parameters of a fixed-size run."""
+A:PORT``, host C one more. C's launcher gets Ctrl-C (a graceful scale-in),
+then ``tidal scale --remove-host B`` takes B's two out in one change. Every
+sample is used exactly once per epoch and A's workers end with the
+parameters of a fixed-size run."""
 
 from __future__ import annotations
 
@@ -86,16 +87,20 @@ def test_join_from_other_hosts_then_leave_keeps_exactly_once_and_equal_parameter
     assert c.wait(timeout=60) == 0, (tmp_path / "launcher-C.log").read_text()
     last5 = max(r["step"] for r in _records(out) if r["world"] == 5)
     _wait("back to four", lambda rs: any(r["world"] == 4 and r["step"] > last5 for r in rs), out, [a, b], tmp_path)
+    # tidal scale names a host: B's two workers leave in one change, and B's launcher ends with them
+    sc = hs[2].run([sys.executable, "-m", "tidal.runtime.launch", "scale", f"http://{join}", "--remove-host", "B"],
+                   timeout=90, env=_env(tmp_path / "home-C", "C"), capture_output=True, text=True)
+    assert sc.returncode == 0, sc.stdout + sc.stderr
+    assert b.wait(timeout=60) == 0, (tmp_path / "launcher-B.log").read_text()
     (out / "fast").touch()
     assert a.wait(timeout=120) == 0, (tmp_path / "launcher-A.log").read_text()
-    assert b.wait(timeout=60) == 0, (tmp_path / "launcher-B.log").read_text()
 
     steps = read_steps(out)
     check_exactly_once(steps, N, BATCH, EPOCHS)
     worlds = [r["world"] for r in sorted(_records(out), key=lambda r: r["step"])]
-    assert {2, 4, 5} <= set(worlds) and worlds[-1] == 4
+    assert {2, 4, 5} <= set(worlds) and worlds[-1] == 2
     finals = sorted(out.glob("final-*.pt"))
-    assert len(finals) == 4, [f.name for f in finals]  # A's two and B's two; C's worker left
+    assert [f.name for f in finals] == ["final-w0.pt", "final-w1.pt"]  # A's two; B's and C's left
     ref = reference_run(n=N, batch=BATCH, epochs=EPOCHS)
     for f in finals:
         assert max_rel_diff(torch.load(f), ref) <= TOL, f.name

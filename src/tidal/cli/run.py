@@ -119,12 +119,20 @@ def scale(
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the job runs at the new size."),
     server: Optional[str] = typer.Option(None, "--server", help="Live cluster: server URL."),
     token: Optional[str] = typer.Option(None, "--token", help="Live cluster: API token."),
+    remove_host: Optional[str] = typer.Option(
+        None, "--remove-host", help="`tidal run` job: remove every worker on this host (as the workers registered "
+                                    "it: $TIDAL_HOST, $TIDAL_NODE or the host name)."),
 ) -> None:
     """Rescale a job: `tidal scale ID N` for a live-cluster job (pins it at N
     GPUs), `tidal scale NAME --workers N` for a job started by `tidal run`
-    (scales out or in, retrying while busy)."""
+    (scales out or in, retrying while busy), `tidal scale NAME --remove-host H`
+    to take a host's workers out of it."""
+    if remove_host is not None and gpus is None and workers is None:
+        from tidal.runtime.launch import remove_host_workers
+
+        raise typer.Exit(remove_host_workers(job, remove_host, timeout_s=timeout, wait=wait, out=typer.echo))
     if (gpus is None) == (workers is None):
-        typer.echo("give either N (a live-cluster job) or --workers N (a `tidal run` job)", err=True)
+        typer.echo("give either N (a live-cluster job), --workers N or --remove-host H (a `tidal run` job)", err=True)
         raise typer.Exit(2)
     if gpus is not None:
         from tidal.cli.cluster import cluster_scale

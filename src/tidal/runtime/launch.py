@@ -228,6 +228,30 @@ def scale_job(job: str, size: int, timeout_s: float = 120.0, wait: bool = True, 
     return 0
 
 
+def remove_host_workers(job: str, host: str, timeout_s: float = 120.0, wait: bool = True,
+                        out: Callable[[str], None] = print) -> int:
+    """Scale ``job`` in by every worker registered on ``host`` (one change)."""
+    try:
+        c = MasterClient(resolve_master(job))
+    except FileNotFoundError as e:
+        out(f"tidal scale: {e}")
+        return 2
+    st = c.status()
+    leavers = [w for w in st.members if st.hosts.get(w) == host]
+    if not leavers:
+        known = ", ".join(sorted(set(st.hosts.values()))) or "none"
+        out(f"tidal scale: job {st.job} has no worker on host {host!r} (its hosts: {known})")
+        return 1
+    ans = retry_while_busy(lambda: c.scale_in(workers=leavers), timeout_s)
+    out(f"tidal scale: {ans.status}: {ans.message}")
+    if ans.status != "accepted":
+        return 1
+    if wait:
+        st = c.wait_for(len(st.members) - len(leavers), timeout_s=timeout_s)
+        out(f"tidal scale: job {st.job} at {st.world_size} workers, step {st.step} ({st.state})")
+    return 0
+
+
 def migrate_job(job: str, ranks: list[int], timeout_s: float = 120.0, out: Callable[[str], None] = print) -> int:
     """Move the workers at ``ranks`` of ``job`` in one change (retrying while
     another change is in progress) and wait until the switch happened."""
@@ -291,7 +315,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--timeout", type=float, default=None)
     s = sub.add_parser("scale")
     s.add_argument("job")
-    s.add_argument("--workers", "-n", type=int, required=True, help="the new size")
+    s.add_argument("--workers", "-n", type=int, default=None, help="the new size")
+    s.add_argument("--remove-host", default=None, help="remove every worker on this host")
     s.add_argument("--timeout", type=float, default=120.0)
     s.add_argument("--no-wait", action="store_true")
     return ap
@@ -312,6 +337,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.cmd == "master":
         return serve_master(a.job, a.workers, state_url=a.state, port=a.port, store_port=a.store_port,
                             resume=a.resume, timeout_s=a.timeout)
+    if a.remove_host is not None:
+        return remove_host_workers(a.job, a.remove_host, timeout_s=a.timeout, wait=not a.no_wait)
+    if a.workers is None:
+        print("tidal scale: give --workers N or --remove-host H", file=sys.stderr)
+        return 2
     return scale_job(a.job, a.workers, timeout_s=a.timeout, wait=not a.no_wait)
 
 

@@ -147,6 +147,8 @@ class Status:
     hung: tuple[dict[str, Any], ...] = field(default_factory=tuple)  # hung workers found and killed
     # workers lost before their first step and dropped: worker_id, reason, gen, at
     dropped: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    # each member's host, as the worker registered it (tidal scale --remove-host)
+    hosts: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -167,6 +169,7 @@ class Status:
         d["last_step"] = tuple(d.get("last_step", ()))
         d["hung"] = tuple(d.get("hung", ()))
         d["dropped"] = tuple(d.get("dropped", ()))
+        d["hosts"] = dict(d.get("hosts") or {})
         return cls(**d)
 
 
