@@ -104,3 +104,44 @@ def test_join_from_other_hosts_then_leave_keeps_exactly_once_and_equal_parameter
     ref = reference_run(n=N, batch=BATCH, epochs=EPOCHS)
     for f in finals:
         assert max_rel_diff(torch.load(f), ref) <= TOL, f.name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_hosts_workers_migrate_to_another_host_in_one_switch(hosts: Any, tmp_path: Path) -> None:
+    """A runs 2 workers, B joins 2; then ``tidal run --join A:PORT
+    --replace-host B`` on C: C's two workers warm up while the job trains,
+    and one switch replaces B's (EDL §5.2): the job never runs with B's and
+    C's workers together, nor without either. A's workers, which stay, hold
+    the state the newcomers receive."""
+    hs = hosts(3)
+    out = tmp_path / "out"
+    out.mkdir()
+    a = _launch(hs[0], "A", tmp_path, out, "--workers", "2", "--job", "mig", "--bind", "0.0.0.0",
+                "--port", str(PORT), "--timeout", "180")
+    join = f"{hs[0].addr}:{PORT}"
+    _wait("two workers on A", lambda rs: sum(r["world"] == 2 for r in rs) >= 6, out, [a], tmp_path)
+    b = _launch(hs[1], "B", tmp_path, out, "--join", join, "--workers", "2")
+    _wait("four workers", lambda rs: sum(r["world"] == 4 for r in rs) >= 8, out, [a, b], tmp_path)
+    b_ids = {w for w in read_steps(out) if w not in ("w0", "w1")}
+    c = _launch(hs[2], "C", tmp_path, out, "--join", join, "--workers", "2", "--replace-host", "B")
+    _wait("C's workers to train", lambda rs: len({r["gen"] for r in rs if r["world"] == 4}) >= 2, out, [a, c],
+          tmp_path)
+    assert b.wait(timeout=60) == 0, (tmp_path / "launcher-B.log").read_text()  # B's workers left at the switch
+    (out / "fast").touch()
+    assert c.wait(timeout=120) == 0, (tmp_path / "launcher-C.log").read_text()
+    assert a.wait(timeout=60) == 0, (tmp_path / "launcher-A.log").read_text()
+
+    steps = read_steps(out)
+    check_exactly_once(steps, N, BATCH, EPOCHS)
+    c_ids = set(steps) - b_ids - {"w0", "w1"}
+    assert len(b_ids) == len(c_ids) == 2, sorted(steps)
+    last_b = max(r["step"] for w in b_ids for r in steps[w])
+    first_c = min(r["step"] for w in c_ids for r in steps[w])
+    assert first_c == last_b + 1  # one switch: B's last step, then C's first
+    assert {r["world"] for r in steps["w0"] if r["step"] >= min(r["step"] for w in b_ids for r in steps[w])} == {4}
+    finals = sorted(f.name for f in out.glob("final-*.pt"))
+    assert finals == sorted(f"final-{w}.pt" for w in ("w0", "w1", *c_ids))
+    ref = reference_run(n=N, batch=BATCH, epochs=EPOCHS)
+    for f in finals:
+        assert max_rel_diff(torch.load(out / f), ref) <= TOL, f

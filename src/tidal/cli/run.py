@@ -40,6 +40,9 @@ def run(
     join: Optional[str] = typer.Option(
         None, "--join", metavar="HOST:PORT",
         help="Add --workers workers on this host to the running job whose master is at HOST:PORT."),
+    replace_host: Optional[str] = typer.Option(
+        None, "--replace-host", metavar="HOST",
+        help="With --join: the new workers replace HOST's workers in one switch (a migration)."),
 ) -> None:
     """Run SCRIPT as an elastic job with a local job master (torchrun-like),
     or with --join add this host's workers to one running elsewhere."""
@@ -54,7 +57,8 @@ def run(
     if join:
         from tidal.runtime.join import join_job
 
-        raise typer.Exit(join_job(join, script, list(ctx.args), workers, timeout_s=timeout or 120.0, out=typer.echo))
+        raise typer.Exit(join_job(join, script, list(ctx.args), workers, timeout_s=timeout or 120.0, out=typer.echo,
+                                  replace_host=replace_host))
     rc = run_job(script, list(ctx.args), workers, max_size=max_workers, job=job, state_url=state,
                  switch_lead_s=switch_lead, timeout_s=timeout, out=typer.echo, straggler_policy=straggler_policy,
                  replication=replication, hang_timeout_s=hang_timeout, bind=bind, advertise=advertise_addr,

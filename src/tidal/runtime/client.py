@@ -86,8 +86,9 @@ class MasterClient:
         """Remove ``count`` workers (the highest ranks), the given ranks, or the given worker ids."""
         return self._scale("/scale_in", {"count": count, "ranks": ranks, "workers": workers})
 
-    def migrate(self, ranks: list[int], hosts: list[str] | None = None) -> ScaleAnswer:
-        return self._scale("/migrate", {"ranks": ranks, "hosts": hosts})
+    def migrate(self, ranks: list[int], hosts: list[str] | None = None,
+                workers: list[str] | None = None) -> ScaleAnswer:
+        return self._scale("/migrate", {"ranks": ranks, "hosts": hosts, "workers": workers})
 
     def suspend(self) -> ScaleAnswer:
         return self._scale("/suspend", {})

@@ -7,6 +7,8 @@ the master's URL, and waits. Ctrl-C or SIGTERM is a graceful scale-in of
 exactly these workers (they leave at the agreed switch step; nothing is
 lost); a second one kills them, which the job recovers from like any lost
 worker. The launcher's exit code is 0 when every worker it started exited 0.
+With ``--replace-host H`` the new workers replace H's in one switch instead
+(a migration between hosts: they warm up while the job trains).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from typing import Callable, Sequence
 
 from tidal.runtime.client import MasterClient, retry_while_busy
+from tidal.runtime.messages import ScaleAnswer
 from tidal.runtime.spawner import LocalSpawner, WorkerLaunch
 
 log = logging.getLogger(__name__)
@@ -57,10 +60,24 @@ def _leave(c: MasterClient, sp: LocalSpawner, out: Callable[[str], None], timeou
     sp.terminate(grace_s=5.0)
 
 
+def _ask(c: MasterClient, ids: list[str], replace_host: str | None, timeout_s: float) -> ScaleAnswer:
+    """A scale-out by ``ids``, or with ``replace_host`` a migration of that
+    host's workers to them: one switch (EDL §5.2)."""
+    if replace_host is None:
+        return retry_while_busy(lambda: c.scale_out(workers=ids), timeout_s)
+    st = c.status()
+    ranks = [r for r, w in enumerate(st.members) if st.hosts.get(w) == replace_host]
+    if len(ranks) != len(ids):
+        return ScaleAnswer("error", f"host {replace_host!r} has {len(ranks)} worker(s) of the job, "
+                                    f"so --workers must be {len(ranks)} to replace them, not {len(ids)}")
+    return retry_while_busy(lambda: c.migrate(ranks, workers=ids), timeout_s)
+
+
 def join_job(join: str, script: str, args: Sequence[str] = (), size: int = 1, *,
-             timeout_s: float = 120.0, out: Callable[[str], None] = print) -> int:
+             timeout_s: float = 120.0, out: Callable[[str], None] = print, replace_host: str | None = None) -> int:
     """Start ``size`` workers of ``script`` here, in the job whose master
-    answers at ``join``; returns the exit code (see the module docstring)."""
+    answers at ``join``; with ``replace_host`` they replace that host's
+    workers in one switch. Returns the exit code (see the module docstring)."""
     try:
         url = master_url(join)
     except ValueError as e:
@@ -71,9 +88,9 @@ def join_job(join: str, script: str, args: Sequence[str] = (), size: int = 1, *,
         return 2
     c = MasterClient(url)
     ids = worker_ids(size)
-    ans = retry_while_busy(lambda: c.scale_out(workers=ids), timeout_s)
+    ans = _ask(c, ids, replace_host, timeout_s)
     if ans.status != "accepted":
-        out(f"tidal run: the master at {url} refused the scale-out: {ans.status}: {ans.message}")
+        out(f"tidal run: the master at {url} refused: {ans.status}: {ans.message}")
         return 1
     sp = LocalSpawner(script, args, master_url=url)
     sp.spawn([WorkerLaunch(w) for w in ids])

@@ -48,7 +48,7 @@ def resolve_master(job: str) -> str:
 class _RunWatch:
     """What ``tidal run`` prints while it hosts the master: progress lines,
     failed, hung and dropped workers; and when it stops (every worker
-    process exited)."""
+    process exited, and no other host's worker is still a member)."""
 
     def __init__(self, master: Any, spawner: LocalSpawner, out: Callable[[str], None], t0: float) -> None:
         self.master, self.spawner, self.out, self.t0 = master, spawner, out, t0
@@ -77,7 +77,9 @@ class _RunWatch:
             self.out(f"tidal run: worker {w} was lost before its first step and dropped: {d['reason']}"
                      + (f", exit code {c}" if c is not None else "") + "; the job goes on without it")
         self.dropped = len(st.dropped)
-        done = bool(codes) and all(c is not None for c in codes.values())
+        # every local worker exited, and no worker of another host (tidal run --join) still trains
+        remote = [w for w in st.members if w not in codes] if st.state not in ("finished", "suspended") else []
+        done = bool(codes) and all(c is not None for c in codes.values()) and not remote
         hung = {h["worker_id"] for h in st.hung}
         for w, c in codes.items():
             if c in (None, 0) or w in self.reported or w in hung:
@@ -303,6 +305,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=0, help="the master's HTTP port (0: any free one)")
     r.add_argument("--join", default=None, metavar="HOST:PORT",
                    help="add --workers workers on this host to the running job whose master is at HOST:PORT")
+    r.add_argument("--replace-host", default=None, metavar="HOST",
+                   help="with --join: the new workers replace HOST's workers in one switch (a migration)")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     m = sub.add_parser("master", help="host only the job master (workers are started elsewhere)")
@@ -328,7 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.cmd == "run" and a.join:
         from tidal.runtime.join import join_job
 
-        return join_job(a.join, a.script, a.args, a.workers, timeout_s=a.timeout or 120.0)
+        return join_job(a.join, a.script, a.args, a.workers, timeout_s=a.timeout or 120.0,
+                        replace_host=a.replace_host)
     if a.cmd == "run":
         return run_job(a.script, a.args, a.workers, max_size=a.max_workers, job=a.job, state_url=a.state,
                        switch_lead_s=a.switch_lead, timeout_s=a.timeout, straggler_policy=a.straggler_policy,

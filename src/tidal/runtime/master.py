@@ -77,8 +77,9 @@ def _newcomers(gen: Generation, count: int | None, hosts: Sequence[str] | None, 
 
 
 def _movers(members: Sequence[str], ranks: Sequence[int], hosts: Sequence[str] | None,
-            can_spawn: bool) -> list[str] | str:
-    """The members a migration moves, or why the request is wrong."""
+            can_spawn: bool, workers: Sequence[str] | None = None) -> list[str] | str:
+    """The members a migration moves, or why the request is wrong;
+    ``workers``: the replacements' ids when someone else starts them."""
     if not ranks or any(r < 0 or r >= len(members) for r in ranks):
         return f"migrate needs ranks in [0, {len(members)}), got {list(ranks)}"
     movers = [members[r] for r in sorted(set(ranks))]
@@ -86,6 +87,10 @@ def _movers(members: Sequence[str], ranks: Sequence[int], hosts: Sequence[str] |
         return f"{len(movers)} workers to move but {len(hosts)} hosts"
     if len(movers) == len(members):
         return "cannot move every worker at once: no live worker would hold the state"
+    if workers:
+        if len(workers) != len(movers) or set(workers) & set(members):
+            return f"{len(movers)} workers to move need as many new worker ids, not {list(workers)}"
+        return movers
     if not can_spawn:
         return "migrate needs a spawner to start the replacements"
     return movers
@@ -237,10 +242,8 @@ class JobMaster:
             ids = self.core.allocate(n, workers)
             ans = ScaleAnswer("accepted", f"{'expecting' if workers else 'starting'} {ids}", size=gen.world_size + n)
             change = Change(ChangeKind.SCALE_OUT, time.time(), expect=tuple(ids))
-            if workers:
-                return self._begin(request_id, change, ans)
-            self._begin(None, change, ans)
-        return self._start(ids, hosts, request_id, ans)
+            ans = self._begin(request_id if workers else None, change, ans)
+        return ans if workers else self._start(ids, hosts, request_id, ans)
 
     def scale_in(self, count: int | None = None, ranks: list[int] | None = None, workers: list[str] | None = None,
                  request_id: str | None = None) -> ScaleAnswer:
@@ -258,23 +261,26 @@ class JobMaster:
             return self._begin(request_id, Change(ChangeKind.SCALE_IN, time.time(), leavers=tuple(leavers)),
                                ScaleAnswer("accepted", f"removing {leavers}", size=len(members) - len(leavers)))
 
-    def migrate(self, ranks: list[int], hosts: list[str] | None = None, request_id: str | None = None) -> ScaleAnswer:
+    def migrate(self, ranks: list[int], hosts: list[str] | None = None, request_id: str | None = None,
+                workers: list[str] | None = None) -> ScaleAnswer:
         """Move the workers at ``ranks`` (to ``hosts`` if given) as one change
         (EDL §5.2): as many newcomers warm up while everyone trains, then at one
         agreed step the old ones leave and the new ones join, receiving the
-        state from their nearest live worker. The size does not change."""
+        state from their nearest live worker. The size does not change.
+        ``workers``: newcomers started by someone else, as in :meth:`scale_out`."""
         with self._lock:
             if early := self.core.busy(request_id):
                 return early
             assert self.group.gen is not None
             members = self.group.gen.members
-            movers = _movers(members, ranks, hosts, self.spawner is not None)
+            movers = _movers(members, ranks, hosts, self.spawner is not None, workers)
             if isinstance(movers, str):
                 return ScaleAnswer("error", movers)
-            ids = self.core.allocate(len(movers))
+            ids = self.core.allocate(len(movers), workers)
             ans = ScaleAnswer("accepted", f"moving {movers} to {ids}", size=len(members))
-            self._begin(None, Change(ChangeKind.MIGRATE, time.time(), expect=tuple(ids), leavers=tuple(movers)), ans)
-        return self._start(ids, hosts, request_id, ans)
+            change = Change(ChangeKind.MIGRATE, time.time(), expect=tuple(ids), leavers=tuple(movers))
+            ans = self._begin(request_id if workers else None, change, ans)
+        return ans if workers else self._start(ids, hosts, request_id, ans)
 
     def reshare(self, shares: dict[str, float], request_id: str | None = None) -> ScaleAnswer:
         """Give workers a different share of the global batch (relative

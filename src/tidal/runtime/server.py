@@ -8,7 +8,7 @@ Scheduler-facing
   (``workers``: ids started by someone else, which the master expects to register)
   ``POST /scale_in  {"count": int} | {"ranks": [int]} | {"workers": [str]}`` -> ScaleAnswer
   (``"n"`` is accepted for ``"count"``; every scaling request may carry a ``request_id``)
-  ``POST /migrate   {"ranks": [int], "hosts": [str]?}`` -> ScaleAnswer (one switch, EDL §5.2)
+  ``POST /migrate   {"ranks": [int], "hosts": [str]?, "workers": [str]?}`` -> ScaleAnswer (one switch, EDL §5.2)
   ``POST /reshare   {"shares": {worker: weight}}``   -> ScaleAnswer (batch shares)
   ``POST /suspend``  -> ScaleAnswer (checkpoint at an agreed step, then every worker leaves)
   ``GET  /status``                                   -> Status
@@ -95,6 +95,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(code, ans.to_json())
             if p == "/migrate":
                 ans = m.migrate([int(r) for r in body.get("ranks") or []], hosts=body.get("hosts"),
+                                workers=body.get("workers"),
                                 request_id=body.get("request_id"))
                 return self._send({"accepted": 200, "retry": 409}.get(ans.status, 400), ans.to_json())
             if p == "/reshare":
