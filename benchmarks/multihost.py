@@ -14,7 +14,12 @@ B added by ``tidal run --join``.
    with ``single`` from rank 0 on A, over the limited link. Reported: the
    pause of A's rank-0 worker at 4 -> 6 (end of its last step before the
    switch to the start of its first step after it).
-2. **Packed vs spread.** The step time of a 2-worker job with both workers on
+2. **Migration in one switch vs scale-out then scale-in.** A runs 2
+   workers, B joins 2; B's two move to host C, either with ``tidal run
+   --join --replace-host B`` on C (one switch; C's workers warm up while the
+   job trains) or by C joining 2 (4 -> 6) and then ``tidal scale
+   --remove-host B`` (6 -> 4). Reported: A's rank-0 pause(s), summed.
+3. **Packed vs spread.** The step time of a 2-worker job with both workers on
    A, against one on A and one on B (the gradient all-reduce crosses the
    link): the placement policy's premise, measured.
 
@@ -103,6 +108,38 @@ def replication_pause(hs: Hosts, base: Path, mode: str) -> float:
     raise RuntimeError("no 4 -> 6 switch in w0's log")
 
 
+def _gen_pauses(recs: list[dict[str, Any]]) -> list[float]:
+    """Pauses at every generation change in one worker's step log."""
+    return [float(b["t_start"] - a["t_end"]) for a, b in zip(recs, recs[1:]) if a["gen"] != b["gen"]]
+
+
+def migration_pause(hs: Hosts, base: Path, one_switch: bool) -> float:
+    """A's rank-0 pause(s) while B's two workers move to C."""
+    out = base / ("migrate" if one_switch else "out-in")
+    out.mkdir()
+    join = ["--join", f"{hs[0].addr}:{PORT}", "--workers", "2"]
+    _run(hs[0], out, "A", ["--workers", "2", "--job", "mh", "--bind", "0.0.0.0", "--port", str(PORT)])
+    _wait("2 workers on A", lambda: _at(out, 2, 10), out)
+    _run(hs[1], out, "B", join)
+    _wait("4 workers", lambda: _at(out, 4, 10), out)
+    before = len(_gen_pauses(_log(out, "w0")))
+    if one_switch:
+        _run(hs[2], out, "C", [*join, "--replace-host", "B"])
+        _wait("the migration", lambda: len(_gen_pauses(_log(out, "w0"))) > before and _at(out, 4, 25), out)
+    else:
+        _run(hs[2], out, "C", join)
+        _wait("6 workers", lambda: _at(out, 6, 10), out)
+        cmd = [sys.executable, "-m", "tidal.runtime.launch", "scale", f"http://{hs[0].addr}:{PORT}",
+               "--remove-host", "B"]
+        r = hs[2].run(cmd, timeout=120, env=_env(out / "home-S", "C"), capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"tidal scale --remove-host failed: {r.stdout}{r.stderr}")
+        _wait("back to 4", lambda: len(_gen_pauses(_log(out, "w0"))) > before + 1 and _at(out, 4, 15), out)
+    pauses = _gen_pauses(_log(out, "w0"))[before:]
+    _stop(hs)
+    return sum(pauses[: 1 if one_switch else 2])
+
+
 def step_time(hs: Hosts, base: Path, spread: bool, steps: int) -> float:
     """Median step time of a 2-worker job, packed on A or spread over A and B."""
     out = base / ("spread" if spread else "packed")
@@ -131,16 +168,20 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="tidal-multihost-"))
     res: dict[str, Any] = {}
     t0 = time.time()
-    with Hosts(2) as hs:
-        for i in range(2):
+    with Hosts(3) as hs:
+        for i in range(3):
             hs.limit(i, a.mbit)
         for mode in ("topology", "single"):
             res[f"scaleout_4_6_pause_{mode}_s"] = replication_pause(hs, base, mode)
+        res["migration_one_switch_pause_s"] = migration_pause(hs, base, True)
+        res["migration_out_then_in_pause_s"] = migration_pause(hs, base, False)
         res["step_time_packed_s"] = step_time(hs, base, False, a.steps)
         res["step_time_spread_s"] = step_time(hs, base, True, a.steps)
     res["single_over_topology"] = res["scaleout_4_6_pause_single_s"] / res["scaleout_4_6_pause_topology_s"]
     res["spread_over_packed"] = res["step_time_spread_s"] / res["step_time_packed_s"]
-    res["config"] = {"link_mbit": a.mbit, "state_mb": 10.6, "model": "MLP 256-1024-1024-10 fp32", "hosts": 2,
+    res["out_then_in_over_one_switch"] = (res["migration_out_then_in_pause_s"]
+                                          / res["migration_one_switch_pause_s"])
+    res["config"] = {"link_mbit": a.mbit, "state_mb": 10.6, "model": "MLP 256-1024-1024-10 fp32", "hosts": 3,
                      "wall_s": round(time.time() - t0, 1), "load_avg_1m": round(os.getloadavg()[0], 2)}
     if a.json:
         print(json.dumps(res))

@@ -118,6 +118,10 @@ CHECKPOINT_DIR: Setting[str | None] = Setting("TIDAL_CHECKPOINT_DIR", _opt_str, 
                                               "worker")
 CHECKPOINT_EVERY: Setting[int] = Setting("TIDAL_CHECKPOINT_EVERY", int, 0,
                                          "checkpoint every N steps (0 with a directory: every 100)", "worker")
+CHECKPOINT_SHARED: Setting[bool] = Setting("TIDAL_CHECKPOINT_SHARED", _bool, False,
+                                           "declare the checkpoint directory shared by every host although its "
+                                           "file system looks node-local (a job spanning hosts needs shared "
+                                           "storage)", "worker")
 FAULTS: Setting[str | None] = Setting("TIDAL_FAULTS", _opt_str, None,
                                       "injected faults for tests, e.g. kill:w1@7;slow:w0@3=20 "
                                       "(see tidal.runtime.faults)", "worker")

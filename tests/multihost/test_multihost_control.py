@@ -38,7 +38,8 @@ def _env(home: Path) -> dict[str, str]:
     e = dict(os.environ)
     for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TIDAL_BIND_ADDR", "TIDAL_ADVERTISE_ADDR", "TIDAL_SERVER"):
         e.pop(k, None)  # each process finds its own interface and address
-    e.update(OMP_NUM_THREADS="1", TIDAL_HOME=str(home), PYTHONUNBUFFERED="1")
+    # the namespaces share this machine's disk: the job's checkpoint directory is shared storage for them
+    e.update(OMP_NUM_THREADS="1", TIDAL_HOME=str(home), PYTHONUNBUFFERED="1", TIDAL_CHECKPOINT_SHARED="1")
     e["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), e.get("PYTHONPATH", "")])
     return e
 

@@ -145,3 +145,35 @@ def test_a_hosts_workers_migrate_to_another_host_in_one_switch(hosts: Any, tmp_p
     ref = reference_run(n=N, batch=BATCH, epochs=EPOCHS)
     for f in finals:
         assert max_rel_diff(torch.load(out / f), ref) <= TOL, f
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_node_local_checkpoint_directory_keeps_a_job_on_one_host(hosts: Any, tmp_path: Path) -> None:
+    """A checkpoints to a directory on this machine's ext4/overlay (node-local
+    as far as Tidal can tell); B's worker is refused at registration with
+    the reason, B's launcher fails, and A's job goes on and finishes."""
+    hs = hosts(2)
+    out = tmp_path / "out"
+    out.mkdir()
+    ckpt = {"TIDAL_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "TIDAL_CHECKPOINT_EVERY": "20"}
+
+    def launch(h: Any, name: str, *launcher: str) -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-m", "tidal.runtime.launch", "run", *launcher, str(TRAIN), "--out", str(out),
+               "--n", str(N), "--batch", str(BATCH), "--epochs", "6", "--sleep", "0.2"]
+        log = open(tmp_path / f"launcher-{name}.log", "w")
+        return h.popen(cmd, env={**_env(tmp_path / f"home-{name}", name), **ckpt}, stdout=log,
+                       stderr=subprocess.STDOUT, text=True)
+
+    a = launch(hs[0], "A", "--workers", "1", "--job", "ck", "--bind", "0.0.0.0", "--port", str(PORT),
+               "--timeout", "120")
+    _wait("A training", lambda rs: len(rs) >= 3, out, [a], tmp_path)
+    b = launch(hs[1], "B", "--join", f"{hs[0].addr}:{PORT}", "--workers", "1")
+    assert b.wait(timeout=90) == 1
+    text = (tmp_path / "launcher-B.log").read_text()
+    assert "node-local" in text and "TIDAL_CHECKPOINT_SHARED" in text, text
+    (out / "fast").touch()
+    assert a.wait(timeout=90) == 0, (tmp_path / "launcher-A.log").read_text()
+    steps = {w: rs for w, rs in read_steps(out).items() if rs}  # B's worker opened its log, then was refused
+    assert list(steps) == ["w0"] and {r["world"] for r in steps["w0"]} == {1}
+    check_exactly_once(steps, N, BATCH, 6)

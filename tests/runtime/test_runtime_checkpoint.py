@@ -162,3 +162,42 @@ def test_suspend_then_resume_loses_and_repeats_nothing(tmp_path: Path) -> None:
     assert len(finals) == WORKERS + 1
     for p in finals:
         assert max_rel_diff(torch.load(p), ref) <= TOL
+
+
+MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+40 22 0:50 / /mnt/nfs rw,relatime shared:20 - nfs4 srv:/export rw,vers=4.2
+41 22 0:51 / /mnt/my\\040disk rw,relatime shared:21 - xfs /dev/sdb1 rw
+42 22 0:52 / /mnt/s3 rw,relatime shared:22 - fuse.s3fs s3fs rw
+"""
+
+
+def test_a_checkpoint_directory_on_a_node_local_file_system_is_named(monkeypatch) -> None:
+    from tidal.runtime.checkpoint import mount_fstype, node_local
+
+    monkeypatch.delenv("TIDAL_CHECKPOINT_SHARED", raising=False)
+    assert mount_fstype("/mnt/nfs/ckpt/job", MOUNTINFO) == "nfs4"
+    assert mount_fstype("/mnt/nfsx/ckpt", MOUNTINFO) == "ext4"  # a prefix of the name is not the mount
+    assert mount_fstype("/mnt/my disk/c", MOUNTINFO) == "xfs"
+    assert node_local("/mnt/nfs/ckpt", MOUNTINFO) == ""
+    assert node_local("/mnt/s3/ckpt", MOUNTINFO) == ""
+    assert node_local("/data/ckpt", MOUNTINFO) == "/data/ckpt (ext4)"
+    assert node_local(None, MOUNTINFO) == ""
+    monkeypatch.setenv("TIDAL_CHECKPOINT_SHARED", "1")
+    assert node_local("/data/ckpt", MOUNTINFO) == ""
+
+
+def test_a_job_spanning_hosts_refuses_node_local_checkpoints() -> None:
+    from tidal.runtime.master import JobMaster
+
+    m = JobMaster("j", 2)
+    assert m.register("w0", host="a", checkpoints=True, checkpoint_local="/ckpt (ext4)").get("status") != "error"
+    assert m.register("w1", host="a", checkpoints=True, checkpoint_local="/ckpt (ext4)").get("status") != "error"
+    ans = m.register("w2", host="b", checkpoints=True, checkpoint_local="")
+    assert ans["status"] == "error", ans
+    assert "w0 on a: /ckpt (ext4)" in ans["message"] and "TIDAL_CHECKPOINT_DIR" in ans["message"]
+    assert "w2" not in m.snapshot()["workers"]  # refused: not registered
+    shared = JobMaster("k", 2)
+    assert shared.register("w0", host="a", checkpoints=True).get("status") != "error"
+    assert shared.register("w1", host="b", checkpoints=True).get("status") != "error"  # shared storage: fine
+    assert shared.register("w2", host="c", checkpoint_local="/tmp/c (ext4)")["status"] == "error"

@@ -44,7 +44,9 @@ class LocalCluster:
         self.admin_token = secrets.token_urlsafe(24)
         self.server: subprocess.Popen | None = None
         self.agents: list[subprocess.Popen] = []
-        self.env = {**os.environ, settings.HOME.name: str(self.home), "OMP_NUM_THREADS": "1"}
+        # its "nodes" are processes on this machine: one disk, so checkpoints are shared by all of them
+        self.env = {**os.environ, settings.HOME.name: str(self.home), "OMP_NUM_THREADS": "1",
+                    settings.CHECKPOINT_SHARED.name: "1"}
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
         with open(self.home / f"{log_name}.log", "ab") as log:

@@ -102,6 +102,42 @@ def load_latest(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     return None
 
 
+#: file systems every host of a cluster can share (network and cluster file systems)
+SHARED_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "lustre", "gpfs", "beegfs", "glusterfs",
+                       "orangefs", "pvfs2", "panfs", "afs", "9p", "virtiofs", "juicefs", "weka", "wekafs"})
+
+
+def mount_fstype(path: str | os.PathLike[str], mountinfo: str | None = None) -> str:
+    """The file system type of the mount holding ``path`` (the longest
+    mount point that is a prefix of it, from ``/proc/self/mountinfo``)."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return "unknown"
+    target = os.path.realpath(os.fspath(path))
+    best, fstype = "", "unknown"
+    for line in mountinfo.splitlines():
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        mnt = fields[4].replace("\\040", " ")
+        inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best):
+            best, fstype = mnt, right.split()[0]
+    return fstype
+
+
+def node_local(directory: str | None, mountinfo: str | None = None) -> str:
+    """Why a checkpoint directory is node-local ("/ckpt (ext4)"), or "" if
+    it is shared, declared shared (``$TIDAL_CHECKPOINT_SHARED``), or unset."""
+    if directory is None or settings.CHECKPOINT_SHARED.get():
+        return ""
+    fs = mount_fstype(directory, mountinfo)
+    return "" if fs in SHARED_FS or fs.startswith("fuse.") else f"{directory} ({fs})"
+
+
 @dataclass
 class Checkpointer:
     """Periodic checkpoints of one worker (rank 0 writes them). ``every`` is

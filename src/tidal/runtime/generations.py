@@ -25,6 +25,7 @@ import math
 import time
 from typing import Any, Sequence
 
+from tidal import settings
 from tidal.runtime.change import Change
 from tidal.runtime.messages import Generation, SwitchPlan
 from tidal.runtime.replication import Location, assign_sources
@@ -248,7 +249,24 @@ class Generations:
         """Tell the workers (they poll the plan key) that the master moved to ``url``."""
         self.store.set(self.plan_key, json.dumps({"moved": url}))
 
-    def registered(self, worker_id: str, pid: int, host: str, switch: str, checkpoints: bool) -> None:
+    def registered(self, worker_id: str, pid: int, host: str, switch: str, checkpoints: bool,
+                   checkpoint_local: str = "") -> None:
         w = self.workers.setdefault(worker_id, {"state": "registered", "pid": pid, "host": host,
                                                 "registered_at": time.time()})
-        w.update(pid=pid, host=host, switch=switch, checkpoints=bool(checkpoints))
+        w.update(pid=pid, host=host, switch=switch, checkpoints=bool(checkpoints), checkpoint_local=checkpoint_local)
+
+    def checkpoint_conflict(self, worker_id: str, host: str, local: str) -> str | None:
+        """Why ``worker_id`` on ``host`` may not join: the job would span
+        hosts while some worker checkpoints to a node-local directory (each
+        host would keep its own checkpoints; a resume could load a stale
+        one). None: no conflict."""
+        live = {w: r for w, r in self.workers.items() if w != worker_id and r.get("state") not in ("left", "failed")}
+        if not ({str(r.get("host", "")) for r in live.values()} - {host}):
+            return None
+        where = [f"{w} on {r.get('host')}: {r['checkpoint_local']}" for w, r in live.items() if r.get("checkpoint_local")]
+        where += [f"{worker_id} on {host}: {local}"] if local else []
+        if not where:
+            return None
+        return (f"the job would span hosts but its checkpoint directory is node-local ({'; '.join(where)}); "
+                f"put ${settings.CHECKPOINT_DIR.name} on storage every host shares (NFS, CephFS, Lustre, ...), "
+                f"or set {settings.CHECKPOINT_SHARED.name}=1 if this directory is shared")

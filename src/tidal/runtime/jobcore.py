@@ -339,3 +339,19 @@ def job_status(core: JobCore, url: str) -> Status:
                   stragglers=tuple(core.stragglers), hung=tuple(core.hung), last_step=tuple(p.get("last_step") or ()),
                   dropped=tuple(core.lost.records),
                   hosts={w: str(core.group.workers.get(w, {}).get("host") or "") for w in (g.members if g else ())})
+
+
+def refuse(core: JobCore, worker_id: str, host: str, checkpoint_local: str) -> str | None:
+    """Why ``worker_id`` may not register (see
+    :meth:`Generations.checkpoint_conflict`); a waiting change that expects
+    it is abandoned at once rather than after the join timeout."""
+    why = core.group.checkpoint_conflict(worker_id, host, checkpoint_local)
+    c = core.change
+    if why and c is not None and c.status is ChangeStatus.WAITING and worker_id in c.expect:
+        if c.kind is ChangeKind.MIGRATE:  # a half-done move is not a scale-out: its replacements exit
+            core.group.mark(c.joiners, "left")
+        else:
+            core.group.queue += c.joiners
+        core.advance(Abandon(f"worker {worker_id} refused: {why}"))
+        core.save()
+    return why

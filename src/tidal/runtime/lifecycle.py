@@ -17,6 +17,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from tidal.runtime.checkpoint import node_local
 from tidal.runtime.heartbeat import StoreEndpoint
 
 if TYPE_CHECKING:
@@ -51,7 +52,8 @@ class Lifecycle:
             return
         # Register only now, when model and data pipeline are built: a newcomer
         # is "ready" and the others have not waited for its imports (EDL §4.2).
-        info = j.membership.register(checkpoints=j.checkpointer.directory is not None)
+        info = j.membership.register(checkpoints=j.checkpointer.directory is not None,
+                                     checkpoint_local=node_local(j.checkpointer.directory))
         j.heartbeat.phase = ("join", 0)
         j.heartbeat.start_beats(StoreEndpoint.from_json(info))
         if not j.membership.join(t, self.resume_from_checkpoint):

@@ -32,7 +32,7 @@ from tidal.runtime.change import Abandon, Change, ChangeKind
 from tidal.runtime.data import ShardManager
 from tidal.runtime.generations import Generations
 from tidal.runtime.health import kill_worker
-from tidal.runtime.jobcore import JobCore, job_status
+from tidal.runtime.jobcore import JobCore, job_status, refuse
 from tidal.runtime.messages import Generation, ScaleAnswer, Status
 from tidal.runtime.persistence import StateBackend
 from tidal.runtime.replication import MODES
@@ -354,9 +354,11 @@ class JobMaster:
 
     # ------------------------------------------------------------------ worker API
     def register(self, worker_id: str, pid: int = 0, host: str = "", switch: str = "",
-                 checkpoints: bool = False) -> dict[str, Any]:
+                 checkpoints: bool = False, checkpoint_local: str = "") -> dict[str, Any]:
         with self._lock:
-            self.group.registered(worker_id, pid, host, switch, checkpoints)
+            if why := refuse(self.core, worker_id, host, checkpoint_local):
+                return {"status": "error", "message": why}
+            self.group.registered(worker_id, pid, host, switch, checkpoints, checkpoint_local)
             self.core.register(worker_id)
             self.core.save()
             return self.group.store_info()

@@ -284,13 +284,20 @@ class Membership:
         self.backend = "gloo"  # NCCL once CUDA parameters are registered (tidal.runtime.devices)
 
     # ------------------------------------------------------------------ joining
-    def register(self, checkpoints: bool) -> dict[str, Any]:
+    def register(self, checkpoints: bool, checkpoint_local: str = "") -> dict[str, Any]:
         """Tell the master this worker is ready (its host for topology-aware
-        state replication, Elan §IV); returns the store address and keys."""
+        state replication, Elan §IV; ``checkpoint_local``: its checkpoint
+        directory if node-local); returns the store address and keys. A
+        refusal (a node-local checkpoint directory in a job spanning hosts)
+        raises with the master's reason."""
         assert self.client is not None
         host = settings.HOST.get() or settings.NODE.get() or socket.gethostname()
-        return self.client.post("/register", {"worker_id": self.worker_id, "pid": os.getpid(), "host": host,
-                                              "switch": settings.SWITCH.get(), "checkpoints": checkpoints})
+        ans = self.client.post("/register", {"worker_id": self.worker_id, "pid": os.getpid(), "host": host,
+                                             "switch": settings.SWITCH.get(), "checkpoints": checkpoints,
+                                             "checkpoint_local": checkpoint_local})
+        if ans.get("status") == "error":
+            raise RuntimeError(f"worker {self.worker_id} on {host}: the job master refused it: {ans.get('message')}")
+        return ans
 
     def join(self, train: TrainState, resume: Callable[[], None]) -> bool:
         """Wait for a generation that says go, rendezvous and receive the

@@ -15,7 +15,7 @@ Scheduler-facing
   ``POST /handover  {"url": str}``                   -> snapshot; the old
   master then answers every request with ``{"status": "moved", "url": ...}``.
 Worker-facing
-  ``POST /register {"worker_id", "pid", "host"}`` -> store address
+  ``POST /register {"worker_id", "pid", "host", "checkpoint_local"?}`` -> store address, or 409 (refused)
   ``GET  /assignment?worker_id=W``   -> wait | assigned(Generation) | finished
   ``GET  /store``  -> store address and keys; ``GET /plan?gen=G`` -> a published plan
   ``POST /heartbeat Progress``       -> {"plan": SwitchPlan|null, "finished": bool}
@@ -115,8 +115,10 @@ class _Handler(BaseHTTPRequestHandler):
                 plan = m.published_plan(int(q.get("gen", -1)))
                 return self._send(200 if plan else 404, {"status": "ok" if plan else "error", "plan": plan})
             if p == "/register":
-                return self._send(200, m.register(body["worker_id"], int(body.get("pid", 0)), str(body.get("host", "")),
-                                                  str(body.get("switch", "")), bool(body.get("checkpoints", False))))
+                ans = m.register(body["worker_id"], int(body.get("pid", 0)), str(body.get("host", "")),
+                                 str(body.get("switch", "")), bool(body.get("checkpoints", False)),
+                                 str(body.get("checkpoint_local") or ""))
+                return self._send(409 if ans.get("status") == "error" else 200, ans)
             if p == "/assignment":
                 return self._send(200, m.assignment(q.get("worker_id") or body["worker_id"], int(q.get("after_gen", 0))))
             if p == "/failed":
