@@ -12,13 +12,15 @@ B added by ``tidal run --join``.
    joins 2, then B joins 2 more (4 -> 6). With ``--replication topology`` the
    newcomers on B get the state from B's workers (no link crossed, Elan §IV);
    with ``single`` from rank 0 on A, over the limited link. Reported: the
-   pause of A's rank-0 worker at 4 -> 6 (end of its last step before the
-   switch to the start of its first step after it).
+   stall of A's rank-0 worker at 4 -> 6: from the end of its last step
+   before the switch to the end of its first step after it, less a normal
+   step at 6 (the sender's transfer falls in the switch, a receiver's
+   lateness in that first all-reduce).
 2. **Migration in one switch vs scale-out then scale-in.** A runs 2
    workers, B joins 2; B's two move to host C, either with ``tidal run
    --join --replace-host B`` on C (one switch; C's workers warm up while the
    job trains) or by C joining 2 (4 -> 6) and then ``tidal scale
-   --remove-host B`` (6 -> 4). Reported: A's rank-0 pause(s), summed.
+   --remove-host B`` (6 -> 4). Reported: A's rank-0 stall(s), summed.
 3. **Packed vs spread.** The step time of a 2-worker job with both workers on
    A, against one on A and one on B (the gradient all-reduce crosses the
    link): the placement policy's premise, measured.
@@ -56,11 +58,13 @@ def _env(home: Path, host: str) -> dict[str, str]:
     return e
 
 
-def _run(h: Any, out: Path, name: str, launcher: list[str]) -> subprocess.Popen[bytes]:
+def _run(h: Any, out: Path, name: str, launcher: list[str], host: str | None = None) -> subprocess.Popen[bytes]:
+    """``tidal run`` in host ``h``; its workers register as host ``host``
+    (default ``name``)."""
     cmd = [sys.executable, "-m", "tidal.runtime.launch", "run", *launcher, str(RR), "--role", "elastic",
-           "--out", str(out), "--steps", "100000"]
+           "--out", str(out), "--steps", "1500"]
     log = open(out / f"launcher-{name}.log", "ab")
-    return h.popen(cmd, env=_env(out / f"home-{name}", name), stdout=log, stderr=subprocess.STDOUT)
+    return h.popen(cmd, env=_env(out / f"home-{name}", host or name), stdout=log, stderr=subprocess.STDOUT)
 
 
 def _log(out: Path, wid: str) -> list[dict[str, Any]]:
@@ -96,21 +100,38 @@ def replication_pause(hs: Hosts, base: Path, mode: str) -> float:
     _run(hs[0], out, "A", ["--workers", "2", "--job", "mh", "--bind", "0.0.0.0", "--port", str(PORT),
                            "--replication", mode])
     _wait("2 workers on A", lambda: _at(out, 2, 10), out)
-    _run(hs[1], out, "B1", join)
+    _run(hs[1], out, "B1", join, host="B")
     _wait("4 workers", lambda: _at(out, 4, 10), out)
-    _run(hs[1], out, "B2", join)
-    _wait("6 workers", lambda: _at(out, 6, 5), out)
+    _run(hs[1], out, "B2", join, host="B")
+    _wait("6 workers", lambda: _steps_after(out, 2) >= 12, out)
     recs = _log(out, "w0")
     _stop(hs)
-    for a, b in zip(recs, recs[1:]):
-        if a["world"] == 4 and b["world"] == 6:
-            return float(b["t_start"] - a["t_end"])
-    raise RuntimeError("no 4 -> 6 switch in w0's log")
+    return _stall(recs, 4, 6)
+
+
+def _stall(recs: list[dict[str, Any]], before: int, after: int) -> float:
+    """Training time lost at the switch ``before`` -> ``after`` on one
+    worker: from the end of its last step before the switch to the end of
+    its first step after it, less a normal step at the new size (a state
+    transfer may fall in the switch or in that first step's all-reduce)."""
+    for i, (a, b) in enumerate(zip(recs, recs[1:])):
+        if a["world"] == before and b["world"] == after and a["gen"] != b["gen"]:
+            nxt = recs[i + 2 : i + 12]
+            step = statistics.median(y["t_end"] - x["t_end"] for x, y in zip(nxt, nxt[1:]))
+            return float(b["t_end"] - a["t_end"] - step)
+    raise RuntimeError(f"no {before} -> {after} switch in the log")
 
 
 def _gen_pauses(recs: list[dict[str, Any]]) -> list[float]:
     """Pauses at every generation change in one worker's step log."""
     return [float(b["t_start"] - a["t_end"]) for a, b in zip(recs, recs[1:]) if a["gen"] != b["gen"]]
+
+
+def _steps_after(out: Path, changes: int) -> int:
+    """Steps w0 logged after its ``changes``-th generation change (-1: not yet)."""
+    recs = _log(out, "w0")
+    idx = [i for i, (a, b) in enumerate(zip(recs, recs[1:]), start=1) if a["gen"] != b["gen"]]
+    return len(recs) - idx[changes - 1] if len(idx) >= changes else -1
 
 
 def migration_pause(hs: Hosts, base: Path, one_switch: bool) -> float:
@@ -125,19 +146,21 @@ def migration_pause(hs: Hosts, base: Path, one_switch: bool) -> float:
     before = len(_gen_pauses(_log(out, "w0")))
     if one_switch:
         _run(hs[2], out, "C", [*join, "--replace-host", "B"])
-        _wait("the migration", lambda: len(_gen_pauses(_log(out, "w0"))) > before and _at(out, 4, 25), out)
+        _wait("the migration", lambda: _steps_after(out, before + 1) >= 12, out)
     else:
         _run(hs[2], out, "C", join)
-        _wait("6 workers", lambda: _at(out, 6, 10), out)
+        _wait("6 workers", lambda: _steps_after(out, before + 1) >= 12, out)
         cmd = [sys.executable, "-m", "tidal.runtime.launch", "scale", f"http://{hs[0].addr}:{PORT}",
                "--remove-host", "B"]
         r = hs[2].run(cmd, timeout=120, env=_env(out / "home-S", "C"), capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"tidal scale --remove-host failed: {r.stdout}{r.stderr}")
-        _wait("back to 4", lambda: len(_gen_pauses(_log(out, "w0"))) > before + 1 and _at(out, 4, 15), out)
-    pauses = _gen_pauses(_log(out, "w0"))[before:]
+        _wait("back to 4", lambda: _steps_after(out, before + 2) >= 12, out)
+    recs = _log(out, "w0")
     _stop(hs)
-    return sum(pauses[: 1 if one_switch else 2])
+    if one_switch:
+        return _stall(recs, 4, 4)
+    return _stall(recs, 4, 6) + _stall(recs, 6, 4)
 
 
 def step_time(hs: Hosts, base: Path, spread: bool, steps: int) -> float:
@@ -172,15 +195,15 @@ def main() -> None:
         for i in range(3):
             hs.limit(i, a.mbit)
         for mode in ("topology", "single"):
-            res[f"scaleout_4_6_pause_{mode}_s"] = replication_pause(hs, base, mode)
-        res["migration_one_switch_pause_s"] = migration_pause(hs, base, True)
-        res["migration_out_then_in_pause_s"] = migration_pause(hs, base, False)
+            res[f"scaleout_4_6_stall_{mode}_s"] = replication_pause(hs, base, mode)
+        res["migration_one_switch_stall_s"] = migration_pause(hs, base, True)
+        res["migration_out_then_in_stall_s"] = migration_pause(hs, base, False)
         res["step_time_packed_s"] = step_time(hs, base, False, a.steps)
         res["step_time_spread_s"] = step_time(hs, base, True, a.steps)
-    res["single_over_topology"] = res["scaleout_4_6_pause_single_s"] / res["scaleout_4_6_pause_topology_s"]
+    res["single_over_topology"] = res["scaleout_4_6_stall_single_s"] / res["scaleout_4_6_stall_topology_s"]
     res["spread_over_packed"] = res["step_time_spread_s"] / res["step_time_packed_s"]
-    res["out_then_in_over_one_switch"] = (res["migration_out_then_in_pause_s"]
-                                          / res["migration_one_switch_pause_s"])
+    res["out_then_in_over_one_switch"] = (res["migration_out_then_in_stall_s"]
+                                          / res["migration_one_switch_stall_s"])
     res["config"] = {"link_mbit": a.mbit, "state_mb": 10.6, "model": "MLP 256-1024-1024-10 fp32", "hosts": 3,
                      "wall_s": round(time.time() - t0, 1), "load_avg_1m": round(os.getloadavg()[0], 2)}
     if a.json:
