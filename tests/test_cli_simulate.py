@@ -60,3 +60,30 @@ def test_demo_runs(tmp_path):
     assert "simulation mode" in res.stdout
     assert (tmp_path / "summary.json").exists()
     assert len(json.loads((tmp_path / "summary.json").read_text())) >= 4
+
+
+def test_error_text_with_markup_characters_is_printed_not_parsed(tmp_path):
+    """A file name or field containing ``[/...]`` used to crash rich's
+    printer (MarkupError) instead of showing the error."""
+    (tmp_path / "x[").mkdir()
+    bad = tmp_path / "x[" / "y].csv"  # the path contains "[/y]"
+    bad.write_text("this is not,a trace\n[/x],1\n")
+    res = runner.invoke(app, ["simulate", "--trace", str(bad), "--policy", "fifo"])
+    assert res.exit_code != 0
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert "x[/y].csv" in res.output
+
+
+def test_tidal_run_refuses_bad_arguments_before_starting_anything(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    cases = [(["--workers", "0", str(script)], "--workers must be at least 1"),
+             (["--workers", "-1", str(script)], "--workers must be at least 1"),
+             (["--workers", "4", "--max-workers", "2", str(script)], "more than --max-workers 2"),
+             (["--state", "bogus://x", str(script)], "unknown state backend 'bogus'"),
+             ([str(tmp_path / "nope.py")], "no such script")]
+    for args, message in cases:
+        res = runner.invoke(app, ["run", *args])
+        assert res.exit_code == 2, (args, res.output)
+        assert message in res.output, (args, res.output)
+        assert not list((tmp_path).glob("**/jobs/*.json"))  # no master was started

@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.markup import escape
 
 from tidal.cli.app import app
 
@@ -30,9 +31,9 @@ def _fail(e: Exception) -> None:
     from tidal.control.client import ApiError
 
     if isinstance(e, ApiError):
-        err.print(f"[red]error:[/] {e}")
+        err.print("[red]error:[/] " + escape(f"{e}"))
         raise typer.Exit(2 if e.status in (400, 422) else 1)
-    err.print(f"[red]error:[/] cannot reach the server: {e}")
+    err.print("[red]error:[/] " + escape(f"cannot reach the server: {e}"))
     raise typer.Exit(1)
 
 
@@ -65,7 +66,7 @@ def server(
     from tidal.scheduler.registry import policy_names
 
     if policy not in policy_names():
-        err.print(f"[red]error:[/] unknown policy {policy!r}; known: {', '.join(policy_names())}")
+        err.print("[red]error:[/] " + escape(f"unknown policy {policy!r}; known: {', '.join(policy_names())}"))
         raise typer.Exit(2)
     serve(host=host, port=port, db_url=db, policy=policy, admin_token=token, tick_s=tick, advertise=advertise_addr)
 
@@ -118,7 +119,7 @@ def up(
     from tidal.control.local import LocalCluster
 
     if gpus % nodes:
-        err.print(f"[red]error:[/] --gpus {gpus} does not divide into {nodes} nodes")
+        err.print("[red]error:[/] " + escape(f"--gpus {gpus} does not divide into {nodes} nodes"))
         raise typer.Exit(2)
     h = home or settings.home()
     c = LocalCluster(h, nodes=nodes, gpus_per_node=gpus // nodes, policy=policy, port=port, tick_s=1.0)
@@ -166,7 +167,7 @@ def submit(
     try:
         body = load_spec_file(spec).model_dump() if spec else {}
     except InputError as e:
-        err.print(f"[red]error:[/] {e}")
+        err.print("[red]error:[/] " + escape(f"{e}"))
         raise typer.Exit(2)
     flags = {"name": name, "script": script, "iterations": iterations, "deadline": deadline,
              "global_batch_size": batch}
@@ -181,7 +182,7 @@ def submit(
         sub = JobSubmission(**body)
     except ValidationError as e:
         first = e.errors()[0]
-        err.print(f"[red]error:[/] field '{'.'.join(str(x) for x in first['loc'])}': {first['msg']}")
+        err.print("[red]error:[/] " + escape(f"field '{'.'.join(str(x) for x in first['loc'])}': {first['msg']}"))
         raise typer.Exit(2)
     ans = _request(server_url, token, lambda api: api.submit(sub.model_dump()))
     console.print(f"submitted {ans['id']}")

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.markup import escape
 
 from tidal.cli.app import app
 from tidal.core.errors import InputError
@@ -127,7 +128,7 @@ def simulate(
     known = policy_names()
     bad = [n for n in names if n not in known]
     if not names or bad:
-        err.print(f"[red]error:[/] unknown policy {', '.join(bad) or '(none)'}; known: {', '.join(known)}")
+        err.print("[red]error:[/] " + escape(f"unknown policy {', '.join(bad) or '(none)'}; known: {', '.join(known)}"))
         raise typer.Exit(2)
     try:
         prof = load_profiles(profiles_dir)
@@ -135,7 +136,7 @@ def simulate(
         overheads = OverheadModel(mode=overhead)
         tr = load_trace(trace, fmt, seed=seed, limit=limit, profiles=prof, elastic=not rigid)
     except (InputError, ValueError) as exc:
-        err.print(f"[red]error:[/] {exc}")
+        err.print("[red]error:[/] " + escape(f"{exc}"))
         raise typer.Exit(2)
     err.print(f"trace: {tr.describe()}")
     err.print(f"cluster: {topo.name} ({topo.num_gpus} GPUs, {topo.num_nodes} nodes, {topo.num_switches} switches)")

@@ -108,6 +108,17 @@ def _summary(job: str, st: Status, master: Any, elapsed: float, out: Callable[[s
         out(f"  straggler {s['worker_id']} in gen {s['gen']} at step {s['step']} ({s['ratio']:.2f}x median): {s['action']}")
 
 
+def _bad_run(script: str, size: int, max_size: int | None) -> str | None:
+    """Why ``tidal run`` cannot start, before any process is: None if it can."""
+    if size < 1:
+        return f"--workers must be at least 1, not {size}"
+    if max_size is not None and size > max_size:
+        return f"--workers {size} is more than --max-workers {max_size}"
+    if not Path(script).is_file():
+        return f"no such script: {script} (relative to {os.getcwd()})"
+    return None
+
+
 def run_job(
     script: str,
     args: Sequence[str] = (),
@@ -134,8 +145,15 @@ def run_job(
     from tidal.runtime.master import JobMaster
     from tidal.runtime.server import MasterServer
 
+    if why := _bad_run(script, size, max_size):
+        out(f"tidal run: {why}")
+        return 2
     job = job or Path(script).stem
-    backend = open_backend(state_url) if state_url else None
+    try:
+        backend = open_backend(state_url) if state_url else None
+    except (ValueError, OSError) as e:
+        out(f"tidal run: --state {state_url}: {e}")
+        return 2
     spawner = LocalSpawner(script, args)
     bind = bind_addr(bind)
     adv = advertise_addr(bind, explicit=advertise or settings.ADVERTISE_ADDR.get())
