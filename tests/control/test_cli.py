@@ -54,3 +54,20 @@ def test_bad_spec_and_no_server_are_clear_errors(server, tmp_path):
     res = runner.invoke(app, ["jobs", "--server", "http://127.0.0.1:9", "--token", "x"])
     assert res.exit_code == 1 and "cannot reach the server" in res.output
     assert cli(server, "jobs", token="wrong").exit_code == 1
+
+
+def test_bad_submissions_get_one_clear_line_before_any_request(tmp_path):
+    """No server is needed: these are refused while the spec is read."""
+    binary = tmp_path / "spec.yaml"
+    binary.write_bytes(bytes(range(256)))
+    base = ["submit", "--name", "a", "--script", "x.py", "--iterations", "5"]
+    cases = [([*base, "--gpus", "1,x"], "field 'gpus': an allowed set must look like '1,2,4'"),
+             ([*base, "--gpus", "-2"], "field 'gpus': must be >= 1"),
+             (["submit", "--name", "a", "--script", "x.py", "--gpus", "2"], "give iterations or epochs"),
+             (["submit", str(binary)], "not a text (UTF-8) file")]
+    for args, message in cases:
+        res = runner.invoke(app, [*args, "--server", "http://127.0.0.1:9", "--token", "t"])
+        assert res.exit_code == 2, (args, res.output)
+        assert res.exception is None or isinstance(res.exception, SystemExit), (args, repr(res.exception))
+        assert message in " ".join(res.output.split()), (args, res.output)
+        assert "Value error" not in res.output and "field ''" not in res.output

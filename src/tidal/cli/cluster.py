@@ -182,7 +182,9 @@ def submit(
         sub = JobSubmission(**body)
     except ValidationError as e:
         first = e.errors()[0]
-        err.print("[red]error:[/] " + escape(f"field '{'.'.join(str(x) for x in first['loc'])}': {first['msg']}"))
+        where = ".".join(str(x) for x in first["loc"])
+        msg = str(first["msg"]).removeprefix("Value error, ")
+        err.print("[red]error:[/] " + escape(f"field '{where}': {msg}" if where else f"{msg} (see `tidal submit --help`)"))
         raise typer.Exit(2)
     ans = _request(server_url, token, lambda api: api.submit(sub.model_dump()))
     console.print(f"submitted {ans['id']}")

@@ -55,8 +55,8 @@ def parse_gpu_request(value: Any) -> GpuRequest:
         return GpuRequest()
     if isinstance(value, str):
         text = value.strip()
-        if text.isdigit():
-            value = int(text)
+        if text.isdigit() or (text.startswith("-") and text[1:].isdigit()):
+            value = int(text)  # a negative count is refused below as such, not as a bad range
         elif "," in text:
             parts = [p.strip() for p in text.split(",")]
             if not all(p.isdigit() for p in parts):
@@ -157,6 +157,8 @@ def load_spec_file(path: str | Path) -> JobSubmission:
         data = yaml.safe_load(p.read_text())
     except FileNotFoundError:
         raise InputError("no such file", source=str(p)) from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"not a text (UTF-8) file: byte {e.start} cannot be decoded", source=str(p)) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         raise InputError(f"not valid YAML: {e}", source=str(p), line=(mark.line + 1) if mark else None) from None
