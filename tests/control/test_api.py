@@ -197,3 +197,24 @@ def test_node_down_judgement_survives_a_server_restart(tmp_path):
         s.execute(update(Node).where(Node.name == "n1").values(last_heartbeat=time.time() - 60))
     beat("n0")
     assert states() == {"n0": "up", "n1": "down"}
+
+
+def test_user_names_are_checked_and_an_existing_user_keeps_its_token(env):
+    client, _store, tok = env
+    for bad in ("b;ob", "-x", "a" * 65, "ü"):
+        r = client.post(f"/v1/users/{bad}", headers=hdr(tok["admin"]))
+        assert r.status_code == 422, (bad, r.text)
+    r = client.post("/v1/users/carol", headers=hdr(tok["admin"]))
+    assert r.status_code == 200
+    first = r.json()["token"]
+    again = client.post("/v1/users/carol", headers=hdr(tok["admin"]))
+    assert again.status_code == 409 and "rotate" in again.json()["detail"]
+    assert client.get("/v1/jobs", headers=hdr(first)).status_code == 200  # the first token still works
+    rotated = client.post("/v1/users/carol?rotate=true", headers=hdr(tok["admin"])).json()["token"]
+    assert client.get("/v1/jobs", headers=hdr(first)).status_code == 401
+    assert client.get("/v1/jobs", headers=hdr(rotated)).status_code == 200
+    for own in ("admin", "agent"):  # the server's accounts cannot be rotated away through the API
+        r = client.post(f"/v1/users/{own}?rotate=true", headers=hdr(tok["admin"]))
+        assert r.status_code == 409, r.text
+    assert client.get("/v1/jobs", headers=hdr(tok["admin"])).status_code == 200
+    assert client.post("/v1/users/dave", headers=hdr(tok["alice"])).status_code == 403

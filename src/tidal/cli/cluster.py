@@ -131,7 +131,7 @@ def up(
     signal.signal(signal.SIGTERM, _term)
     try:
         c.start()
-        user_token = c.api().add_user("user")
+        user_token = c.api().add_user("user", rotate=True)  # a restart with the same home re-issues it
         (Path(h) / "token").write_text(user_token)
         console.print(f"Tidal cluster up: {c.url} — {nodes} node(s) × {gpus // nodes} virtual GPU(s), policy {policy}")
         console.print(f"state in {h}; user token in {Path(h) / 'token'}; admin token in {Path(h) / 'admin.token'}")
@@ -287,9 +287,11 @@ def cluster_table(c: dict) -> Table:
 
 
 @app.command()
-def user(name: str, server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt) -> None:
-    """Create a user (admin token) and print its API token."""
-    print(_request(server_url, token, lambda api: api.add_user(name)))
+def user(name: str, rotate: bool = typer.Option(False, "--rotate", help="Give an existing user a new token."),
+         server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Create a user (admin token) and print its API token; --rotate replaces
+    an existing user's token (the old one stops working)."""
+    print(_request(server_url, token, lambda api: api.add_user(name, rotate=rotate)))
 
 
 def cluster_scale(job_id: str, gpus: int, server_url: Optional[str], token: Optional[str]) -> None:

@@ -89,7 +89,7 @@ def live_demo(con: Console, home: Optional[Path], policy: str, timeout_s: float)
     try:
         with con.status("starting server and agents…"):
             cluster.start()
-        api = cluster.api(cluster.api().add_user("demo"))
+        api = cluster.api(cluster.api().add_user("demo", rotate=True))
         plan = _workload(demo_job.__file__, root / "records")
         next_at = time.time()
         with Live(console=con, refresh_per_second=4, transient=False) as live:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from urllib.parse import quote
 
 from tidal import settings
 from tidal.httpjson import JsonHttp, Unavailable
@@ -100,8 +101,8 @@ class Api:
     def events(self, since: int = 0) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/events", params={"since": since})
 
-    def add_user(self, name: str) -> str:
-        return self._call("POST", f"/v1/users/{name}")["token"]
+    def add_user(self, name: str, rotate: bool = False) -> str:
+        return self._call("POST", f"/v1/users/{quote(name, safe='')}" + ("?rotate=true" if rotate else ""))["token"]
 
     def healthy(self) -> bool:
         """One quick probe of ``/healthz`` (no retries)."""
