@@ -218,3 +218,29 @@ def test_user_names_are_checked_and_an_existing_user_keeps_its_token(env):
         assert r.status_code == 409, r.text
     assert client.get("/v1/jobs", headers=hdr(tok["admin"])).status_code == 200
     assert client.post("/v1/users/dave", headers=hdr(tok["alice"])).status_code == 403
+
+
+def test_tenant_numbers_that_gave_500s_or_were_accepted_get_422(env):
+    """Each body is one that used to reach a 500 (non-finite numbers, an
+    overflow, an unmapped InputError) or was silently accepted."""
+    client, _, t = env
+
+    def post(raw: str):
+        return client.post("/v1/jobs", content=raw, headers={**hdr(t["alice"]), "Content-Type": "application/json"})
+
+    base = '"name": "j", "script": "train.py"'
+    bodies = [
+        f'{{{base}, "gpus": 2, "epochs": Infinity, "dataset_size": 100}}',
+        f'{{{base}, "gpus": 2, "epochs": 1e308, "dataset_size": 10000000000000}}',
+        f'{{{base}, "gpus": 2, "iterations": NaN}}',
+        f'{{{base}, "gpus": 2, "iterations": 10, "priority": 1e400}}',
+        f'{{{base}, "gpus": 2, "iterations": 10, "elastic": false, "min_gpus": 3}}',
+        f'{{{base}, "gpus": 1e40, "iterations": 10}}',
+        f'{{{base}, "gpus": 2, "iterations": 10, "deadline": Infinity}}',
+        f'{{{base}, "gpus": 2, "iterations": 10, "priority": 18446744073709551616}}',
+        f'{{{base}, "gpus": [2, 100000000], "iterations": 10}}',
+    ]
+    for body in bodies:
+        r = post(body)
+        assert r.status_code == 422, (body, r.status_code, r.text)
+        assert len(r.content) < 4000, body  # bounded: the input is not echoed back

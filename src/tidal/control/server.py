@@ -17,14 +17,16 @@ from pathlib import Path
 from typing import AsyncContextManager, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy import select
 
 from tidal import settings
-from tidal.net import advertise_addr
 from tidal.control.api import cluster, internal, jobs, users
 from tidal.control.coordinator import Coordinator
 from tidal.control.db import Node, Store
+from tidal.core.errors import InputError
+from tidal.net import advertise_addr
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ def create_app(
     app.state.register_lock = threading.Lock()
     app.state.heartbeat_clock = internal.HeartbeatClock(time.time())
     app.add_exception_handler(Exception, _any_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(InputError, _bad_input)
     for module in (users, jobs, cluster, internal):
         app.include_router(module.router)
     _reset_after_restart(store)
@@ -75,6 +79,19 @@ def _lifespan(start_loop: bool) -> Callable[[FastAPI], AsyncContextManager[None]
             coord.stop()
 
     return lifespan
+
+
+async def _invalid(request: Request, exc: Exception) -> JSONResponse:
+    """422 naming each field and reason, without echoing the input (which may
+    be huge, or hold values JSON cannot carry, such as Infinity)."""
+    assert isinstance(exc, RequestValidationError)
+    errors = [{"loc": [str(x) for x in e.get("loc", ())][:8], "msg": str(e.get("msg", ""))[:300],
+               "type": str(e.get("type", ""))} for e in exc.errors()[:20]]
+    return JSONResponse(status_code=422, content={"detail": errors})
+
+
+async def _bad_input(request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse(status_code=422, content={"detail": str(exc)[:1000]})
 
 
 async def _any_error(request: Request, exc: Exception) -> JSONResponse:

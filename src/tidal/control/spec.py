@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tidal.core.errors import InputError
 from tidal.core.job import JobSpec
 
+MAX_GPUS = 100_000  # a bound on every GPU count a spec may ask for (the cluster's size is checked later)
+
 GpuValue = int | str | list[int] | None
 
 
@@ -69,9 +71,11 @@ def parse_gpu_request(value: Any) -> GpuRequest:
     if isinstance(value, int):
         if value < 1:
             raise ValueError("must be >= 1")
+        if value > MAX_GPUS:
+            raise ValueError(f"must be <= {MAX_GPUS}")
         return GpuRequest(requested=value)
-    if not value or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in value):
-        raise ValueError("an allowed set must be a non-empty list of counts >= 1")
+    if not value or any(isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= MAX_GPUS for x in value):
+        raise ValueError(f"an allowed set must be a non-empty list of counts >= 1 (and <= {MAX_GPUS})")
     allowed = tuple(sorted(set(value)))
     return GpuRequest(allowed=allowed, requested=allowed[-1])
 
@@ -81,8 +85,8 @@ def _parse_range(text: str) -> GpuRequest:
     if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
         raise ValueError("a range must look like '2-8'")
     lo, hi = (int(p) for p in parts)
-    if not 1 <= lo <= hi:
-        raise ValueError("range needs 1 <= low <= high")
+    if not 1 <= lo <= hi <= MAX_GPUS:
+        raise ValueError(f"range needs 1 <= low <= high <= {MAX_GPUS}")
     return GpuRequest(lo=lo, hi=hi, requested=hi)
 
 
@@ -95,15 +99,16 @@ class JobSubmission(BaseModel):
     workdir: str = ""
     env: dict[str, str] = Field(default_factory=dict)
     gpus: int | str | list[int] | None = None
-    min_gpus: int | None = Field(default=None, ge=1)
-    max_gpus: int | None = Field(default=None, ge=1)
+    min_gpus: int | None = Field(default=None, ge=1, le=MAX_GPUS)
+    max_gpus: int | None = Field(default=None, ge=1, le=MAX_GPUS)
     elastic: bool = True
-    global_batch_size: int = Field(default=32, ge=1)
-    iterations: int | None = Field(default=None, ge=1)
-    epochs: float | None = Field(default=None, gt=0)
-    dataset_size: int | None = Field(default=None, ge=1)
-    deadline: float | None = Field(default=None, gt=0, description="seconds after submission")
-    priority: int = 0
+    global_batch_size: int = Field(default=32, ge=1, le=10**9)
+    iterations: int | None = Field(default=None, ge=1, le=10**12)
+    epochs: float | None = Field(default=None, gt=0, le=10**6, allow_inf_nan=False)
+    dataset_size: int | None = Field(default=None, ge=1, le=10**13)
+    deadline: float | None = Field(default=None, gt=0, le=10 * 365 * 86400, allow_inf_nan=False,
+                                   description="seconds after submission (at most ten years)")
+    priority: int = Field(default=0, ge=-10**6, le=10**6)
     model: str = Field(default="generic", description="throughput profile to schedule with")
 
     @field_validator("gpus")
