@@ -244,3 +244,12 @@ def test_tenant_numbers_that_gave_500s_or_were_accepted_get_422(env):
         r = post(body)
         assert r.status_code == 422, (body, r.status_code, r.text)
         assert len(r.content) < 4000, body  # bounded: the input is not echoed back
+
+
+def test_a_body_over_1_mb_gets_413_and_is_not_stored(env):
+    client, store, t = env
+    big = {**GOOD, "args": ["x" * 1000] * 2100}  # about 2 MB
+    r = client.post("/v1/jobs", json=big, headers=hdr(t["alice"]))
+    assert r.status_code == 413, r.text
+    assert client.get("/v1/jobs", headers=hdr(t["alice"])).json() == []
+    assert client.post("/v1/jobs", json=GOOD, headers=hdr(t["alice"])).status_code == 201

@@ -14,7 +14,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncContextManager, AsyncIterator, Callable
+from typing import Any, AsyncContextManager, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -58,6 +58,7 @@ def create_app(
     app.state.logs_dir = home / "logs"
     app.state.register_lock = threading.Lock()
     app.state.heartbeat_clock = internal.HeartbeatClock(time.time())
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     app.add_exception_handler(Exception, _any_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(InputError, _bad_input)
@@ -79,6 +80,50 @@ def _lifespan(start_loop: bool) -> Callable[[FastAPI], AsyncContextManager[None]
             coord.stop()
 
     return lifespan
+
+
+MAX_BODY_BYTES = 1 << 20  # the public API: a job spec is a few hundred bytes
+MAX_INTERNAL_BODY_BYTES = 16 << 20  # agents' reports carry log chunks (256 KB per process and tick)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` (``/internal/``:
+    :data:`MAX_INTERNAL_BODY_BYTES`) gets 413 before any handler parses it
+    (by its Content-Length, or while it streams in)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = MAX_INTERNAL_BODY_BYTES if str(scope.get("path", "")).startswith("/internal/") else self.max_bytes
+        length = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > limit:
+            return await self._too_large(scope, receive, send, limit)
+        seen = 0
+
+        async def counted() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._too_large(scope, receive, send, limit)
+
+    @staticmethod
+    async def _too_large(scope: dict[str, Any], receive: Any, send: Any, limit: int) -> None:
+        resp = JSONResponse(status_code=413, content={"detail": f"request body over {limit} bytes"})
+        await resp(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
 
 
 async def _invalid(request: Request, exc: Exception) -> JSONResponse:
