@@ -253,3 +253,14 @@ def test_a_body_over_1_mb_gets_413_and_is_not_stored(env):
     assert r.status_code == 413, r.text
     assert client.get("/v1/jobs", headers=hdr(t["alice"])).json() == []
     assert client.post("/v1/jobs", json=GOOD, headers=hdr(t["alice"])).status_code == 201
+
+
+def test_asking_for_more_gpus_than_the_cluster_or_the_job_allows_is_refused(env):
+    client, _, t = env  # the test cluster has 4 GPUs
+    r = client.post("/v1/jobs", json={**GOOD, "gpus": 64}, headers=hdr(t["alice"]))
+    assert r.status_code == 422 and "cluster has 4" in r.text
+    jid = client.post("/v1/jobs", json={**GOOD, "gpus": "1-2"}, headers=hdr(t["alice"])).json()["id"]
+    for n in (1000, 3):  # beyond the cluster; beyond the job's own range
+        r = client.post(f"/v1/jobs/{jid}/scale", json={"gpus": n}, headers=hdr(t["alice"]))
+        assert r.status_code == 422, (n, r.text)
+    assert client.post(f"/v1/jobs/{jid}/scale", json={"gpus": 2}, headers=hdr(t["alice"])).status_code == 200

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from tidal.control.api.deps import CoordinatorDep, LogsDirDep, StoreDep, UserDep, own_job
 from tidal.control.db import GPU, Event, Job, Process, Store
+from tidal.control.snapshot import job_spec
 from tidal.control.spec import JobSubmission
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -34,8 +35,9 @@ def submit(sub: JobSubmission, p: UserDep, store: StoreDep, coord: CoordinatorDe
     job_id = f"{sub.name}-{uuid.uuid4().hex[:6]}"
     spec = sub.to_jobspec(job_id, now, p.name)
     total = _total_gpus(store)
-    if total and spec.lo > total:
-        raise HTTPException(422, detail=[{"loc": ["body", "gpus"], "msg": f"needs {spec.lo} GPUs, cluster has {total}",
+    need = max(spec.lo, spec.requested_gpus or 0)
+    if total and need > total:
+        raise HTTPException(422, detail=[{"loc": ["body", "gpus"], "msg": f"asks for {need} GPUs, cluster has {total}",
                                           "type": "value_error"}])
     with store.session() as s:
         s.add(Job(id=job_id, user=p.name, name=sub.name, state="submitted", submit_time=now,
@@ -68,10 +70,15 @@ def get_job(job_id: str, p: UserDep, store: StoreDep) -> dict[str, Any]:
 @router.post("/{job_id}/scale")
 def scale(job_id: str, req: ScaleRequest, p: UserDep, store: StoreDep, coord: CoordinatorDep) -> dict[str, Any]:
     """Pin the job at ``gpus`` GPUs: the policy uses that count from now on."""
+    total = _total_gpus(store)
     with store.session() as s:
         j = own_job(s, job_id, p)
         if j.state not in PINNABLE:
             raise HTTPException(409, f"job {job_id} is {j.state}")
+        if req.gpus > total or not job_spec(j).can_run_at(req.gpus):
+            why = f"the cluster has {total} GPUs" if req.gpus > total else "the job cannot run at that size"
+            raise HTTPException(422, detail=[{"loc": ["body", "gpus"], "msg": f"{req.gpus} GPUs: {why}",
+                                              "type": "value_error"}])
         j.spec = {**j.spec, "pinned": req.gpus}
         store.log(s, "job.pinned", job_id, gpus=req.gpus, by=p.name)
     coord.wake()
