@@ -75,8 +75,9 @@ def scale(job_id: str, req: ScaleRequest, p: UserDep, store: StoreDep, coord: Co
         j = own_job(s, job_id, p)
         if j.state not in PINNABLE:
             raise HTTPException(409, f"job {job_id} is {j.state}")
-        if req.gpus > total or not job_spec(j).can_run_at(req.gpus):
-            why = f"the cluster has {total} GPUs" if req.gpus > total else "the job cannot run at that size"
+        over = bool(total) and req.gpus > total  # no node registered yet: only the job's own range counts
+        if over or not job_spec(j).can_run_at(req.gpus):
+            why = f"the cluster has {total} GPUs" if over else "the job cannot run at that size"
             raise HTTPException(422, detail=[{"loc": ["body", "gpus"], "msg": f"{req.gpus} GPUs: {why}",
                                               "type": "value_error"}])
         j.spec = {**j.spec, "pinned": req.gpus}
