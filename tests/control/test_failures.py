@@ -100,3 +100,29 @@ def test_preempted_job_is_suspended_and_resumed_from_its_checkpoint(tmp_path):
         replay_gpu_holders(admin.events())
     check_exactly_once(rec / "a", 2048, 4)
     check_exactly_once(rec / "b", 1024, 1)
+
+
+def test_a_killed_job_master_is_restarted_and_the_job_loses_nothing(tmp_path):
+    """kill -9 of a job's master: its agent restarts it from its state file on
+    the same ports (``--resume``), the workers reconnect, and the job
+    completes without a failure, a recovery or a sample used twice."""
+    rec = tmp_path / "records"
+    samples, epochs = 2048, 6
+    with LocalCluster(tmp_path / "home", nodes=2, gpus_per_node=2, policy="edf", tick_s=1.0) as c:
+        admin = c.api()
+        user = c.api(admin.add_user("alice"))
+        a = user.submit(job("a", rec, samples=samples, epochs=epochs, gpus="1-4", deadline=3600))["id"]
+        wait(lambda: user.job(a)["world_size"] == 4 and user.job(a)["step"] > 3, 120, "A to train on 4 GPUs", user)
+        master = _procs(user, a, kind="master")[0]
+        url = user.job(a)["master_url"]
+        os.kill(master["pid"], signal.SIGKILL)
+        wait(lambda: _procs(user, a, kind="master")[0]["pid"] != master["pid"], 30, "the master to restart", user)
+        step = user.job(a)["step"]
+        wait(lambda: user.job(a)["step"] > step + 3, 60, "A to train on", user)
+        assert user.job(a)["master_url"] == url  # the same address: the workers found it again
+        wait(lambda: user.job(a)["state"] in ("completed", "failed"), 200, "A to finish", user)
+        final = user.job(a)
+        assert final["state"] == "completed", final
+        assert not any(ch["kind"] == "recover" for ch in (final["progress"] or {}).get("changes", []))
+        assert len(_procs(user, a, kind="master")) == 1  # the same process row, run again
+    check_exactly_once(rec / "a", samples, epochs)

@@ -19,6 +19,8 @@ from tidal.httpjson import JsonHttp, Unavailable
 
 log = logging.getLogger("tidal.agent")
 
+MASTER_RESTARTS = 3  # a job master that keeps crashing is then reported failed
+
 
 def detect_gpus() -> int:
     """Number of NVIDIA GPUs through NVML, 0 when there is none (or no NVML)."""
@@ -132,6 +134,8 @@ class Agent:
         out = []
         for p in list(self.procs.values()):
             code = p.popen.poll()
+            if code not in (None, 0) and self._restart_master(p, code):
+                continue  # the same process row runs again; its new pid is reported next tick
             text = self._read_log(p)
             state = "running" if code is None else ("exited" if code == 0 else "failed")
             rep = {"id": p.id, "state": state, "pid": p.popen.pid, "exit_code": code, "log": text}
@@ -142,6 +146,21 @@ class Agent:
                 out.append(rep)
         out.extend(self.finished.values())
         return out
+
+    def _restart_master(self, p: Proc, code: int) -> bool:
+        """A job master that crashed (killed, or an exception) and was not told
+        to stop restarts here, from its state file and on its ports
+        (``--resume``, Elan §V-D), up to :data:`MASTER_RESTARTS` times; its
+        workers reconnect and the job loses no step."""
+        w = p.extra.get("spec") or {}
+        done = int(p.extra.get("restarts", 0))
+        if w.get("kind") != "master" or p.stop_sent or done >= MASTER_RESTARTS:
+            return False
+        log.warning("job master %s/%s exited with %s; restarting it (%d/%d)", p.job, p.name, code, done + 1,
+                    MASTER_RESTARTS)
+        argv = list(w["argv"]) + ([] if "--resume" in w["argv"] else ["--resume"])
+        self._launch({**w, "argv": argv}, offset=p.offset, restarts=done + 1)
+        return True
 
     def _read_log(self, p: Proc) -> str:
         try:
@@ -187,11 +206,11 @@ class Agent:
             elif p is not None and p.extra.get("gate") and not w.get("gated"):
                 Path(p.extra["gate"]).touch()  # the GPU is this job's now: train
 
-    def _launch(self, w: dict[str, Any]) -> None:
+    def _launch(self, w: dict[str, Any], offset: int | None = None, restarts: int = 0) -> None:
         d = self.workdir / "logs" / w["job"]
         d.mkdir(parents=True, exist_ok=True)
         log_path = d / f"{w['name']}.log"
-        start = log_path.stat().st_size if log_path.exists() else 0
+        start = offset if offset is not None else (log_path.stat().st_size if log_path.exists() else 0)
         env = dict(os.environ)
         env.update({k: str(v) for k, v in (w.get("env") or {}).items()})
         env[settings.NODE.name] = self.name
@@ -209,7 +228,8 @@ class Agent:
                                      start_new_session=True)
         self.procs[int(w["id"])] = Proc(int(w["id"]), w["job"], w["name"], popen, log_path,
                                         offset=start,
-                                        extra={"gpu": env.get("CUDA_VISIBLE_DEVICES", "-1"), "gate": gate})
+                                        extra={"gpu": env.get("CUDA_VISIBLE_DEVICES", "-1"), "gate": gate,
+                                               "spec": w, "restarts": restarts})
         log.info("launched %s/%s pid %d (CUDA_VISIBLE_DEVICES=%s)", w["job"], w["name"], popen.pid,
                  env.get("CUDA_VISIBLE_DEVICES", ""))
 

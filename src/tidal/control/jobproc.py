@@ -12,6 +12,7 @@ the server. It exits 0 when the job finished or was suspended.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -95,6 +96,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--size", type=int, required=True, help="number of workers the job starts with")
     ap.add_argument("--first-worker", type=int, default=0, help="number of the first worker id (w<N>)")
     ap.add_argument("--state-dir", default=None)
+    ap.add_argument("--resume", action="store_true",
+                    help="a restart after a crash: continue from the state file, on the same ports")
     return ap.parse_args(argv)
 
 
@@ -110,11 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     state_dir = Path(a.state_dir or settings.home() / "masters")
     state_dir.mkdir(parents=True, exist_ok=True)
     backend = open_backend(f"file://{state_dir / (a.job + '.json')}")
+    ports_file = state_dir / f"{a.job}.ports.json"
+    ports = json.loads(ports_file.read_text()) if a.resume and ports_file.exists() else {"http": 0, "store": 0}
     bind = bind_addr()
     adv = advertise_addr(bind, peer=urlparse(a.server).hostname, explicit=settings.ADVERTISE_ADDR.get())
     master = JobMaster(a.job, a.size, backend=backend, spawner=ControlPlaneSpawner(server, a.job),
-                       first_worker=a.first_worker, store_host=adv)
-    srv = MasterServer(master, host=bind, advertise=adv).start()
+                       first_worker=a.first_worker, store_host=adv, store_port=int(ports["store"]),
+                       resume=a.resume)
+    srv = MasterServer(master, host=bind, port=int(ports["http"]), advertise=adv).start()
+    # a restarted master (Elan §V-D) listens where its workers look for it
+    ports_file.write_text(json.dumps({"http": int(srv.httpd.server_address[1]), "store": master.store_port}))
     status, ans = server.call("POST", f"/internal/jobs/{a.job}/master", {"url": srv.url, "pid": os.getpid()})
     if status >= 400:
         log.error("the server refused this master: %s", ans)
