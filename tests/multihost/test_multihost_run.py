@@ -67,6 +67,7 @@ def _wait(what: str, cond: Callable[[list[dict[str, Any]]], bool], out: Path, pr
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_join_from_other_hosts_then_leave_keeps_exactly_once_and_equal_parameters(hosts: Any, tmp_path: Path) -> None:
     hs = hosts(3)
