@@ -93,7 +93,11 @@ def join_job(join: str, script: str, args: Sequence[str] = (), size: int = 1, *,
         out(f"tidal run: the master at {url} refused: {ans.status}: {ans.message}")
         return 1
     sp = LocalSpawner(script, args, master_url=url)
-    sp.spawn([WorkerLaunch(w) for w in ids])
+    try:
+        sp.spawn([WorkerLaunch(w) for w in ids])
+    except (ValueError, OSError) as e:  # e.g. no free GPU here; the master drops the change after its join timeout
+        out(f"tidal run: cannot start the workers here: {e}")
+        return 1
     out(f"tidal run: joined job at {url} with {', '.join(ids)}")
     prev = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
