@@ -86,6 +86,9 @@ def join_job(join: str, script: str, args: Sequence[str] = (), size: int = 1, *,
     if size < 1:
         out(f"tidal run: --workers must be at least 1 to join, not {size}")
         return 2
+    if not os.path.isfile(script):
+        out(f"tidal run: no such script: {script} (relative to {os.getcwd()})")
+        return 2
     c = MasterClient(url)
     ids = worker_ids(size)
     ans = _ask(c, ids, replace_host, timeout_s)
