@@ -81,7 +81,9 @@ def test_tidal_run_refuses_bad_arguments_before_starting_anything(tmp_path):
              (["--workers", "-1", str(script)], "--workers must be at least 1"),
              (["--workers", "4", "--max-workers", "2", str(script)], "more than --max-workers 2"),
              (["--state", "bogus://x", str(script)], "unknown state backend 'bogus'"),
-             ([str(tmp_path / "nope.py")], "no such script")]
+             ([str(tmp_path / "nope.py")], "no such script"),
+             (["--join", "bad", str(script)], "expected HOST:PORT"),
+             (["--join", "127.0.0.1:9", str(tmp_path / "nope.py")], "no such script")]
     for args, message in cases:
         res = runner.invoke(app, ["run", *args])
         assert res.exit_code == 2, (args, res.output)
