@@ -71,3 +71,13 @@ def test_bad_submissions_get_one_clear_line_before_any_request(tmp_path):
         assert res.exception is None or isinstance(res.exception, SystemExit), (args, repr(res.exception))
         assert message in " ".join(res.output.split()), (args, res.output)
         assert "Value error" not in res.output and "field ''" not in res.output
+
+
+def test_no_server_and_a_wrong_token_say_what_to_do(server, monkeypatch, tmp_path):
+    monkeypatch.setenv("TIDAL_HOME", str(tmp_path))
+    res = runner.invoke(app, ["jobs", "--server", "http://127.0.0.1:9", "--token", "t"])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 1 and "cannot reach the server at http://127.0.0.1:9" in text and "tidal up" in text
+    res = runner.invoke(app, ["jobs", "--server", server.url, "--token", "not-a-token"])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 1 and "401" in text and "admin.token" in text, text

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.markup import escape
 
+from tidal import settings
 from tidal.cli.app import app
 
 console = Console()
@@ -27,22 +28,30 @@ def _api(server: Optional[str], token: Optional[str]):
     return Api(server, token)
 
 
-def _fail(e: Exception) -> None:
+def _fail(e: Exception, url: str = "") -> None:
     from tidal.control.client import ApiError
 
     if isinstance(e, ApiError):
-        err.print("[red]error:[/] " + escape(f"{e}"))
+        hint = ""
+        if e.status in (401, 403):
+            hint = (f" (the admin token is in {settings.home() / 'admin.token'} on the server's machine; "
+                    "a user's token comes from `tidal user NAME`; pass it with --token or $TIDAL_TOKEN)")
+        err.print("[red]error:[/] " + escape(f"{e}{hint}"))
         raise typer.Exit(2 if e.status in (400, 422) else 1)
-    err.print("[red]error:[/] " + escape(f"cannot reach the server: {e}"))
+    where = f" at {url}" if url else ""
+    err.print("[red]error:[/] " + escape(f"cannot reach the server{where}: {e}; start one with `tidal up` "
+                                         "(or `tidal server`), or point --server / $TIDAL_SERVER at it"))
     raise typer.Exit(1)
 
 
 def _request(server_url: Optional[str], token: Optional[str], call):
     """Run ``call(api)``; a server error or no server becomes a clear CLI error."""
+    api = None
     try:
-        return call(_api(server_url, token))
+        api = _api(server_url, token)
+        return call(api)
     except Exception as e:  # noqa: BLE001
-        _fail(e)
+        _fail(e, getattr(api, "url", "") or (server_url or ""))
 
 
 ServerOpt = typer.Option(None, "--server", help="Server URL (default: $TIDAL_SERVER or $TIDAL_HOME/server.json).")
