@@ -120,7 +120,9 @@ def scale(
     gpus: Optional[int] = typer.Argument(None, help="Live cluster: pin the job at this many GPUs."),
     workers: Optional[int] = typer.Option(None, "--workers", "-n", help="`tidal run` job: target number of workers."),
     timeout: float = typer.Option(120.0, "--timeout", help="Give up after this many seconds."),
-    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the job runs at the new size."),
+    wait: bool = typer.Option(True, "--wait/--no-wait",
+                              help="`tidal run` job: wait until it runs at the new size (a live-cluster job's pin "
+                                   "returns at once; the policy applies it in its next round)."),
     server: Optional[str] = typer.Option(None, "--server", help="Live cluster: server URL."),
     token: Optional[str] = typer.Option(None, "--token", help="Live cluster: API token."),
     remove_host: Optional[str] = typer.Option(
