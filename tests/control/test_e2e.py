@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import tidal.control.demo_job as demo_job
+from tidal.runtime.data import epoch_permutation
 from tidal.control.local import LocalCluster
 
 pytestmark = pytest.mark.timeout(420)
@@ -40,13 +41,29 @@ def wait(pred, timeout, what, api=None):
 
 
 def check_exactly_once(d: Path, samples: int, epochs: int) -> None:
-    seen = collections.Counter()
-    for f in d.glob("*.txt"):
-        for line in f.read_text().splitlines():
-            ep, _step, *idx = line.split()
-            seen.update((int(ep), int(i)) for i in idx)
-    assert set(seen.values()) == {1}, "a sample was used twice in an epoch"
-    assert len(seen) == samples * epochs, f"{samples * epochs - len(seen)} samples never used"
+    """Every sample position of every epoch is in exactly one committed step
+    (the steps' global slices, which every member records: a worker lost
+    mid-step cannot record its own share of a step the others committed),
+    every worker trained only on the samples of the steps it recorded, and no
+    sample went to two workers in one step, except in the last line of a
+    worker that stopped early (a step it finished that its peers dropped and
+    redid without it)."""
+    slices = {tuple(int(x) for x in line.split()) for f in d.glob("*.ranges") for line in f.read_text().splitlines()}
+    covered = collections.Counter(pos for _ep, _step, lo, hi in slices for pos in range(lo, hi))
+    assert set(covered.values()) == {1}, "two committed steps overlap"
+    assert len(covered) == samples * epochs, f"{samples * epochs - len(covered)} samples never used"
+    perms = {ep: epoch_permutation(samples, 1, ep).tolist() for ep in range(epochs)}
+    step_samples = {(ep, st): {perms[ep][pos - ep * samples] for pos in range(lo, hi)} for ep, st, lo, hi in slices}
+    lines = {f.stem: [[int(x) for x in line.split()] for line in f.read_text().splitlines()] for f in d.glob("*.txt")}
+    final = max((ln[1] for ls in lines.values() for ln in ls), default=0)
+    per_step: dict[tuple[int, int], collections.Counter] = collections.defaultdict(collections.Counter)
+    for ls in lines.values():
+        for k, (ep, st, *idx) in enumerate(ls):
+            assert set(idx) <= step_samples.get((ep, st), set()), f"step {st} of epoch {ep}: samples of no such step"
+            if k == len(ls) - 1 and st < final:
+                continue  # the last step of a worker that stopped early (see above)
+            per_step[(ep, st)].update(idx)
+    assert all(set(c.values()) == {1} for c in per_step.values()), "a sample went to two workers in one step"
 
 
 def replay_gpu_holders(events) -> None:

@@ -1,9 +1,12 @@
 """A small elastic training job shipped with the package, used by ``tidal demo``
 and the end-to-end tests (the user-facing examples are in ``examples/``).
 
-With ``--record DIR`` every worker appends the dataset indices it trained on
-(one line per step: ``epoch step idx idx ...``) to ``DIR/<worker>.txt``, so a
-test can check that every sample was used exactly once per epoch.
+With ``--record DIR`` every worker appends, per step it committed, the
+dataset indices it trained on to ``DIR/<worker>.txt`` (``epoch step idx
+idx ...``) and the step's global sample positions to ``DIR/<worker>.ranges``
+(``epoch step lo hi``), so a test can check that every sample was used
+exactly once per epoch, also when a worker cut off mid-step never wrote its
+own line.
 """
 
 from __future__ import annotations
@@ -49,19 +52,25 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     job.register_state(model, opt)
-    rec = None
+    rec = ranges = None
     if a.record:
         Path(a.record).mkdir(parents=True, exist_ok=True)
         rec = open(Path(a.record) / f"{settings.WORKER_ID.get() or 'w'}.txt", "a")
+        ranges = open(Path(a.record) / f"{settings.WORKER_ID.get() or 'w'}.ranges", "a")
     loader = job.data(Indexed(a.samples), batch_size=a.batch_size, epochs=a.epochs, seed=1)
     for idx, x, y in loader:
-        epoch, step = loader.epoch, job.step_count
+        epoch, step, lo = loader.epoch, job.step_count, job.cursor  # the step's global slice starts at the cursor
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         applied = job.step()  # False: a peer died, the step was dropped and is redone by the survivors
-        if rec is not None and applied:
+        if rec is not None and ranges is not None and applied:
             rec.write(f"{epoch} {step} " + " ".join(str(int(i)) for i in idx) + "\n")
             rec.flush()
+            # the whole step's slice of the data, as every member saw it committed (a peer cut off
+            # mid-step cannot write its own line, but the others still record its samples' positions)
+            hi = min(lo + job.global_batch_size, (epoch + 1) * a.samples)
+            ranges.write(f"{epoch} {step} {lo} {hi}\n")
+            ranges.flush()
         if a.sample_time:
             time.sleep(a.sample_time * len(idx))
         if job.rank == 0 and job.step_count % 20 == 0:
