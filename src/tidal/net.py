@@ -22,7 +22,7 @@ from tidal import settings
 
 log = logging.getLogger(__name__)
 
-LOOPBACK = "127.0.0.1"
+LOOPBACK = settings.BIND_ADDR.default  # "127.0.0.1": the single-host default of every listener
 ANY = ("0.0.0.0", "", "::")
 _SIOCGIFADDR = 0x8915
 

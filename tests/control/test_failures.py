@@ -28,15 +28,21 @@ def _procs(user, jid, **match):
     return [p for p in user.job(jid)["processes"] if all(p[k] == v for k, v in match.items())]
 
 
+def _job_on_4_gpus(c, rec, samples, epochs):
+    """Admin and user clients, and job "a" training on all 4 GPUs of ``c``."""
+    admin = c.api()
+    user = c.api(admin.add_user("alice"))
+    a = user.submit(job("a", rec, samples=samples, epochs=epochs, gpus="1-4", deadline=3600))["id"]
+    wait(lambda: len(user.job(a)["gpus"]) == 4 and user.job(a)["world_size"] == 4 and user.job(a)["step"] > 3,
+         120, "A to train on 4 GPUs", user)
+    return admin, user, a
+
+
 def test_worker_kill_and_node_loss_are_survived(tmp_path):
     rec = tmp_path / "records"
     samples, epochs = 2048, 6
     with LocalCluster(tmp_path / "home", nodes=2, gpus_per_node=2, policy="edf", tick_s=1.0) as c:
-        admin = c.api()
-        user = c.api(admin.add_user("alice"))
-        a = user.submit(job("a", rec, samples=samples, epochs=epochs, gpus="1-4", deadline=3600))["id"]
-        wait(lambda: len(user.job(a)["gpus"]) == 4 and user.job(a)["world_size"] == 4 and user.job(a)["step"] > 3,
-             120, "A to train on 4 GPUs", user)
+        admin, user, a = _job_on_4_gpus(c, rec, samples, epochs)
         master_node = _procs(user, a, kind="master")[0]["node"]
         other = "node-1" if master_node == "node-0" else "node-0"
 
@@ -109,10 +115,7 @@ def test_a_killed_job_master_is_restarted_and_the_job_loses_nothing(tmp_path):
     rec = tmp_path / "records"
     samples, epochs = 2048, 6
     with LocalCluster(tmp_path / "home", nodes=2, gpus_per_node=2, policy="edf", tick_s=1.0) as c:
-        admin = c.api()
-        user = c.api(admin.add_user("alice"))
-        a = user.submit(job("a", rec, samples=samples, epochs=epochs, gpus="1-4", deadline=3600))["id"]
-        wait(lambda: user.job(a)["world_size"] == 4 and user.job(a)["step"] > 3, 120, "A to train on 4 GPUs", user)
+        admin, user, a = _job_on_4_gpus(c, rec, samples, epochs)
         master = _procs(user, a, kind="master")[0]
         url = user.job(a)["master_url"]
         os.kill(master["pid"], signal.SIGKILL)

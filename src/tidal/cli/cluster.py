@@ -60,7 +60,8 @@ TokenOpt = typer.Option(None, "--token", help="API token (default: $TIDAL_TOKEN 
 
 @app.command()
 def server(
-    host: str = typer.Option("127.0.0.1", "--host"),
+    host: Optional[str] = typer.Option(
+        None, "--host", help="Address to listen on (0.0.0.0: every interface); default $TIDAL_BIND_ADDR, else 127.0.0.1."),
     port: int = typer.Option(8470, "--port"),
     db: Optional[str] = typer.Option(None, "--db", help="SQLAlchemy URL (default: SQLite in $TIDAL_HOME)."),
     policy: str = typer.Option("edf", "--policy", help="Scheduling policy (same names as `tidal simulate`)."),

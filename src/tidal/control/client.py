@@ -13,8 +13,9 @@ from urllib.parse import quote
 
 from tidal import settings
 from tidal.httpjson import JsonHttp, Unavailable
+from tidal.net import LOOPBACK
 
-DEFAULT_SERVER = "http://127.0.0.1:8470"
+DEFAULT_SERVER = f"http://{LOOPBACK}:8470"  # the single-host default (`tidal up`)
 
 
 def find_server(explicit: str | None = None) -> str:

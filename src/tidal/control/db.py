@@ -40,6 +40,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from tidal import settings
+from tidal.net import LOOPBACK
 
 
 class Base(DeclarativeBase):
@@ -57,7 +58,7 @@ class Node(Base):
     __tablename__ = "nodes"
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
     ordinal: Mapped[int] = mapped_column(Integer, unique=True)  # position in the topology
-    address: Mapped[str] = mapped_column(String(256), default="127.0.0.1")
+    address: Mapped[str] = mapped_column(String(256), default=LOOPBACK)
     num_gpus: Mapped[int] = mapped_column(Integer)
     virtual: Mapped[bool] = mapped_column(Boolean, default=False)
     state: Mapped[str] = mapped_column(String(16), default="up")  # up | down

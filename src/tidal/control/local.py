@@ -14,11 +14,12 @@ from pathlib import Path
 
 from tidal import settings
 from tidal.control.client import Api
+from tidal.net import LOOPBACK
 
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
 
 
@@ -39,7 +40,7 @@ class LocalCluster:
         self.nodes, self.gpus_per_node = nodes, gpus_per_node
         self.policy, self.tick_s = policy, tick_s
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{LOOPBACK}:{self.port}"
         self.db_url = db_url
         self.admin_token = secrets.token_urlsafe(24)
         self.server: subprocess.Popen | None = None

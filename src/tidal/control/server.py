@@ -26,7 +26,7 @@ from tidal.control.api import cluster, internal, jobs, users
 from tidal.control.coordinator import Coordinator
 from tidal.control.db import Node, Store
 from tidal.core.errors import InputError
-from tidal.net import advertise_addr
+from tidal.net import advertise_addr, bind_addr
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def _reset_after_restart(store: Store) -> None:
 
 
 def serve(
-    host: str = "127.0.0.1",
+    host: str | None = None,
     port: int = 8470,
     db_url: str | None = None,
     policy: str = "edf",
@@ -171,6 +171,8 @@ def serve(
     job masters and agents on other hosts reach it at (default: ``host``, or
     with 0.0.0.0 this host's first non-loopback address; :mod:`tidal.net`)."""
     import uvicorn
+
+    host = bind_addr(host)
 
     home = Path(home or settings.home())
     home.mkdir(parents=True, exist_ok=True)

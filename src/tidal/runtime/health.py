@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from tidal import settings
+from tidal.net import LOOPBACK
 
 if TYPE_CHECKING:
     from tidal.runtime.spawner import Spawner
 
-LOCAL_HOSTS = ("localhost", "127.0.0.1")
+LOCAL_HOSTS = ("localhost", LOOPBACK)
 
 
 @dataclass

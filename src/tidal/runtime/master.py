@@ -38,6 +38,7 @@ from tidal.runtime.persistence import StateBackend
 from tidal.runtime.replication import MODES
 from tidal.runtime.spawner import Spawner, WorkerLaunch, failed_workers
 from tidal.runtime.stragglers import STRAGGLER_POLICIES, check_policy, decide, record_straggler
+from tidal.net import LOOPBACK
 
 __all__ = ["JobMaster", "STRAGGLER_POLICIES"]
 
@@ -118,7 +119,7 @@ class JobMaster:
     with ids from ``w<first_worker>`` on; without it, ``scale_out`` waits
     for workers started elsewhere to register."""
 
-    def __init__(self, job: str, size: int, *, store_host: str = "127.0.0.1", store_port: int = 0,
+    def __init__(self, job: str, size: int, *, store_host: str = LOOPBACK, store_port: int = 0,
                  backend: StateBackend | None = None, spawner: Spawner | None = None, switch_lead_s: float = 0.0,
                  join_timeout_s: float = 120.0, resume: bool = False, shard_manager: ShardManager | None = None,
                  max_size: int | None = None, first_worker: int = 0, recovery_window_s: float = 20.0,

@@ -75,10 +75,9 @@ class _Bucket:
         self.slot: dict[int, int] = {id(p): i for i, p in enumerate(params)}
         self.ready: set[int] = set()
         self.work: Any = None
-        self.tail = 0
+        self.tail = tail
         self.buf = torch.zeros(self.n + tail, dtype=params[0].dtype, device=params[0].device)
         self._views()
-        self.tail = tail
 
     def _views(self) -> None:
         self.views: list[torch.Tensor] = []

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from tidal import settings
+from tidal.net import LOOPBACK
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def failed_workers(spawner: Spawner | None) -> set[str]:
     return {w for w, c in spawner.exit_codes().items() if c not in (None, 0)}
 
 
-LOCAL_HOSTS = ("localhost", "127.0.0.1", "")
+LOCAL_HOSTS = ("localhost", LOOPBACK, "")
 
 
 def local_gpus(env: dict[str, str]) -> list[str]:

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from tidal.control.api.deps import AdminDep, CoordinatorDep, LogsDirDep, StoreDep
 from tidal.control.db import GPU, Job, Node, Process, Store
+from tidal.net import LOOPBACK
 
 router = APIRouter(prefix="/internal", tags=["internal"])
 
@@ -27,7 +28,7 @@ class RegisterRequest(BaseModel):
     name: str = Field(..., min_length=1, max_length=128)
     num_gpus: int = Field(..., ge=1, le=1024)
     virtual: bool = False
-    address: str = "127.0.0.1"
+    address: str = LOOPBACK
 
 
 class ProcReport(BaseModel):
