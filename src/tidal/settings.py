@@ -91,6 +91,10 @@ ADVERTISE_ADDR: Setting[str | None] = Setting("TIDAL_ADVERTISE_ADDR", _opt_str, 
 # -- a worker process (set by whoever starts it) ------------------------------------
 MASTER_URL: Setting[str | None] = Setting("TIDAL_MASTER_URL", _opt_str, None,
                                           "the job master's HTTP address; unset: the script runs alone", "worker")
+MASTER_FILE: Setting[str | None] = Setting("TIDAL_MASTER_FILE", _opt_str, None,
+                                           "a file holding the job master's current URL (the agent rewrites it when "
+                                           "the master restarts on another host); read when the master is "
+                                           "unreachable", "worker")
 WORKER_ID: Setting[str | None] = Setting("TIDAL_WORKER_ID", _opt_str, None,
                                          "this worker's id within its job (w0, w1, ...)", "worker")
 NODE: Setting[str | None] = Setting("TIDAL_NODE", _opt_str, None,

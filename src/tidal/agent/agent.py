@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 
 from tidal import settings
 from tidal.net import LOOPBACK, advertise_addr
+from tidal.control.jobproc import EXIT_REPLACED
 from tidal.httpjson import JsonHttp, Unavailable
 
 log = logging.getLogger("tidal.agent")
@@ -84,6 +85,7 @@ class Agent:
         self.acked: set[int] = set()  # exited processes the server knows about (never relaunched)
         self._stop = threading.Event()
         self.registered = False
+        self._urls: dict[str, str] = {}  # the master URL last written per job
         # an unreachable server is retried for one interval, then on the next tick
         self.http = JsonHttp(self.server, token=token, timeout_s=10.0, patience_s=interval_s)
 
@@ -127,6 +129,7 @@ class Agent:
                 self.finished.pop(r["id"], None)
                 self.acked.add(r["id"])
         self._reconcile(ans.get("workers", []))
+        self._write_master_urls(ans.get("masters") or {})
 
     def _collect(self) -> list[dict[str, Any]]:
         """Reports for every live process, plus unacknowledged exits (kept until
@@ -154,7 +157,7 @@ class Agent:
         workers reconnect and the job loses no step."""
         w = p.extra.get("spec") or {}
         done = int(p.extra.get("restarts", 0))
-        if w.get("kind") != "master" or p.stop_sent or done >= MASTER_RESTARTS:
+        if w.get("kind") != "master" or p.stop_sent or done >= MASTER_RESTARTS or code == EXIT_REPLACED:
             return False
         log.warning("job master %s/%s exited with %s; restarting it (%d/%d)", p.job, p.name, code, done + 1,
                     MASTER_RESTARTS)
@@ -206,6 +209,23 @@ class Agent:
             elif p is not None and p.extra.get("gate") and not w.get("gated"):
                 Path(p.extra["gate"]).touch()  # the GPU is this job's now: train
 
+    def _master_file(self, job: str) -> Path:
+        return self.workdir / "masters" / f"{job}.url"
+
+    def _write_master_urls(self, masters: dict[str, str]) -> None:
+        """Where each job's master is now, for this node's workers
+        (``$TIDAL_MASTER_FILE``): a master restarted on another host after
+        its own died is found there. Written atomically, only on change."""
+        for job, url in masters.items():
+            path = self._master_file(job)
+            if self._urls.get(job) == url:
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(url)
+            os.replace(tmp, path)
+            self._urls[job] = url
+
     def _launch(self, w: dict[str, Any], offset: int | None = None, restarts: int = 0) -> None:
         d = self.workdir / "logs" / w["job"]
         d.mkdir(parents=True, exist_ok=True)
@@ -214,6 +234,7 @@ class Agent:
         env = dict(os.environ)
         env.update({k: str(v) for k, v in (w.get("env") or {}).items()})
         env[settings.NODE.name] = self.name
+        env[settings.MASTER_FILE.name] = str(self._master_file(w["job"]))
         # a job master started here listens on this node's address (loopback on one host)
         env[settings.BIND_ADDR.name] = env[settings.ADVERTISE_ADDR.name] = self.address
         cwd = w.get("cwd") or None

@@ -63,6 +63,8 @@ class Node(Base):
     virtual: Mapped[bool] = mapped_column(Boolean, default=False)
     state: Mapped[str] = mapped_column(String(16), default="up")  # up | down
     last_heartbeat: Mapped[float] = mapped_column(Float, default=0.0)
+    # the agent's --label KEY=VALUE pairs; ``switch`` places the node in the topology
+    labels: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True, default=dict)
 
 
 class GPU(Base):
@@ -126,6 +128,9 @@ class Process(Base):
     argv: Mapped[list[str]] = mapped_column(JSON, default=list)
     cwd: Mapped[str] = mapped_column(Text, default="")
     gated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())  # warm up, wait before training
+    # a master started on another host of the job after its own host died: it
+    # continues the incarnation (the workers before it are still the job's)
+    relocated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class Event(Base):
@@ -139,6 +144,18 @@ class Event(Base):
     node: Mapped[str | None] = mapped_column(String(128), nullable=True)
     gpu: Mapped[int | None] = mapped_column(Integer, nullable=True)
     detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class MasterState(Base):
+    """A job master's latest snapshot (Elan §V-D keeps it in etcd): a master
+    restarted on another host, after its own died, continues from it.
+    ``seq`` only grows, so a late write of an older master never wins."""
+
+    __tablename__ = "master_states"
+    job_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer)
+    doc: Mapped[str] = mapped_column(Text)
+    updated: Mapped[float] = mapped_column(Float)
 
 
 class ThroughputRow(Base):

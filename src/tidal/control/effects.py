@@ -94,6 +94,24 @@ def launch_master(cx: Context, s: Session, j: Job, gids: list[int], workers: lis
     j.master_url = ""  # the new master reports its own
 
 
+def relocate_master(s: Session, j: Job, node: str) -> None:
+    """The job's master died with its host: a new master process on
+    ``node`` (one of the job's hosts) continues from the store's copy of the
+    state (``--resume``), told which workers were lost with the host."""
+    procs = list(s.scalars(select(Process).where(Process.job_id == j.id).order_by(Process.id)))
+    masters = [p for p in procs if p.kind == "master"]
+    old, first = masters[-1], next(p for p in reversed(masters) if not p.relocated)
+    lost = [p.name for p in procs if p.kind == "worker" and p.id > first.id and p.state in ("lost", "failed")]
+    argv = list(old.argv)
+    if "--lost" in argv:
+        i = argv.index("--lost")
+        del argv[i:i + 2]
+    argv += [*(["--resume"] if "--resume" not in argv else []), "--lost", ",".join(sorted(set(lost)))]
+    s.add(Process(job_id=j.id, name="master", kind="master", node=node, gpu=None, argv=argv, env=dict(old.env or {}),
+                  cwd=old.cwd, relocated=True))
+    j.master_url = ""  # the new master reports its own
+
+
 def _started(cx: Context, s: Session, j: Job, gids: list[int], now: float, early_init: bool) -> None:
     cx.store.assign_gpus(s, j.id, gids)  # opens the gate of warmed-up workers
     j.target = len(gids)
@@ -138,6 +156,13 @@ def _gone(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
     release_all(cx, s, j)
     j.end_time = now
     cx.store.log(s, "job.cancelled", j.id)
+
+
+def _master_lost(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
+    old = s.scalar(select(Process.node).where(Process.job_id == j.id, Process.kind == "master")
+                   .order_by(Process.id.desc()).limit(1))
+    relocate_master(s, j, obs.relocate_to)
+    cx.store.log(s, "job.master_relocated", j.id, node=obs.relocate_to, lost_node=old)
 
 
 def _master_exit(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
@@ -247,7 +272,7 @@ def _suspended(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None
 
 #: (phase, event) first, then event
 OBSERVED: dict[Any, Effect] = {
-    "cancel": _cancel, "gone": _gone, "master_exit": _master_exit,
+    "cancel": _cancel, "gone": _gone, "master_exit": _master_exit, "master_lost": _master_lost,
     ("ending", "finished"): _ended, ("ending", "failed"): _ended, ("suspending", "finished"): _ended,
     ("starting", "master_up"): _master_up_starting, ("prestarting", "master_up"): _master_up_prestarting,
     "taken": _taken, ("prestarting", "gate_open"): _gate_open_start, ("warming", "gate_open"): _gate_open_grow,

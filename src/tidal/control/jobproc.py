@@ -30,6 +30,8 @@ log = logging.getLogger("tidal.jobproc")
 
 #: how long a suspended job's master waits for its workers to report they left
 LINGER_S = 10.0
+#: exit code of a master the server replaced by one on another host (its agent does not restart it)
+EXIT_REPLACED = 3
 
 
 class ControlPlaneSpawner:
@@ -37,8 +39,9 @@ class ControlPlaneSpawner:
     coordinator starts this job's workers) and stops a hung worker through
     its agent (``POST /internal/jobs/{id}/kill``)."""
 
-    def __init__(self, server: JsonHttp, job: str) -> None:
+    def __init__(self, server: JsonHttp, job: str, lost: Sequence[str] = ()) -> None:
         self.server, self.job = server, job
+        self.lost = tuple(lost)  # workers that died with the host of this job's previous master
 
     def spawn(self, launches: Sequence[WorkerLaunch]) -> None:
         ids = [x.worker_id for x in launches]
@@ -51,7 +54,8 @@ class ControlPlaneSpawner:
             raise RuntimeError(f"no live worker {worker_id} of {self.job}: {ans}")
 
     def exit_codes(self) -> dict[str, int | None]:
-        return {}  # the server sees the processes, not this master
+        # the server sees the processes, not this master; it names those lost with the previous master's host
+        return {w: -9 for w in self.lost}
 
 
 class Reporter:
@@ -59,8 +63,9 @@ class Reporter:
     work is over: the job finished, or it was suspended and its workers left."""
 
     def __init__(self, server: JsonHttp, job: str, workers_left: Callable[[], bool],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.server, self.job = server, job
+                 clock: Callable[[], float] = time.monotonic, node: str = "") -> None:
+        self.server, self.job, self.node = server, job, node
+        self.fenced = False  # the server runs this job's master on another host now
         self.workers_left, self.clock = workers_left, clock
         self.last: Status | None = None
         self._suspended_at: float | None = None
@@ -69,13 +74,19 @@ class Reporter:
         self.last = st
         body = {"state": st.state, "step": st.step, "epoch": st.epoch, "world_size": st.world_size,
                 "members": list(st.members), "gen": st.gen, "step_time_s": st.step_time_s,
-                "changing": st.changing, "changes": list(st.changes)}
+                "changing": st.changing, "changes": list(st.changes), "node": self.node}
         try:
-            self.server.call("POST", f"/internal/jobs/{self.job}/status", body, patience_s=5)
+            code, ans = self.server.call("POST", f"/internal/jobs/{self.job}/status", body, patience_s=5)
         except Unavailable as e:  # keep training while the server is away
             log.warning("status report failed: %s", e)
+            return
+        if code == 409:
+            log.error("this master was replaced: %s", ans)
+            self.fenced = True
 
     def done(self) -> bool:
+        if self.fenced:
+            return True
         st = self.last
         if st is None:
             return False
@@ -97,7 +108,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--first-worker", type=int, default=0, help="number of the first worker id (w<N>)")
     ap.add_argument("--state-dir", default=None)
     ap.add_argument("--resume", action="store_true",
-                    help="a restart after a crash: continue from the state file, on the same ports")
+                    help="a restart after a crash: continue from the saved state (this host's file or the "
+                         "server's copy, the newer), on the same ports if this host ran the master before")
+    ap.add_argument("--lost", default="",
+                    help="comma-separated workers that died with the previous master's host")
     return ap.parse_args(argv)
 
 
@@ -106,38 +120,49 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tidal.runtime import JobMaster, MasterServer
     from tidal.runtime.host import host_master
-    from tidal.runtime.persistence import open_backend
+    from tidal.control.masterstate import Mirrored
+    from tidal.runtime.persistence import FileBackend, open_backend
     from tidal.net import advertise_addr, bind_addr
 
     server = JsonHttp(a.server, token=settings.AGENT_TOKEN.get(), timeout_s=10.0, patience_s=60.0)
-    state_dir = Path(a.state_dir or settings.home() / "masters")
+    node = settings.NODE.get() or ""
+    # this host's copy (a restart here uses its ports again); the server keeps the other
+    state_dir = Path(a.state_dir or settings.home() / "masters" / (node or "local"))
     state_dir.mkdir(parents=True, exist_ok=True)
-    backend = open_backend(f"file://{state_dir / (a.job + '.json')}")
+    backend = Mirrored(FileBackend(str(state_dir / f"{a.job}.json")),
+                       open_backend(f"tidal://{urlparse(a.server).netloc}/{a.job}"))
     ports_file = state_dir / f"{a.job}.ports.json"
     ports = json.loads(ports_file.read_text()) if a.resume and ports_file.exists() else {"http": 0, "store": 0}
     bind = bind_addr()
     adv = advertise_addr(bind, peer=urlparse(a.server).hostname, explicit=settings.ADVERTISE_ADDR.get())
-    master = JobMaster(a.job, a.size, backend=backend, spawner=ControlPlaneSpawner(server, a.job),
+    lost = [w for w in a.lost.split(",") if w]
+    master = JobMaster(a.job, a.size, backend=backend, spawner=ControlPlaneSpawner(server, a.job, lost),
                        first_worker=a.first_worker, store_host=adv, store_port=int(ports["store"]),
                        resume=a.resume)
     srv = MasterServer(master, host=bind, port=int(ports["http"]), advertise=adv).start()
     # a restarted master (Elan §V-D) listens where its workers look for it
     ports_file.write_text(json.dumps({"http": int(srv.httpd.server_address[1]), "store": master.store_port}))
-    status, ans = server.call("POST", f"/internal/jobs/{a.job}/master", {"url": srv.url, "pid": os.getpid()})
+    status, ans = server.call("POST", f"/internal/jobs/{a.job}/master",
+                              {"url": srv.url, "pid": os.getpid(), "node": node})
     if status >= 400:
         log.error("the server refused this master: %s", ans)
+        if status == 409:  # another host runs this job's master now
+            srv.stop()
+            return EXIT_REPLACED
     log.info("job %s master %s, %d workers from w%d", a.job, srv.url, a.size, a.first_worker)
 
     def workers_left() -> bool:
         workers: dict[str, Any] = master.snapshot()["workers"]
         return not any(w.get("state") in ("active", "leaving") for w in workers.values())
 
-    reporter = Reporter(server, a.job, workers_left)
+    reporter = Reporter(server, a.job, workers_left, node=node)
     try:
-        host_master(master, stop=reporter.done, on_status=reporter.report, status_every_s=0.5, poll_s=0.1)
+        host_master(master, stop=lambda: reporter.done() or backend.fenced.is_set(), on_status=reporter.report,
+                    status_every_s=0.5, poll_s=0.1)
     finally:
         srv.stop()
-    return 0
+        backend.close()
+    return EXIT_REPLACED if reporter.fenced or backend.fenced.is_set() else 0
 
 
 if __name__ == "__main__":

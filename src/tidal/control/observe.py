@@ -9,18 +9,25 @@ from typing import Sequence
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from tidal.control.db import GPU, Job, Process
+from tidal.control.db import GPU, Job, Node, Process
 from tidal.control.phases import DONOR, SUSPENDING, JobObs
 
 LIVE = ("pending", "running")
 
+#: a job's master is restarted on another host at most this often per incarnation
+MAX_RELOCATIONS = 3
+
 
 def observe(s: Session, j: Job) -> tuple[JobObs, list[Process]]:
-    """The job's observation, and its current incarnation's processes (the
-    latest master and everything after it; after a resume the old ones are
-    history)."""
+    """The job's observation, and its current incarnation's processes (from
+    the latest master launched with the job's GPUs on; after a resume the old
+    ones are history; a master relocated to another host continues the
+    incarnation)."""
     procs = list(s.scalars(select(Process).where(Process.job_id == j.id).order_by(Process.id)))
-    master = max((p for p in procs if p.kind == "master"), key=lambda p: p.id, default=None)
+    masters = [p for p in procs if p.kind == "master"]
+    master = masters[-1] if masters else None
+    first = next((p for p in reversed(masters) if not p.relocated), master)
+    current = [p for p in procs if first is not None and p.id > first.id]
     live = [p for p in procs if p.state in LIVE]
     change = dict(j.change or {})
     leavers = set(change.get("leavers", ()))
@@ -38,9 +45,23 @@ def observe(s: Session, j: Job) -> tuple[JobObs, list[Process]]:
         leavers_live=sum(1 for p in live if p.id in leavers),
         change_gpus=gpu_availability(s, j.id, gids) if gids and change.get("early") else "",
         unsuspendable=bool((j.tags or {}).get("_unsuspendable")),
+        relocate_to=relocation_target(s, current) if master is not None and master.state == "lost" else "",
     )
-    current = [p for p in procs if master is not None and p.id > master.id]
     return obs, current
+
+
+def relocation_target(s: Session, current: Sequence[Process]) -> str:
+    """Where a master lost with its host restarts: the up node running most
+    of the incarnation's workers (ties: by name); "" if none is left or the
+    master moved :data:`MAX_RELOCATIONS` times already."""
+    if sum(p.kind == "master" and p.relocated for p in current) >= MAX_RELOCATIONS:
+        return ""
+    up = set(s.scalars(select(Node.name).where(Node.state == "up")))
+    counts: dict[str, int] = {}
+    for p in current:
+        if p.kind == "worker" and p.state == "running" and p.node in up:
+            counts[p.node] = counts.get(p.node, 0) + 1
+    return min(counts, key=lambda n: (-counts[n], n), default="")
 
 
 def _giving_up(s: Session, holder: str, cache: dict[str, set[int]]) -> set[int]:

@@ -22,6 +22,9 @@ Phases (the job's ``state`` as users and policies see it in brackets)::
     warming --gate_open--> joining --joined--> running
     running --shrink_accepted--> shrinking [resizing] --left--> running
     running --suspend_accepted--> suspending [suspending] --suspended--> pending
+    running, warming, joining, shrinking --master_lost--> the same phase: the master's host
+                                                 died, the master restarts on another host of
+                                                 the job from the store's copy of its state
     any live phase --master_exit--> ending [running] --finished / failed--> completed / failed
     any live phase --cancel--> cancelling [cancelling] --gone--> cancelled
 """
@@ -48,6 +51,9 @@ STATE_OF: Mapping[str, str] = {
 #: phases in which the job's master process runs (or is being launched)
 WITH_MASTER = frozenset({PRESTARTING, STARTING, RUNNING, WARMING, JOINING, SHRINKING})
 
+#: phases whose master is restarted on another host of the job when its own host dies
+RELOCATABLE = frozenset({RUNNING, WARMING, JOINING, SHRINKING})
+
 #: phases that wait for a remote change to finish (the loop ticks faster meanwhile)
 IN_FLIGHT = frozenset({PRESTARTING, STARTING, WARMING, JOINING, SHRINKING, SUSPENDING, ENDING, CANCELLING})
 
@@ -59,6 +65,7 @@ _LIVE = frozenset(STATE_OF) - TERMINAL
 TRANSITIONS: Mapping[tuple[str, str], str] = {
     **{(p, "cancel"): CANCELLING for p in _LIVE - {CANCELLING}},
     **{(p, "master_exit"): ENDING for p in WITH_MASTER},
+    **{(p, "master_lost"): p for p in RELOCATABLE},
     (CANCELLING, "gone"): CANCELLED,
     (ENDING, "finished"): COMPLETED,
     (ENDING, "failed"): FAILED,
@@ -136,6 +143,7 @@ class JobObs:
     leavers_live: int = 0  # of a shrink's leaving workers
     change_gpus: str = ""  # "free" | "donated" | "blocked": the GPUs of the change in flight
     unsuspendable: bool = False  # its master refused a suspension once
+    relocate_to: str = ""  # an up node running the job's workers, where a lost master can restart
 
     @property
     def since(self) -> float:
@@ -178,6 +186,8 @@ def judge(obs: JobObs, now: float, timeout_s: float) -> str | None:
         if obs.live == 0:
             return "finished" if obs.finished_ok else "suspended"
         return "overdue" if now > obs.since + timeout_s else None
+    if p in RELOCATABLE and obs.master == "lost" and obs.relocate_to:
+        return "master_lost"
     if p in WITH_MASTER and obs.master_gone:
         return "master_exit"
     if p == ENDING:

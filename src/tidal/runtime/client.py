@@ -4,16 +4,36 @@ control plane's coordinator."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Callable
 
 from tidal.httpjson import JsonHttp, Unavailable
 from tidal.runtime.messages import ScaleAnswer, Status
 
 
+log = logging.getLogger(__name__)
+
+LOCATE_EVERY_S = 2.0  # while the master does not answer, look for a new address this often
+
+
 class MasterUnavailable(Unavailable):
     """The master did not answer within the client's patience."""
+
+
+def url_file(path: str | Path) -> Callable[[], str | None]:
+    """A locator reading the master's current URL from ``path`` (the agent
+    rewrites it when the master restarts on another host)."""
+
+    def locate() -> str | None:
+        try:
+            return Path(path).read_text().strip() or None
+        except OSError:
+            return None
+
+    return locate
 
 
 def retry_while_busy(call: Callable[[], ScaleAnswer], timeout_s: float,
@@ -31,10 +51,13 @@ def retry_while_busy(call: Callable[[], ScaleAnswer], timeout_s: float,
 class MasterClient:
     """Thread-safe (one keep-alive connection per thread). Follows ``moved``
     answers after a master handover and retries connection errors for up to
-    ``patience_s`` (a restarting master)."""
+    ``patience_s`` (a restarting master); meanwhile ``locate`` (if given)
+    may name a new address: a master restarted on another host."""
 
-    def __init__(self, url: str, timeout_s: float = 10.0, patience_s: float = 30.0, token: str = "") -> None:
+    def __init__(self, url: str, timeout_s: float = 10.0, patience_s: float = 30.0, token: str = "",
+                 locate: Callable[[], str | None] | None = None) -> None:
         self.http = JsonHttp(url, token=token, timeout_s=timeout_s, patience_s=patience_s)
+        self.locate = locate
 
     @property
     def url(self) -> str:
@@ -48,7 +71,7 @@ class MasterClient:
                 patience_s: float | None = None) -> tuple[int, dict[str, Any]]:
         for _ in range(8):  # bounded number of redirects
             try:
-                code, obj = self.http.call(method, path, body if method == "POST" else None, patience_s=patience_s)
+                code, obj = self._call(method, path, body if method == "POST" else None, patience_s)
             except Unavailable as e:
                 raise MasterUnavailable(str(e)) from e
             if not isinstance(obj, dict):
@@ -58,6 +81,26 @@ class MasterClient:
                 continue
             return code, obj
         raise MasterUnavailable("too many redirects")
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None,
+              patience_s: float | None) -> tuple[int, Any]:
+        """One call; while the master does not answer, ask ``locate`` every
+        :data:`LOCATE_EVERY_S` whether it moved, until the patience is spent."""
+        if self.locate is None:
+            return self.http.call(method, path, body, patience_s=patience_s)
+        deadline = time.monotonic() + (self.http.patience_s if patience_s is None else patience_s)
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                return self.http.call(method, path, body, patience_s=min(LOCATE_EVERY_S, left))
+            except Unavailable:
+                new = self.locate()
+                if new and new.rstrip("/") != self.url:
+                    log.warning("job master moved: %s -> %s", self.url, new)
+                    self.url = new
+                    continue
+                if time.monotonic() >= deadline:
+                    raise
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         return self.request("POST", path, body or {})[1]

@@ -150,6 +150,7 @@ class Heartbeat:
         self.progress = progress
         self.outbox = Outbox()
         self.endpoint: StoreEndpoint | None = None
+        self._endpoint_url = ""  # the master URL the endpoint was fetched from
         # what the training thread is doing, for the master's hung-worker check:
         # ("join" | "compute" | "sync" | "idle", step)
         self.phase: tuple[str, int] = ("idle", 0)
@@ -165,6 +166,7 @@ class Heartbeat:
         nothing else (HTTP calls of the heartbeat thread, a long state
         transfer) delays them."""
         self.endpoint = endpoint
+        self._endpoint_url = self.membership.client.url if self.membership.client is not None else ""
         self._start(self._beat_loop, "tidal-beat")
 
     def start(self) -> None:
@@ -219,6 +221,23 @@ class Heartbeat:
         except Exception as e:  # noqa: BLE001 - the master may be restarting
             log.debug("liveness beat failed: %s", e)
             self.membership.stores.drop(ep.host, ep.port, "beat")
+            self.follow_master()
+
+    def follow_master(self) -> None:
+        """The master client found the master at a new address (it restarted
+        on another host): fetch the store endpoint there. Any thread; the
+        endpoint is replaced whole."""
+        client = self.membership.client
+        if client is None or client.url == self._endpoint_url:
+            return
+        try:
+            url = client.url
+            self.endpoint = StoreEndpoint.from_json(client.request("GET", "/store", patience_s=2.0)[1])
+            self._endpoint_url = url
+            log.info("worker %s: the master's store is at %s:%d now", self.membership.worker_id,
+                     self.endpoint.host, self.endpoint.port)
+        except Exception as e:  # noqa: BLE001 - not up yet: the next failure tries again
+            log.debug("store endpoint of the moved master: %s", e)
 
     # ------------------------------------------------------------------ heartbeat thread
     def _loop(self) -> None:
@@ -249,6 +268,7 @@ class Heartbeat:
                 ep = self.endpoint
                 assert ep is not None
                 self.membership.stores.drop(ep.host, ep.port, "hb")
+                self.follow_master()
                 time.sleep(0.2)
                 continue
             last = time.perf_counter()
@@ -288,6 +308,7 @@ class Heartbeat:
             assert client is not None
             client.url = str(obj["moved"])
             self.endpoint = StoreEndpoint.from_json(client.get("/store"))
+            self._endpoint_url = client.url
             return True
         plan = SwitchPlan.from_json(obj)
         if plan.target.gen > g.gen:

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from tidal import settings
 from tidal.runtime.checkpoint import Checkpointer
-from tidal.runtime.client import MasterClient
+from tidal.runtime.client import MasterClient, url_file
 from tidal.runtime.devices import backend_for, local_device, params_device
 from tidal.runtime.heartbeat import Heartbeat
 from tidal.runtime.lifecycle import Lifecycle
@@ -96,7 +96,7 @@ class Job:
         device: torch.device | str | None = None,
     ) -> None:
         self.worker_id = worker_id
-        self.client = MasterClient(master_url) if master_url else None
+        self.client = _master_client(master_url) if master_url else None
         self.device = torch.device(device) if device is not None else _default_device()
         self.train = TrainState()
         # periodic checkpoints (consistent recovery when every worker died): see tidal.runtime.checkpoint
@@ -334,6 +334,17 @@ class Job:
 def _default_device() -> torch.device:
     return local_device(torch.cuda.device_count(), os.environ.get("LOCAL_RANK"),
                         os.environ.get("CUDA_VISIBLE_DEVICES"), settings.DEVICE.get())
+
+
+def _master_client(url: str) -> MasterClient:
+    """The worker's client of its master; on the control plane it also
+    follows the master to another host (``$TIDAL_MASTER_FILE``, rewritten
+    by the agent), and waits longer for it: a host is judged dead after
+    seconds, then the master starts elsewhere."""
+    path = settings.MASTER_FILE.get()
+    if not path:
+        return MasterClient(url)
+    return MasterClient(url, patience_s=90.0, locate=url_file(path))
 
 
 def init(master_url: str | None = None, worker_id: str | None = None, **kw: Any) -> Job:

@@ -4,6 +4,7 @@ stopped. Every route needs the agent (or admin) token."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from tidal.control.api.deps import AdminDep, CoordinatorDep, LogsDirDep, StoreDep
-from tidal.control.db import GPU, Job, Node, Process, Store
+from tidal.control.db import GPU, Job, MasterState, Node, Process, Store
 from tidal.net import LOOPBACK
 
 router = APIRouter(prefix="/internal", tags=["internal"])
@@ -105,9 +106,10 @@ def heartbeat(name: str, req: HeartbeatRequest, request: Request, store: StoreDe
         _apply_utils(s, name, req.utils)
         finished |= _judge_silent_nodes(s, store, request.app.state.heartbeat_clock, now)
         wanted = _wanted_processes(s, name)
+        masters = _master_urls(s, {w["job"] for w in wanted})
     if finished:
         coord.wake()
-    return {"workers": wanted}
+    return {"workers": wanted, "masters": masters}
 
 
 def _apply_reports(s: Session, store: Store, node: str, reports: list[ProcReport], logs_dir: Path) -> bool:
@@ -178,6 +180,14 @@ def _wanted_processes(s: Session, node: str) -> list[dict[str, Any]]:
              "desired": w.desired, "gated": w.gated} for w in procs]
 
 
+def _master_urls(s: Session, jobs: set[str]) -> dict[str, str]:
+    """Where each of these jobs' master is now (the agent tells its workers:
+    a master restarted on another host is found there)."""
+    if not jobs:
+        return {}
+    return {j.id: j.master_url for j in s.scalars(select(Job).where(Job.id.in_(sorted(jobs)))) if j.master_url}
+
+
 # -- job masters ---------------------------------------------------------------------------
 def _any_job(s: Session, job_id: str) -> Job:
     j = s.get(Job, job_id)
@@ -199,12 +209,24 @@ def kill_worker(job_id: str, body: dict[str, Any], store: StoreDep, _: AdminDep)
     return {"ok": bool(ws)}
 
 
+def _fence(s: Session, job_id: str, body: dict[str, Any]) -> None:
+    """A report from a master on another node than the job's current master
+    (a master whose host was cut off and that was restarted elsewhere) is
+    refused with 409: that master stops."""
+    node = str(body.get("node") or "")
+    current = s.scalar(select(Process.node).where(Process.job_id == job_id, Process.kind == "master")
+                       .order_by(Process.id.desc()).limit(1))
+    if node and current is not None and node != current:
+        raise HTTPException(409, f"job {job_id}'s master runs on {current} now, not on {node}")
+
+
 @router.post("/jobs/{job_id}/master")
 def master_up(job_id: str, body: dict[str, Any], store: StoreDep, coord: CoordinatorDep,
               _: AdminDep) -> dict[str, Any]:
     """The job's master is up at ``url`` (the coordinator writes its workers' rows now)."""
     with store.session() as s:
         j = _any_job(s, job_id)
+        _fence(s, job_id, body)
         j.master_url = str(body.get("url", ""))
         store.log(s, "job.master", job_id, url=j.master_url)
     coord.wake()
@@ -216,6 +238,39 @@ def job_status(job_id: str, body: dict[str, Any], store: StoreDep, _: AdminDep) 
     """The job master's latest status (progress, step)."""
     with store.session() as s:
         j = _any_job(s, job_id)
-        j.progress = body
+        _fence(s, job_id, body)
+        j.progress = {k: v for k, v in body.items() if k != "node"}
         j.done = float(body.get("step", j.done))
     return {"ok": True}
+
+
+class MasterStateBody(BaseModel):
+    seq: int = Field(..., ge=0)
+    doc: dict[str, Any]
+    node: str = ""
+
+
+@router.post("/jobs/{job_id}/master-state")
+def save_master_state(job_id: str, body: MasterStateBody, store: StoreDep, _: AdminDep) -> dict[str, Any]:
+    """The job master's latest snapshot; an older one (lower ``seq``) than
+    the stored one is ignored."""
+    with store.session() as s:
+        _any_job(s, job_id)
+        _fence(s, job_id, {"node": body.node})
+        row = s.get(MasterState, job_id)
+        doc = json.dumps(body.doc)
+        if row is None:
+            s.add(MasterState(job_id=job_id, seq=body.seq, doc=doc, updated=time.time()))
+        elif body.seq > row.seq:
+            row.seq, row.doc, row.updated = body.seq, doc, time.time()
+    return {"ok": True}
+
+
+@router.get("/jobs/{job_id}/master-state")
+def load_master_state(job_id: str, store: StoreDep, _: AdminDep) -> dict[str, Any]:
+    """The newest snapshot a master of this job saved (404: none)."""
+    with store.session() as s:
+        row = s.get(MasterState, job_id)
+        if row is None:
+            raise HTTPException(404, f"no master state for job {job_id}")
+        return {"seq": row.seq, "doc": json.loads(row.doc), "updated": row.updated}
