@@ -404,3 +404,70 @@ def test_the_agent_spawner_writes_rows_only_on_the_jobs_gpus(env):
         assert sp.exit_codes() == {"w0": None, "w1": -9} and failed_workers(sp) == {"w1"}
         sp.kill("w0")
         assert [p.desired for p in sp._rows()] == ["stop", "run"]
+
+
+def _host_dies(store, node: str) -> None:
+    """What the server does when a node stops heart-beating: the node is
+    down, its live processes lost and to be stopped."""
+    with store.session() as s:
+        s.get(Node, node).state = "down"
+        for p in s.scalars(select(Process).where(Process.node == node, Process.state.in_(("pending", "running")))):
+            p.state, p.desired = "lost", "stop"
+
+
+def test_a_master_lost_with_its_host_restarts_on_the_jobs_other_host(env):
+    store, policy, masters, coord = env
+    a = submit(store, "a")
+    run(store, policy, coord, a, (0, 1, 2, 3))
+    assert procs(store, a, "master")[0].node == "n0"
+    _host_dies(store, "n0")
+    policy.place[a] = (2, 3)  # the policy sees only n1's GPUs now
+    coord.round()
+    m = procs(store, a, "master")
+    assert [(p.node, p.state, p.relocated) for p in m] == [("n0", "lost", False), ("n1", "pending", True)]
+    argv = m[1].argv
+    assert "--resume" in argv and argv[argv.index("--lost") + 1] == "w0,w1"  # the workers that died with n0
+    assert job(store, a).state == "running" and job(store, a).master_url == ""  # no change until it reports
+    assert "job.master_relocated" in kinds(store, a)
+    coord.round()
+    assert masters.asked == [] and len(procs(store, a, "master")) == 2  # relocated once, nothing asked meanwhile
+    # the relocated master reports from n1; the surviving workers are still this incarnation's
+    report(store, a, url="http://n1-master", state="running", world_size=2)
+    agent(store, a, "running", kind="master")
+    agent(store, a, "exited", kind="worker", names={"w2", "w3"}, exit_code=0)
+    report(store, a, state="finished", world_size=2)
+    agent(store, a, "exited", kind="master", exit_code=0)
+    for _ in range(3):
+        coord.round()
+    assert job(store, a).state == "completed", job(store, a).exit_info
+    assert gpus(store, a) == []
+    check_gpus_never_held_twice(store)
+
+
+def test_a_master_lost_with_the_jobs_only_host_fails_the_job(env):
+    store, policy, masters, coord = env
+    a = submit(store, "a")
+    run(store, policy, coord, a, (0, 1))
+    _host_dies(store, "n0")
+    policy.place[a] = ()
+    for _ in range(3):
+        coord.round()
+    assert job(store, a).state == "failed" and "master lost with node n0" in job(store, a).exit_info
+    assert len(procs(store, a, "master")) == 1
+
+
+def test_a_master_moves_at_most_three_times(env):
+    store, policy, masters, coord = env
+    a = submit(store, "a")
+    run(store, policy, coord, a, (0, 1, 2, 3))
+    for n in range(4):
+        with store.session() as s:  # the current master's host "dies"; its workers there are spared
+            m = s.scalars(select(Process).where(Process.job_id == a, Process.kind == "master")
+                          .order_by(Process.id.desc())).first()
+            m.state, m.desired = "lost", "stop"
+        coord.round()
+    m = procs(store, a, "master")
+    assert sum(p.relocated for p in m) == 3
+    coord.round()
+    assert job(store, a).phase in ("ending", "failed")  # no fourth move: the job ends, its workers stop
+    assert all(p.desired == "stop" for p in procs(store, a))

@@ -159,3 +159,66 @@ def test_a_host_cut_off_for_10s_comes_back_without_duplicates(hosts: Any, tmp_pa
         assert live == [], live
         replay_gpu_holders(admin.events())
     check_exactly_once(rec / "a", samples, epochs)
+
+
+def _kinds(admin: Api, jid: str) -> set[str]:
+    return {e["kind"] for e in admin.events() if e.get("job") == jid}
+
+
+def _steps(rec: Path, worker: str) -> list[tuple[int, int]]:
+    path = rec / f"{worker}.txt"
+    return [(int(ln.split()[0]), int(ln.split()[1])) for ln in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_masters_host_dies_and_the_master_moves_to_another_host_of_the_job(hosts: Any, tmp_path: Path) -> None:
+    """The host running the job's master (and two of its workers) dies. The
+    server marks it down, restarts the master on the job's other host from
+    the store's copy of its state, the surviving workers find it there (their
+    agent rewrites $TIDAL_MASTER_FILE) and re-form without the lost ones:
+    no step is redone on the surviving host (no rollback to a checkpoint),
+    the job finishes, every sample exactly once per epoch."""
+    hs = hosts(3)
+    home, rec = tmp_path / "home", tmp_path / "records"
+    home.mkdir()
+    token = secrets.token_urlsafe(16)
+    _tidal(hs[0], ["server", "--host", "0.0.0.0", "--port", str(PORT), "--policy", "edf", "--tick", "1",
+                   "--token", token], home, "server")
+    url = f"http://{hs[0].addr}:{PORT}"
+    for i in (1, 2):
+        _tidal(hs[i], ["agent", "--server", url, "--token", token, "--name", f"node-{i}", "--virtual-gpus", "2",
+                       "--interval", "0.3"], home, f"agent-{i}")
+    addr = {f"node-{i}": hs[i].addr for i in (1, 2)}
+    samples, epochs = 4096, 6
+    with hs[0].entered():
+        admin = Api(url, token)
+        wait(admin.healthy, 60, "the server")
+        wait(lambda: sum(n["state"] == "up" for n in admin.cluster()["nodes"]) == 2, 60, "two agents")
+        user = Api(url, admin.add_user("alice"))
+        a = user.submit(job("a", rec, samples=samples, epochs=epochs, gpus="1-4", deadline=3600))["id"]
+        wait(lambda: user.job(a)["world_size"] == 4 and user.job(a)["step"] > 3, 150, "A on 4 GPUs", user)
+        doomed = _procs(user, a, kind="master")[0]["node"]
+        survivor = "node-1" if doomed == "node-2" else "node-2"
+        kept = sorted(p["name"] for p in _procs(user, a, node=survivor, kind="worker", state="running"))
+        assert len(kept) == 2, kept
+        hs.kill_host(int(doomed[-1]))
+        wait(lambda: "job.master_relocated" in _kinds(admin, a), 60,
+             "the master to be relocated", user)
+        wait(lambda: user.job(a)["master_url"].startswith(f"http://{addr[survivor]}:"), 60,
+             f"the new master to report from {survivor}", user)
+        relocated = [p for p in _procs(user, a, kind="master") if p["node"] == survivor]
+        assert len(relocated) == 1, user.job(a)["processes"]
+        step = user.job(a)["step"]
+        wait(lambda: user.job(a)["step"] > step + 3 or user.job(a)["state"] == "completed", 120,
+             "A to train on under the relocated master", user)
+        wait(lambda: user.job(a)["state"] in ("completed", "failed"), 240, "A to finish", user)
+        final = user.job(a)
+        assert final["state"] == "completed", final
+        assert final["gpus"] == []
+        assert not {"job.resume", "job.suspended"} & _kinds(admin, a)
+        replay_gpu_holders(admin.events())
+    for w in kept:  # the surviving workers never redid a step: nothing was rolled back
+        steps = _steps(rec / "a", w)
+        assert steps == sorted(set(steps)), f"{w} trained a step twice"
+    check_exactly_once(rec / "a", samples, epochs)

@@ -213,6 +213,7 @@ class Heartbeat:
         training thread stuck in compute keeps the same (step, "compute")
         while its peers wait in "sync"."""
         self.beats += 1
+        self.follow_master()
         ep, (what, step) = self.endpoint, self.phase
         assert ep is not None
         try:
@@ -289,6 +290,7 @@ class Heartbeat:
         """Post pending reports, write progress, read the plan key."""
         assert self.membership.client is not None and self.endpoint is not None
         self.outbox.post(self.membership.client)
+        self.follow_master()
         ep = self.endpoint
         store = self.membership.stores.get(ep.host, ep.port, tag="hb")
         progress = json.dumps(self.progress(g))

@@ -154,7 +154,12 @@ class StoreCache:
     """Clients of the master's TCPStore, one per (host, port, tag); each
     thread uses its own tag. Clients other than the heartbeat's ("hb", used
     every step and dropped on its own errors) are checked before use, so a
-    connection lost to a master restart is replaced (Elan §V-D)."""
+    connection lost to a master restart is replaced (Elan §V-D). The
+    background threads' clients ("hb", "beat") give up connecting after
+    :data:`QUICK_TIMEOUT` (a master whose host died does not answer; its
+    successor elsewhere is found through the master client)."""
+
+    QUICK_TIMEOUT = datetime.timedelta(seconds=5)
 
     def __init__(self, timeout: datetime.timedelta) -> None:
         self.timeout = timeout
@@ -172,7 +177,9 @@ class StoreCache:
                 log.warning("store %s:%d lost (%s); reconnecting", host, port, e)
                 s = None
         if s is None:
-            s = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
+            quick = tag in ("hb", "beat")
+            s = dist.TCPStore(host, port, is_master=False,
+                              timeout=min(self.timeout, self.QUICK_TIMEOUT) if quick else self.timeout)
             with self._lock:
                 self._stores[key] = s
         return s
