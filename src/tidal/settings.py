@@ -120,6 +120,10 @@ OVERLAP: Setting[bool] = Setting("TIDAL_OVERLAP", _bool, True,
 CHECKPOINT_DIR: Setting[str | None] = Setting("TIDAL_CHECKPOINT_DIR", _opt_str, None,
                                               "periodic checkpoints and suspend/resume go here; unset: none",
                                               "worker")
+RESUME_STEP: Setting[int | None] = Setting("TIDAL_RESUME_STEP", lambda v: int(v) if v not in (None, "") else None,
+                                           None, "a job resumed after a suspension: the step it was suspended at "
+                                           "(set by the control plane); resuming from an older checkpoint is an "
+                                           "error", "worker")
 CHECKPOINT_EVERY: Setting[int] = Setting("TIDAL_CHECKPOINT_EVERY", int, 0,
                                          "checkpoint every N steps (0 with a directory: every 100)", "worker")
 CHECKPOINT_SHARED: Setting[bool] = Setting("TIDAL_CHECKPOINT_SHARED", _bool, False,

@@ -64,7 +64,8 @@ def test_bad_submissions_get_one_clear_line_before_any_request(tmp_path):
     cases = [([*base, "--gpus", "1,x"], "field 'gpus': an allowed set must look like '1,2,4'"),
              ([*base, "--gpus", "-2"], "field 'gpus': must be >= 1"),
              (["submit", "--name", "a", "--script", "x.py", "--gpus", "2"], "give iterations or epochs"),
-             (["submit", str(binary)], "not a text (UTF-8) file")]
+             (["submit", str(binary)], "not a text (UTF-8) file"),
+             (["agent", "--virtual-gpus", "1", "--label", "rack1"], "--label 'rack1': expected KEY=VALUE")]
     for args, message in cases:
         res = runner.invoke(app, [*args, "--server", "http://127.0.0.1:9", "--token", "t"])
         assert res.exit_code == 2, (args, res.output)

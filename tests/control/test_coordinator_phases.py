@@ -81,6 +81,23 @@ def test_a_master_that_exits_ends_the_job_once_its_workers_are_gone():
     assert judge(obs("ending", master="failed", master_exit_code=1), NOW, T) == "failed"
 
 
+def test_a_master_lost_with_its_host_moves_where_the_job_still_runs():
+    for phase in ("running", "warming", "joining", "shrinking"):
+        assert judge(obs(phase, master="lost", relocate_to="n1"), NOW, T) == "master_lost"
+        assert advance(phase, "master_lost") == phase
+    for phase in ("prestarting", "starting"):  # never up: nothing to continue from
+        assert judge(obs(phase, master="lost", relocate_to="n1"), NOW, T) == "master_exit"
+    assert judge(obs("running", master="failed", relocate_to="n1"), NOW, T) == "master_exit"  # crashed: its agent
+
+
+def test_every_worker_failing_with_an_error_ends_a_running_job():
+    assert judge(obs("running", master="running", workers_erred=True, progress=FORMED), NOW, T) == "workers_failed"
+    assert advance("running", "workers_failed") == "ending"
+    finished = {"state": "finished"}
+    assert judge(obs("running", master="running", workers_erred=True, progress=finished), NOW, T) is None
+    assert judge(obs("joining", master="running", workers_erred=True), NOW, T) is None
+
+
 def test_starting_waits_for_the_masters_url():
     assert judge(obs("starting", master="pending"), NOW, T) is None
     assert judge(obs("starting", master="running", master_url="http://m"), NOW, T) == "master_up"

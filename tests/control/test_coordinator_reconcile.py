@@ -259,17 +259,23 @@ def test_suspend_and_resume_with_new_worker_ids(env):
     assert masters.asked[-1] == ("suspend", ()) and job(store, a).state == "suspending"
     coord.round()
     assert job(store, a).state == "suspending"
+    with store.session() as s:  # the master's last status: suspended, its checkpoint of step 5 written
+        s.get(Job, a).progress = {"state": "suspended", "step": 5, "suspended_step": 5}
     agent(store, a, "exited", exit_code=0)
     coord.round()
     j = job(store, a)
     assert (j.state, j.phase, j.master_url, gpus(store, a)) == ("pending", "pending", "", [])
     assert j.tags["_suspended"] == 1 and j.progress["state"] == "suspended"
+    assert j.tags["_resume_step"] == 5
     policy.place = {a: (2, 3)}
     coord.round()
     assert procs(store, a, "master")[-1].argv[-4:] == ["--size", "2", "--first-worker", "2"]
     report(store, a, url="http://m-a2")
     coord.round()
     assert [w.name for w in procs(store, a)] == ["w0", "w1", "w2", "w3"]
+    # the resumed workers check that they load the checkpoint of the step the job was suspended at
+    assert all(w.env[settings.RESUME_STEP.name] == "5" for w in procs(store, a)[2:])
+    assert settings.RESUME_STEP.name not in procs(store, a)[0].env
     ks = kinds(store, a)
     assert ks.index("job.suspend") < ks.index("job.suspended") < ks.index("job.resume")
     check_gpus_never_held_twice(store)
@@ -471,3 +477,24 @@ def test_a_master_moves_at_most_three_times(env):
     coord.round()
     assert job(store, a).phase in ("ending", "failed")  # no fourth move: the job ends, its workers stop
     assert all(p.desired == "stop" for p in procs(store, a))
+
+
+def test_every_worker_failing_with_an_error_fails_the_job_with_its_last_log_line(env, tmp_path):
+    store, policy, masters, coord = env
+    a = run(store, policy, coord, submit(store, "a"), (0, 1)) or "a"
+    logs = tmp_path / "home" / "logs" / a
+    logs.mkdir(parents=True)
+    (logs / "w1.log").write_text("Traceback (most recent call last):\nFileNotFoundError: data.csv\n\n")
+    agent(store, a, "failed", names={"w0"}, exit_code=-9)  # killed: a scale-in, the job goes on
+    policy.place[a] = (1,)
+    coord.round()
+    assert job(store, a).phase == "running"
+    agent(store, a, "failed", names={"w1"}, exit_code=1)
+    coord.round()
+    j = job(store, a)
+    assert j.phase in ("ending", "failed") and all(p.desired == "stop" for p in procs(store, a, "master"))
+    agent(store, a, "exited", kind="master", exit_code=0)
+    coord.round()
+    j = job(store, a)
+    assert j.state == "failed" and j.exit_info == "every worker failed; w1: FileNotFoundError: data.csv", j.exit_info
+    assert gpus(store, a) == []

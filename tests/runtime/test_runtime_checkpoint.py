@@ -201,3 +201,39 @@ def test_a_job_spanning_hosts_refuses_node_local_checkpoints() -> None:
     assert shared.register("w0", host="a", checkpoints=True).get("status") != "error"
     assert shared.register("w1", host="b", checkpoints=True).get("status") != "error"  # shared storage: fine
     assert shared.register("w2", host="c", checkpoint_local="/tmp/c (ext4)")["status"] == "error"
+
+
+def test_a_resumed_job_refuses_an_older_checkpoint_than_its_suspension(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """$TIDAL_RESUME_STEP (set by the control plane on a resume): the newest
+    checkpoint must be of that step, else the job would redo steps."""
+    from tidal.runtime import init
+    from tidal.runtime.checkpoint import ResumeMismatch
+    from elastic_train import Pairs, make_data, make_model, make_opt
+
+    x, y = make_data(60, 0)
+    ck = tmp_path / "ck"
+
+    def train(stop_at: int | None) -> int:
+        job = init(master_url=None, worker_id="solo", checkpoint_dir=ck, checkpoint_every=3)
+        model = make_model(0)
+        opt, sched = make_opt(model)
+        job.register_state(model, opt, sched)
+        it = job.data(Pairs(x, y), batch_size=8, epochs=1, seed=0)
+        for xb, yb in it:
+            if job.step_count == stop_at:
+                break
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            job.step()
+        return job.checkpointer.resumed_from
+
+    assert train(stop_at=7) is None  # checkpoints of steps 3 and 6
+    monkeypatch.setenv("TIDAL_RESUME_STEP", "9")
+    with pytest.raises(ResumeMismatch, match="suspended at step 9 but the newest checkpoint is of step 6"):
+        train(stop_at=None)
+    monkeypatch.setenv("TIDAL_RESUME_STEP", "6")
+    assert train(stop_at=None) == 6
+    monkeypatch.setenv("TIDAL_RESUME_STEP", "2")
+    with pytest.raises(ResumeMismatch, match="no checkpoint"):
+        init(master_url=None, worker_id="solo", checkpoint_dir=tmp_path / "empty").checkpointer.resume(
+            None, expect_step=2)  # type: ignore[arg-type]

@@ -70,12 +70,14 @@ class Agent:
         interval_s: float = 0.5,
         workdir: Path | None = None,
         address: str | None = None,
+        labels: dict[str, str] | None = None,
     ) -> None:
         self.server = server.rstrip("/")
         self.name = name
         # what the server and the job masters here are reached at: the interface routing to the server
         self.address = address or advertise_addr("0.0.0.0", peer=urlparse(self.server).hostname or LOOPBACK)
         self.num_gpus = num_gpus
+        self.labels = dict(labels or {})  # e.g. {"switch": "rack1"}: the node's place in the topology
         self.virtual = virtual
         self.interval_s = interval_s
         self.workdir = Path(workdir or settings.home() / "agents" / name)
@@ -107,7 +109,8 @@ class Agent:
             try:
                 if not self.registered:
                     self._post("/internal/agents/register", {"name": self.name, "num_gpus": self.num_gpus,
-                                                             "virtual": self.virtual, "address": self.address})
+                                                             "virtual": self.virtual, "address": self.address,
+                                                             "labels": self.labels})
                     self.registered = True
                 self.tick()
             except Refused as e:

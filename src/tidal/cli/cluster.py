@@ -91,6 +91,9 @@ def agent(
     advertise_addr: Optional[str] = typer.Option(
         None, "--advertise-addr", help="This node's address for the server and the job masters it starts "
                                        "(default: the interface that routes to the server)."),
+    label: list[str] = typer.Option(
+        [], "--label", help="KEY=VALUE, repeatable. 'switch=NAME' places the node under that network switch "
+                            "in the scheduler's topology (nodes under one switch are packed together)."),
 ) -> None:
     """Run the node agent: register GPUs, launch and watch workers."""
     import logging
@@ -103,8 +106,15 @@ def agent(
     if n < 1:
         err.print("[red]error:[/] no GPU found; pass --virtual-gpus N to run without GPUs")
         raise typer.Exit(2)
+    labels = {}
+    for item in label:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            err.print(f"error: --label {escape(item)!r}: expected KEY=VALUE, e.g. --label switch=rack1")
+            raise typer.Exit(2)
+        labels[key.strip()] = value.strip()
     a = Agent(find_server(server_url), find_token(token), name or socket.gethostname(), n,
-              virtual=virtual_gpus is not None, interval_s=interval, address=advertise_addr)
+              virtual=virtual_gpus is not None, interval_s=interval, address=advertise_addr, labels=labels)
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: a.stop())

@@ -165,6 +165,32 @@ def _master_lost(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> No
     cx.store.log(s, "job.master_relocated", j.id, node=obs.relocate_to, lost_node=old)
 
 
+def _workers_failed(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
+    """Every worker exited with an error: the job fails with the first
+    worker's last log line as the reason, and its master stops."""
+    failed = list(s.scalars(select(Process).where(Process.job_id == j.id, Process.kind == "worker",
+                                                  Process.state == "failed").order_by(Process.id.desc())))
+    why = last_error(cx.home / "logs" / j.id, [p.name for p in failed])
+    j.exit_info = f"every worker failed; {why}"
+    stop(live_procs(s, j.id))
+    unreserve_all(s, j.id)
+    j.change = {}
+    cx.store.log(s, "job.workers_failed", j.id, workers=[p.name for p in failed], reason=why)
+
+
+def last_error(logs: Path, names: Sequence[str]) -> str:
+    """``name: last line`` of the first of these workers' logs that has one."""
+    for name in names:
+        try:
+            lines = [ln.strip() for ln in (logs / f"{name}.log").read_text(errors="replace").splitlines()]
+        except OSError:
+            continue
+        lines = [ln for ln in lines if ln]
+        if lines:
+            return f"{name}: {lines[-1][:400]}"
+    return "see the workers' logs (tidal logs JOB --worker w0)"
+
+
 def _master_exit(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
     unreserve_all(s, j.id)
     if not obs.finished_ok:
@@ -179,8 +205,9 @@ def _ended(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
     if not ok:
         master = s.scalar(select(Process).where(Process.job_id == j.id, Process.kind == "master")
                           .order_by(Process.id.desc()).limit(1))
-        j.exit_info = (f"master lost with node {master.node}" if master is not None and obs.master == "lost"
-                       else f"master exit code {obs.master_exit_code}")
+        j.exit_info = j.exit_info or (f"master lost with node {master.node}"
+                                      if master is not None and obs.master == "lost"
+                                      else f"master exit code {obs.master_exit_code}")
     cx.store.log(s, "job.completed" if ok else "job.failed", j.id, exit_code=obs.master_exit_code)
 
 
@@ -266,13 +293,16 @@ def _suspended(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None
     j.master_url, j.waiting_since, j.change = "", now, {}
     j.progress = {**(j.progress or {}), "state": "suspended"}
     j.rescales += 1
-    j.tags = {**(j.tags or {}), "_suspended": int((j.tags or {}).get("_suspended", 0)) + 1}
-    cx.store.log(s, "job.suspended", j.id, step=(j.progress or {}).get("step"))
+    step = (j.progress or {}).get("suspended_step", (j.progress or {}).get("step"))
+    # its workers check that they resume from this step's checkpoint ($TIDAL_RESUME_STEP)
+    j.tags = {**(j.tags or {}), "_suspended": int((j.tags or {}).get("_suspended", 0)) + 1, "_resume_step": step}
+    cx.store.log(s, "job.suspended", j.id, step=step)
 
 
 #: (phase, event) first, then event
 OBSERVED: dict[Any, Effect] = {
     "cancel": _cancel, "gone": _gone, "master_exit": _master_exit, "master_lost": _master_lost,
+    "workers_failed": _workers_failed,
     ("ending", "finished"): _ended, ("ending", "failed"): _ended, ("suspending", "finished"): _ended,
     ("starting", "master_up"): _master_up_starting, ("prestarting", "master_up"): _master_up_prestarting,
     "taken": _taken, ("prestarting", "gate_open"): _gate_open_start, ("warming", "gate_open"): _gate_open_grow,

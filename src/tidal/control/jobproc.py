@@ -70,9 +70,9 @@ class Reporter:
         self.last: Status | None = None
         self._suspended_at: float | None = None
 
-    def report(self, st: Status) -> None:
+    def report(self, st: Status, suspended: dict[str, Any] | None = None) -> None:
         self.last = st
-        body = {"state": st.state, "step": st.step, "epoch": st.epoch, "world_size": st.world_size,
+        body = {**({"suspended_step": int(suspended["step"])} if suspended else {}),"state": st.state, "step": st.step, "epoch": st.epoch, "world_size": st.world_size,
                 "members": list(st.members), "gen": st.gen, "step_time_s": st.step_time_s,
                 "changing": st.changing, "changes": list(st.changes), "node": self.node}
         try:
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
     reporter = Reporter(server, a.job, workers_left, node=node)
     try:
-        host_master(master, stop=lambda: reporter.done() or backend.fenced.is_set(), on_status=reporter.report,
+        host_master(master, stop=lambda: reporter.done() or backend.fenced.is_set(),
+                    on_status=lambda st: reporter.report(st, master.suspended),
                     status_every_s=0.5, poll_s=0.1)
     finally:
         srv.stop()

@@ -46,8 +46,20 @@ def observe(s: Session, j: Job) -> tuple[JobObs, list[Process]]:
         change_gpus=gpu_availability(s, j.id, gids) if gids and change.get("early") else "",
         unsuspendable=bool((j.tags or {}).get("_unsuspendable")),
         relocate_to=relocation_target(s, current) if master is not None and master.state == "lost" else "",
+        workers_erred=workers_erred(current),
     )
     return obs, current
+
+
+def workers_erred(current: Sequence[Process]) -> bool:
+    """Every worker of the incarnation ended and at least one exited with an
+    error code (a Python exception). Workers that were only killed (a
+    signal) are not an error: the job is grown back and recovers from its
+    checkpoint."""
+    workers = [p for p in current if p.kind == "worker"]
+    if not workers or any(p.state in ("pending", "running", "lost") for p in workers):
+        return False
+    return any(p.state == "failed" and (p.exit_code or 0) > 0 for p in workers)
 
 
 def relocation_target(s: Session, current: Sequence[Process]) -> str:

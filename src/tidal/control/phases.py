@@ -22,6 +22,8 @@ Phases (the job's ``state`` as users and policies see it in brackets)::
     warming --gate_open--> joining --joined--> running
     running --shrink_accepted--> shrinking [resizing] --left--> running
     running --suspend_accepted--> suspending [suspending] --suspended--> pending
+    running --workers_failed--> ending           every worker exited with an error (a bug in
+                                                 the script, a stale checkpoint): nothing to re-form
     running, warming, joining, shrinking --master_lost--> the same phase: the master's host
                                                  died, the master restarts on another host of
                                                  the job from the store's copy of its state
@@ -79,6 +81,7 @@ TRANSITIONS: Mapping[tuple[str, str], str] = {
     (PRESTARTING, "taken"): STARTING,
     (PRESTARTING, "gate_open"): RUNNING,
     (PRESTARTING, "lapsed"): PENDING,
+    (RUNNING, "workers_failed"): ENDING,
     (RUNNING, "grow_accepted"): JOINING,
     (RUNNING, "grow_early_accepted"): WARMING,
     (RUNNING, "shrink_accepted"): SHRINKING,
@@ -144,6 +147,7 @@ class JobObs:
     change_gpus: str = ""  # "free" | "donated" | "blocked": the GPUs of the change in flight
     unsuspendable: bool = False  # its master refused a suspension once
     relocate_to: str = ""  # an up node running the job's workers, where a lost master can restart
+    workers_erred: bool = False  # every worker of this incarnation ended, the failed ones with an error
 
     @property
     def since(self) -> float:
@@ -192,6 +196,8 @@ def judge(obs: JobObs, now: float, timeout_s: float) -> str | None:
         return "master_exit"
     if p == ENDING:
         return None if obs.live_workers else ("finished" if obs.finished_ok else "failed")
+    if p == RUNNING and obs.workers_erred and obs.progress.get("state") != "finished":
+        return "workers_failed"
     late = now > obs.since + timeout_s
     if p == STARTING:
         return "master_up" if obs.master_url else None

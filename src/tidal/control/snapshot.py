@@ -1,13 +1,17 @@
 """Build the policy's Snapshot from the store, and map plans back to GPU ids.
 
-The live cluster calls exactly the policies the simulator runs. Up nodes, in
-registration order, form a one-switch topology; policy GPU index ``i`` maps to
-the store's cluster-wide GPU id through :class:`GpuMap`.
+The live cluster calls exactly the policies the simulator runs. Up nodes form
+the topology tree (ElasticFlow §4.3): grouped by their ``switch`` label
+(``tidal agent --label switch=NAME``) when every switch has as many up nodes,
+else under one switch; in registration order within a switch. Policy GPU
+index ``i`` maps to the store's cluster-wide GPU id through :class:`GpuMap`.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -18,6 +22,9 @@ from tidal.core.profile import ModelCurve, ThroughputProfile, load_profiles
 from tidal.core.topology import Cluster
 from tidal.control.db import GPU, Job, Node, ThroughputRow
 from tidal.scheduler.api import JobView, Snapshot
+
+log = logging.getLogger(__name__)
+_WARNED: set[tuple[tuple[str, int], ...]] = set()  # unequal switch shapes already logged
 
 ACTIVE = ("submitted", "pending", "running", "resizing")
 
@@ -65,17 +72,35 @@ def profile_model(spec: JobSpec, profiles: ThroughputProfile) -> JobSpec:
     return replace(spec, model="generic")
 
 
+def topology(nodes: Sequence[Node]) -> tuple[list[Node], int]:
+    """The up nodes in tree order and the number of switches: grouped by
+    their ``switch`` label if every switch has as many nodes (the policies'
+    tree is homogeneous), else one switch."""
+    groups: dict[str, list[Node]] = {}
+    for n in nodes:
+        groups.setdefault(str((n.labels or {}).get("switch", "")), []).append(n)
+    sizes = {len(g) for g in groups.values()}
+    if len(groups) < 2 or len(sizes) != 1:
+        shape = tuple(sorted((k, len(g)) for k, g in groups.items()))
+        if len(groups) > 1 and shape not in _WARNED:
+            _WARNED.add(shape)
+            log.warning("switch labels give unequal switches %s: scheduling as one switch", dict(shape))
+        return list(nodes), 1
+    return [n for k in sorted(groups) for n in groups[k]], len(groups)
+
+
 def build_snapshot(s: Session, now: float, overheads: OverheadModel) -> tuple[Snapshot, GpuMap, dict[str, Job]]:
     """The policy's view of the store at ``now`` (jobs in a live state, each
     with the GPUs it holds and the global batch a policy chose for it), the
     map from policy GPU indices to store GPU ids, and the job rows by id."""
-    nodes = s.scalars(select(Node).where(Node.state == "up").order_by(Node.ordinal)).all()
+    nodes, switches = topology(s.scalars(select(Node).where(Node.state == "up").order_by(Node.ordinal)).all())
     per = min((n.num_gpus for n in nodes), default=1)
     gids: list[int] = []
     for n in nodes:
         node_gpus = s.scalars(select(GPU.gid).where(GPU.node == n.name).order_by(GPU.index)).all()
         gids.extend(node_gpus[:per])
-    cluster = Cluster(1, max(1, len(nodes)), per, name=f"live-n{len(nodes)}g{per}")
+    cluster = Cluster(switches, max(1, len(nodes) // switches), per,
+                      name=f"live-n{len(nodes)}g{per}" + (f"s{switches}" if switches > 1 else ""))
     gmap = GpuMap(tuple(gids))
     index = gmap.index()
     profiles = profiles_from_store(s)

@@ -30,11 +30,13 @@ def worker_env(job: Job, worker_id: str, home: Path) -> dict[str, str]:
     machines it must be shared storage, or set in the job's own env), then the
     job's own variables."""
     sub: dict[str, Any] = job.spec.get("submission", {})
+    resume = (job.tags or {}).get("_resume_step")
     return {
         settings.MASTER_URL.name: job.master_url,
         settings.WORKER_ID.name: worker_id,
         "OMP_NUM_THREADS": "1",
         settings.CHECKPOINT_DIR.name: str(home / "checkpoints" / job.id),
+        **({settings.RESUME_STEP.name: str(int(resume))} if resume is not None else {}),
         **sub.get("env", {}),
     }
 

@@ -177,11 +177,27 @@ class Checkpointer:
                              "write_s": time.perf_counter() - t0})
         return path
 
-    def resume(self, train: TrainState) -> bool:
-        """A (re)started job: load the newest checkpoint into ``train``, if any."""
+    def resume(self, train: TrainState, expect_step: int | None = None) -> bool:
+        """A (re)started job: load the newest checkpoint into ``train``, if
+        any. ``expect_step``: the step the job was suspended at; an older (or
+        no) checkpoint raises :class:`ResumeMismatch`, since the job would
+        redo steps and use their samples twice."""
         p = load_latest(self.directory) if self.directory is not None else None
+        found = None if p is None else int(p.get("step", -1))
+        if expect_step is not None and (found is None or found < expect_step):
+            raise ResumeMismatch(expect_step, found, self.directory)
         if p is None:
             return False
         train.load_payload(p)
         self.resumed_from = self.last_step = train.step
         return True
+
+
+class ResumeMismatch(RuntimeError):
+    """A suspended job resumed from an older checkpoint than its suspension's."""
+
+    def __init__(self, expected: int, found: int | None, directory: str | None) -> None:
+        what = "no checkpoint" if found is None else f"the newest checkpoint is of step {found}"
+        super().__init__(f"the job was suspended at step {expected} but {what} in {directory}: its checkpoint "
+                         f"directory must be the one it was suspended to, on storage every host shares")
+        self.expected, self.found = expected, found

@@ -17,6 +17,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from tidal import settings
 from tidal.runtime.checkpoint import node_local
 from tidal.runtime.heartbeat import StoreEndpoint
 
@@ -156,6 +157,6 @@ class Lifecycle:
     def resume_from_checkpoint(self) -> None:
         """A (re)started job: continue from the newest checkpoint, if any."""
         j = self.job
-        if j.checkpointer.resume(j.train):
+        if j.checkpointer.resume(j.train, expect_step=settings.RESUME_STEP.get()):
             log.warning("worker %s: resumed from the checkpoint of step %d (cursor %d)", j.worker_id,
                         j.step_count, j.cursor)

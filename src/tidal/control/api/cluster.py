@@ -27,8 +27,8 @@ def cluster(p: UserDep, store: StoreDep, coord: CoordinatorDep) -> dict[str, Any
 
 def _node_json(s: Session, n: Node, p: Principal) -> dict[str, Any]:
     gpus = s.scalars(select(GPU).where(GPU.node == n.name).order_by(GPU.index)).all()
-    return {"name": n.name, "state": n.state, "address": n.address, "virtual": n.virtual, "num_gpus": n.num_gpus,
-            "last_heartbeat": n.last_heartbeat,
+    return {"name": n.name, "state": n.state, "address": n.address, "labels": dict(n.labels or {}),
+            "virtual": n.virtual, "num_gpus": n.num_gpus, "last_heartbeat": n.last_heartbeat,
             "gpus": [{"gid": g.gid, "index": g.index, "state": g.state, "job": _visible_job(s, g.job_id, p),
                       "util": g.util} for g in gpus]}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
@@ -29,7 +29,16 @@ class RegisterRequest(BaseModel):
     name: str = Field(..., min_length=1, max_length=128)
     num_gpus: int = Field(..., ge=1, le=1024)
     virtual: bool = False
-    address: str = LOOPBACK
+    address: str = Field(LOOPBACK, max_length=256)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=32)
+
+    @field_validator("labels")
+    @classmethod
+    def _short_labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not 0 < len(k) <= 63 or len(val) > 128:
+                raise ValueError(f"label {k[:70]!r}: keys take 1-63 characters, values at most 128")
+        return v
 
 
 class ProcReport(BaseModel):
@@ -72,7 +81,7 @@ def register(req: RegisterRequest, request: Request, store: StoreDep, coord: Coo
         else:
             if n.num_gpus != req.num_gpus:
                 raise HTTPException(409, f"node {req.name} registered before with {n.num_gpus} GPUs")
-            n.state, n.last_heartbeat, n.address = "up", now, req.address
+            n.state, n.last_heartbeat, n.address, n.labels = "up", now, req.address, dict(req.labels)
             store.log(s, "node.rejoin", node=req.name)
     coord.wake()
     return {"ok": True, "name": req.name}
@@ -81,7 +90,7 @@ def register(req: RegisterRequest, request: Request, store: StoreDep, coord: Coo
 def _add_node(s: Session, store: Store, req: RegisterRequest, now: float) -> None:
     ordinal = (s.scalar(select(func.max(Node.ordinal))) or 0) + 1
     s.add(Node(name=req.name, ordinal=ordinal, address=req.address, num_gpus=req.num_gpus,
-               virtual=req.virtual, state="up", last_heartbeat=now))
+               virtual=req.virtual, state="up", last_heartbeat=now, labels=dict(req.labels)))
     base = (s.scalar(select(func.max(GPU.gid))) or -1) + 1
     for i in range(req.num_gpus):
         s.add(GPU(gid=base + i, node=req.name, index=i))
