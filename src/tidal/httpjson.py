@@ -6,7 +6,9 @@ coordinator), the control plane's REST client (CLI), the agent and the job
 master process.
 
 Only transport errors are retried; an HTTP answer, whatever its status, is
-returned to the caller, who decides what it means.
+returned to the caller, who decides what it means. ``https://`` URLs are
+verified against ``$TIDAL_CA_FILE`` (else the system's CAs); a certificate
+that does not verify is an error at once (:class:`BadCertificate`), not retried.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import ssl
 import threading
 import time
 from typing import Any
@@ -22,6 +25,17 @@ from urllib.parse import urlencode, urlparse
 
 class Unavailable(RuntimeError):
     """No answer within the client's patience (connection refused, reset, timed out)."""
+
+
+class BadCertificate(RuntimeError):
+    """The server's TLS certificate did not verify against the CA file."""
+
+
+def tls_context() -> ssl.SSLContext:
+    """Verifies servers against ``$TIDAL_CA_FILE`` if set, else the system's CAs."""
+    from tidal import settings
+
+    return ssl.create_default_context(cafile=settings.CA_FILE.get() or None)
 
 
 class Response:
@@ -65,11 +79,15 @@ class JsonHttp:
         if c is None or getattr(self._local, "url", None) != self.url:
             self._drop()
             u = urlparse(self.url)
-            if u.scheme not in ("http", ""):
-                raise ValueError(f"unsupported URL scheme in {self.url!r} (http only)")
+            if u.scheme not in ("http", "https", ""):
+                raise ValueError(f"unsupported URL scheme in {self.url!r} (http or https)")
             if not u.hostname:
                 raise ValueError(f"no host in URL {self.url!r}")
-            c = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=self.timeout_s)
+            if u.scheme == "https":
+                c = http.client.HTTPSConnection(u.hostname, u.port or 443, timeout=self.timeout_s,
+                                                context=tls_context())
+            else:
+                c = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=self.timeout_s)
             c.connect()
             assert c.sock is not None
             c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -106,6 +124,10 @@ class JsonHttp:
                 c.request(method, path, body=data, headers=headers)
                 r = c.getresponse()
                 return Response(r.status, r.getheader("Content-Type") or "", r.read())
+            except ssl.SSLCertVerificationError as e:
+                self._drop()
+                raise BadCertificate(f"{self.url}: the server's certificate does not verify ({e.verify_message}); "
+                                     f"set $TIDAL_CA_FILE to the CA that signed it") from e
             except (ConnectionError, http.client.HTTPException, OSError) as e:
                 self._drop()
                 if time.monotonic() + pause > deadline:

@@ -137,8 +137,17 @@ FAULT_LOG: Setting[str | None] = Setting("TIDAL_FAULT_LOG", _opt_str, None,
                                          "append a JSON line per injected fault to this file", "worker")
 
 # -- control plane --------------------------------------------------------------------
+JOB_TOKEN: Setting[str] = Setting("TIDAL_JOB_TOKEN", _str, "",
+                                  "the job's credential, set by the agent for the job's master and workers: the "
+                                  "master's HTTP API requires it, and it acts on this job only", "worker")
 AGENT_TOKEN: Setting[str] = Setting("TIDAL_AGENT_TOKEN", _str, "",
-                                    "token a job master process uses to talk to the server", "master")
+                                    "transitional: the token a job master used before job credentials", "master")
+ADMIN_TOKEN: Setting[str | None] = Setting("TIDAL_ADMIN_TOKEN", _opt_str, None,
+                                           "the admin token tidal server uses (default: $TIDAL_HOME/admin.token, "
+                                           "created 0600); keeps it off the command line", "server")
+CA_FILE: Setting[str | None] = Setting("TIDAL_CA_FILE", _opt_str, None,
+                                       "CA bundle (PEM) that https:// servers are verified against (agents, job "
+                                       "masters, CLI); unset: the system's CAs", "cli")
 SERVER: Setting[str | None] = Setting("TIDAL_SERVER", _opt_str, None,
                                       "the server's URL for the CLI; default $TIDAL_HOME/server.json, "
                                       "then http://127.0.0.1:8470", "cli")

@@ -216,3 +216,27 @@ def test_failure_recovery_window_without_process_knowledge() -> None:
     m = formed(2, recovery_window_s=0.0)
     m.failed("w1", gen=1, step=3)
     assert m.status().members == ("w1",)
+
+
+def test_a_master_with_a_credential_refuses_requests_without_it() -> None:
+    """The attack: any local process POSTs /scale_in to a job's master. With
+    the job's credential set, a request without it (or with another job's)
+    gets 401 and changes nothing; with it, the request is served."""
+    from tidal.control.credentials import Credentials
+
+    creds = Credentials()
+    m = formed(2)
+    srv = MasterServer(m, token=creds.job_token("j")).start()
+    try:
+        for token in ("", creds.job_token("other-job"), "Bearer-less"):
+            code, ans = MasterClient(srv.url, patience_s=0, token=token).request(
+                "POST", "/scale_in", {"workers": ["w1"], "request_id": "x"})
+            assert code == 401 and ans["status"] == "error", (token, ans)
+            code, _ = MasterClient(srv.url, patience_s=0, token=token).request("GET", "/status")
+            assert code == 401
+        assert m.status().world_size == 2 and m.status().pending is None  # nothing changed
+        ok = MasterClient(srv.url, patience_s=0, token=creds.job_token("j"))
+        assert ok.status().world_size == 2
+        assert ok.scale_in(workers=["w1"]).status == "accepted"
+    finally:
+        srv.stop()

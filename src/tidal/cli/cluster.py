@@ -38,6 +38,11 @@ def _fail(e: Exception, url: str = "") -> None:
                     "a user's token comes from `tidal user NAME`; pass it with --token or $TIDAL_TOKEN)")
         err.print("[red]error:[/] " + escape(f"{e}{hint}"))
         raise typer.Exit(2 if e.status in (400, 422) else 1)
+    from tidal.httpjson import BadCertificate
+
+    if isinstance(e, BadCertificate):
+        err.print("[red]error:[/] " + escape(str(e)))
+        raise typer.Exit(1)
     where = f" at {url}" if url else ""
     err.print("[red]error:[/] " + escape(f"cannot reach the server{where}: {e}; start one with `tidal up` "
                                          "(or `tidal server`), or point --server / $TIDAL_SERVER at it"))
@@ -66,10 +71,15 @@ def server(
     db: Optional[str] = typer.Option(None, "--db", help="SQLAlchemy URL (default: SQLite in $TIDAL_HOME)."),
     policy: str = typer.Option("edf", "--policy", help="Scheduling policy (same names as `tidal simulate`)."),
     tick: float = typer.Option(2.0, "--tick", help="Scheduling round period in seconds."),
-    token: Optional[str] = typer.Option(None, "--token", help="Admin token (default: $TIDAL_HOME/admin.token or new)."),
+    token: Optional[str] = typer.Option(
+        None, "--token", help="Admin token (default: $TIDAL_ADMIN_TOKEN, then $TIDAL_HOME/admin.token, else new). "
+                              "Prefer the variable or the file: a command line is visible to every user (ps)."),
     advertise_addr: Optional[str] = typer.Option(
         None, "--advertise-addr", help="Address agents and job masters on other hosts reach the server at "
                                        "(default: --host, or with 0.0.0.0 this host's first non-loopback address)."),
+    tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM certificate: serve HTTPS (with --tls-key); "
+                                                                    "clients verify it against $TIDAL_CA_FILE."),
+    tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
 ) -> None:
     """Run the control plane (REST API + scheduler loop)."""
     from tidal.control.server import serve
@@ -78,7 +88,15 @@ def server(
     if policy not in policy_names():
         err.print("[red]error:[/] " + escape(f"unknown policy {policy!r}; known: {', '.join(policy_names())}"))
         raise typer.Exit(2)
-    serve(host=host, port=port, db_url=db, policy=policy, admin_token=token, tick_s=tick, advertise=advertise_addr)
+    for f in (tls_cert, tls_key):
+        if f is not None and not f.is_file():
+            err.print("[red]error:[/] " + escape(f"{f}: no such file (--tls-cert / --tls-key)"))
+            raise typer.Exit(2)
+    if (tls_cert is None) != (tls_key is None):
+        err.print("[red]error:[/] give --tls-cert and --tls-key together")
+        raise typer.Exit(2)
+    serve(host=host, port=port, db_url=db, policy=policy, admin_token=token, tick_s=tick, advertise=advertise_addr,
+          tls_cert=tls_cert, tls_key=tls_key)
 
 
 @app.command()

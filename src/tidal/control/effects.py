@@ -22,6 +22,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from tidal import settings
+from tidal.control.credentials import Credentials
 from tidal.control.db import GPU, Event, Job, Process, Store
 from tidal.control.phases import CANCELLING, STATE_OF, TERMINAL, JobObs
 from tidal.control.spawner import AgentSpawner, launches_on
@@ -35,7 +36,8 @@ class Context:
 
     store: Store
     server_url: str = ""
-    agent_token: str = ""
+    agent_token: str = ""  # unused: job masters get their job's own credential from their agent
+    credentials: Credentials = field(default_factory=Credentials)
     home: Path = field(default_factory=settings.home)
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=1024))  # submit -> start, seconds
 

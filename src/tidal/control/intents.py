@@ -55,6 +55,7 @@ class Prepared:
     url: str
     workers: tuple[str, ...] = ()  # ids to expect (grow) or to remove (shrink)
     change: dict[str, Any] = field(default_factory=dict)
+    token: str = field(default="", repr=False)  # the job's credential (its master's API requires it)
 
 
 def prepare(s: Session, j: Job, intent: str, gids: Sequence[int], now: float) -> Prepared:
@@ -78,7 +79,7 @@ def ask(p: Prepared) -> ScaleAnswer | None:
     """One short request; None if the master did not answer (try next tick)."""
     from tidal.runtime.client import MasterClient, MasterUnavailable
 
-    c = MasterClient(p.url, timeout_s=REQUEST_TIMEOUT_S, patience_s=0.0)
+    c = MasterClient(p.url, timeout_s=REQUEST_TIMEOUT_S, patience_s=0.0, token=p.token)
     try:
         if p.intent in ("grow", "grow_early"):
             return c.scale_out(workers=list(p.workers))

@@ -7,6 +7,7 @@ remote change."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Mapping
 
@@ -124,7 +125,7 @@ class Reconciler:
         if prepared.intent == "shrink" and not prepared.workers:
             ev: str | None = "released"  # no live worker on those GPUs: nothing to ask
         else:
-            ans = intents.ask(prepared)
+            ans = intents.ask(dataclasses.replace(prepared, token=self.cx.credentials.job_token(job_id)))
             ev = answer_event(prepared.intent, ans.status) if ans is not None else None
         if ev is None:
             return RUNNING  # busy or unreachable: ask again next tick

@@ -9,6 +9,7 @@ bad request gets a 4xx naming the field; the service never crashes on one.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -24,6 +25,7 @@ from sqlalchemy import select
 from tidal import settings
 from tidal.control.api import cluster, internal, jobs, users
 from tidal.control.coordinator import Coordinator
+from tidal.control.credentials import Credentials
 from tidal.control.db import Node, Store
 from tidal.core.errors import InputError
 from tidal.net import advertise_addr, bind_addr
@@ -36,25 +38,26 @@ def create_app(
     *,
     policy: str = "edf",
     admin_token: str | None = None,
-    agent_token: str | None = None,
+    credentials: Credentials | None = None,
     tick_s: float = 2.0,
     home: Path | None = None,
     server_url: str = "",
     start_loop: bool = True,
 ) -> FastAPI:
     """The API over ``store``: ``home`` (default ``$TIDAL_HOME``) holds the
-    processes' logs; ``start_loop`` runs the scheduler loop while the app
-    serves (tests drive ``app.state.coordinator.round()`` themselves)."""
+    processes' logs; ``credentials`` issues and checks the agents', nodes'
+    and jobs' credentials (default: a new secret); ``start_loop`` runs the
+    scheduler loop while the app serves (tests drive
+    ``app.state.coordinator.round()`` themselves)."""
     home = Path(home or settings.home())
     admin_token = admin_token or secrets.token_urlsafe(24)
-    agent_token = agent_token or admin_token
+    credentials = credentials or Credentials()
     store.add_user("admin", admin=True, token=admin_token)
-    if agent_token != admin_token:
-        store.add_user("agent", admin=True, token=agent_token)
-    coord = Coordinator(store, policy, server_url=server_url, agent_token=agent_token, tick_s=tick_s, home=home)
+    coord = Coordinator(store, policy, server_url=server_url, agent_token=admin_token, tick_s=tick_s, home=home)
+    coord.cx.credentials = credentials
     app = FastAPI(title="Tidal control plane", version="0.1.0", lifespan=_lifespan(start_loop),
                   description="Submit elastic training jobs; the scheduler reshapes them.")
-    app.state.store, app.state.coordinator = store, coord
+    app.state.store, app.state.coordinator, app.state.credentials = store, coord, credentials
     app.state.logs_dir = home / "logs"
     app.state.register_lock = threading.Lock()
     app.state.heartbeat_clock = internal.HeartbeatClock(time.time())
@@ -155,6 +158,14 @@ def _reset_after_restart(store: Store) -> None:
         store.log(s, "server.start")
 
 
+def _private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by this user only (0600 from the start)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    path.chmod(0o600)
+
+
 def serve(
     host: str | None = None,
     port: int = 8470,
@@ -164,24 +175,40 @@ def serve(
     tick_s: float = 2.0,
     home: Path | None = None,
     advertise: str | None = None,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
 ) -> None:
     """Run the server until interrupted; state in ``home`` (default
     ``$TIDAL_HOME``): the SQLite store unless ``db_url``, and the admin token
     (kept across restarts unless one is given). ``advertise``: the address
     job masters and agents on other hosts reach it at (default: ``host``, or
-    with 0.0.0.0 this host's first non-loopback address; :mod:`tidal.net`)."""
+    with 0.0.0.0 this host's first non-loopback address; :mod:`tidal.net`).
+    ``tls_cert`` and ``tls_key`` (PEM): serve HTTPS; clients verify the
+    certificate against ``$TIDAL_CA_FILE``."""
     import uvicorn
 
     host = bind_addr(host)
 
     home = Path(home or settings.home())
     home.mkdir(parents=True, exist_ok=True)
+    os.umask(0o077)  # the store, logs and checkpoints it creates: this user's only
     store = Store(db_url or f"sqlite:///{home / 'tidal.db'}")
+    if not db_url:
+        for f in home.glob("tidal.db*"):
+            f.chmod(0o600)
+    admin_token = admin_token or settings.ADMIN_TOKEN.get()
     token_file = home / "admin.token"
     if admin_token is None:
         admin_token = token_file.read_text().strip() if token_file.exists() else secrets.token_urlsafe(24)
-    token_file.write_text(admin_token)
-    token_file.chmod(0o600)
-    url = f"http://{advertise_addr(host, explicit=advertise or settings.ADVERTISE_ADDR.get())}:{port}"
-    app = create_app(store, policy=policy, admin_token=admin_token, tick_s=tick_s, home=home, server_url=url)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    _private(token_file, admin_token)
+    credentials = Credentials.from_file(home / "server.secret")
+    _private(home / "agent.token", credentials.agent_token())  # the join token agents start with
+    if (tls_cert is None) != (tls_key is None):
+        raise InputError("give both a TLS certificate and its key, or neither", field="tls")
+    scheme = "https" if tls_cert else "http"
+    url = f"{scheme}://{advertise_addr(host, explicit=advertise or settings.ADVERTISE_ADDR.get())}:{port}"
+    app = create_app(store, policy=policy, admin_token=admin_token, credentials=credentials, tick_s=tick_s,
+                     home=home, server_url=url)
+    tls = {"ssl_certfile": str(tls_cert), "ssl_keyfile": str(tls_key)} if tls_cert else {}
+    # an idle keep-alive client must not hold a stopping server up
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5, **tls)

@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from tidal import settings
 from tidal.httpjson import JsonHttp, Unavailable
 from tidal.runtime.messages import ScaleAnswer, Status
 
@@ -52,10 +53,12 @@ class MasterClient:
     """Thread-safe (one keep-alive connection per thread). Follows ``moved``
     answers after a master handover and retries connection errors for up to
     ``patience_s`` (a restarting master); meanwhile ``locate`` (if given)
-    may name a new address: a master restarted on another host."""
+    may name a new address: a master restarted on another host. ``token``:
+    the job's credential (default ``$TIDAL_JOB_TOKEN``)."""
 
-    def __init__(self, url: str, timeout_s: float = 10.0, patience_s: float = 30.0, token: str = "",
+    def __init__(self, url: str, timeout_s: float = 10.0, patience_s: float = 30.0, token: str | None = None,
                  locate: Callable[[], str | None] | None = None) -> None:
+        token = settings.JOB_TOKEN.get() if token is None else token
         self.http = JsonHttp(url, token=token, timeout_s=timeout_s, patience_s=patience_s)
         self.locate = locate
 

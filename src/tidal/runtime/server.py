@@ -26,6 +26,9 @@ Worker-facing
   "pause_s"}``, ``POST /left {"worker_id"}``, ``POST /done {"step", "cursor"}``
   ``POST /shard/next|progress|complete|release`` (shard mode, EDL §4.3)
 
+With a token (the job's credential, ``$TIDAL_JOB_TOKEN``) every request must
+carry ``Authorization: Bearer <token>``; others get 401.
+
 Per-step traffic is one asynchronous heartbeat from rank 0 (a background
 thread) through the TCPStore (progress written, plan read), never on the
 training thread's critical path; HTTP carries only rare events.
@@ -33,6 +36,7 @@ training thread's critical path; HTTP carries only rare events.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
@@ -40,6 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from tidal import settings
 from tidal.net import LOOPBACK, advertise_addr
 from tidal.runtime.master import JobMaster
 
@@ -50,6 +55,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: one connection per client thread
     disable_nagle_algorithm = True  # headers and body are two writes: avoid the 40 ms delayed-ACK stall
     master: JobMaster  # set on a subclass
+    token: str = ""  # set on a subclass; "" accepts every request
 
     def log_message(self, fmt: str, *args: Any) -> None:  # quiet
         log.debug("http: " + fmt, *args)
@@ -72,7 +78,17 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         self._dispatch("POST")
 
+    def _authorized(self) -> bool:
+        if not self.token:
+            return True
+        auth = self.headers.get("Authorization") or ""
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
     def _dispatch(self, method: str) -> None:
+        if not self._authorized():
+            self._body() if method == "POST" else None  # drain it: the connection stays usable
+            return self._send(401, {"status": "error", "message": "this job's credential is required"})
         m = self.master
         u = urlparse(self.path)
         q = {k: v[0] for k, v in parse_qs(u.query).items()}
@@ -148,10 +164,13 @@ class _Handler(BaseHTTPRequestHandler):
 class MasterServer:
     """Serves a :class:`JobMaster` over HTTP on ``host:port`` (0 = any free);
     ``advertise``: the address in its URL (default: ``host``, see
-    :func:`tidal.net.advertise_addr`)."""
+    :func:`tidal.net.advertise_addr`); ``token``: the credential every
+    request must carry (default ``$TIDAL_JOB_TOKEN``; empty: none)."""
 
-    def __init__(self, master: JobMaster, host: str = LOOPBACK, port: int = 0, advertise: str | None = None) -> None:
-        handler = type("Handler", (_Handler,), {"master": master})
+    def __init__(self, master: JobMaster, host: str = LOOPBACK, port: int = 0, advertise: str | None = None,
+                 token: str | None = None) -> None:
+        token = settings.JOB_TOKEN.get() if token is None else token
+        handler = type("Handler", (_Handler,), {"master": master, "token": token})
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
         self.master = master

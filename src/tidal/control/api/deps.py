@@ -1,13 +1,14 @@
 """Dependencies shared by the routers: the app's state and who is calling.
 
-Users authenticate with a bearer token and see and change only their own jobs
-(another user's job is a 404); the admin token may do everything, including
-cluster operations; agents and job masters use the agent token, which is an
-admin token too."""
+Every caller sends a bearer token; its role (:mod:`tidal.control.credentials`)
+decides what it may do. Tenants see and change only their own jobs (another
+user's job is a 404); the admin may do everything; the public API takes only
+tenant and admin tokens; the agents' and masters' internal API takes the
+agent join token (registration), a node's credential (that node's
+heartbeats) and a job's credential (that job's routes)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -15,15 +16,11 @@ from fastapi import Depends, HTTPException, Request
 from sqlalchemy.orm import Session
 
 from tidal.control.coordinator import Coordinator
+from tidal.control.credentials import ADMIN, AGENT, JOB, NODE, TENANT, Credentials, Principal
 from tidal.control.db import Job, Store
 
-
-@dataclass(frozen=True)
-class Principal:
-    """The caller, from its bearer token."""
-
-    name: str
-    admin: bool
+__all__ = ["Principal", "StoreDep", "CoordinatorDep", "LogsDirDep", "UserDep", "AdminDep", "AgentDep", "NodeDep",
+           "JobCredDep", "own_job"]
 
 
 def get_store(request: Request) -> Store:
@@ -48,23 +45,69 @@ def principal(request: Request, store: StoreDep) -> Principal:
     auth = request.headers.get("authorization", "")
     if not auth.lower().startswith("bearer "):
         raise HTTPException(401, "missing bearer token")
-    user = store.user_for_token(auth.split(" ", 1)[1].strip())
+    token = auth.split(" ", 1)[1].strip()
+    creds: Credentials = request.app.state.credentials
+    derived = creds.check(token)
+    if derived is not None:
+        return derived
+    user = store.user_for_token(token)
     if user is None:
         raise HTTPException(401, "unknown token")
-    return Principal(name=user.name, admin=user.is_admin)
+    return Principal(name=user.name, role=ADMIN if user.is_admin else TENANT)
 
 
-UserDep = Annotated[Principal, Depends(principal)]
+AnyDep = Annotated[Principal, Depends(principal)]
 
 
-def require_admin(p: UserDep) -> Principal:
-    """An admin (or agent) token (403 for a user's)."""
+def require_user(p: AnyDep) -> Principal:
+    """A tenant's or the admin's token: the public API (403 for the
+    credentials of agents, nodes and jobs)."""
+    if p.role not in (ADMIN, TENANT):
+        raise HTTPException(403, f"a {p.role} credential cannot use the public API")
+    return p
+
+
+UserDep = Annotated[Principal, Depends(require_user)]
+
+
+def require_admin(p: AnyDep) -> Principal:
+    """The admin token (403 for any other)."""
     if not p.admin:
         raise HTTPException(403, "admin token required")
     return p
 
 
 AdminDep = Annotated[Principal, Depends(require_admin)]
+
+
+def require_agent(p: AnyDep) -> Principal:
+    """The agents' join token (or the admin's): registering a node."""
+    if p.role not in (ADMIN, AGENT):
+        raise HTTPException(403, "the agent join token is required")
+    return p
+
+
+AgentDep = Annotated[Principal, Depends(require_agent)]
+
+
+def require_node(name: str, p: AnyDep) -> Principal:
+    """The credential of node ``name`` (a path parameter), or the admin's."""
+    if not (p.admin or (p.role == NODE and p.scope == name)):
+        raise HTTPException(403, f"only node {name}'s credential may act for it")
+    return p
+
+
+NodeDep = Annotated[Principal, Depends(require_node)]
+
+
+def require_job_credential(job_id: str, p: AnyDep) -> Principal:
+    """The credential of job ``job_id`` (a path parameter), or the admin's."""
+    if not (p.admin or (p.role == JOB and p.scope == job_id)):
+        raise HTTPException(403, f"only job {job_id}'s credential may act for it")
+    return p
+
+
+JobCredDep = Annotated[Principal, Depends(require_job_credential)]
 
 
 def own_job(s: Session, job_id: str, p: Principal) -> Job:
