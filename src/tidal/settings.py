@@ -145,6 +145,12 @@ AGENT_TOKEN: Setting[str] = Setting("TIDAL_AGENT_TOKEN", _str, "",
 ADMIN_TOKEN: Setting[str | None] = Setting("TIDAL_ADMIN_TOKEN", _opt_str, None,
                                            "the admin token tidal server uses (default: $TIDAL_HOME/admin.token, "
                                            "created 0600); keeps it off the command line", "server")
+ENV_ALLOW: Setting[str | None] = Setting("TIDAL_ENV_ALLOW", _opt_str, None,
+                                         "comma-separated extra variables (or PREFIX*) a job spec's env may set, "
+                                         "beyond the allow-list of docs/security.md", "server")
+TENANT_ROOT: Setting[str | None] = Setting("TIDAL_TENANT_ROOT", _opt_str, None,
+                                           "when set, a tenant's job workdir and script must be inside "
+                                           "ROOT/<user> (the admin's are not checked)", "server")
 CA_FILE: Setting[str | None] = Setting("TIDAL_CA_FILE", _opt_str, None,
                                        "CA bundle (PEM) that https:// servers are verified against (agents, job "
                                        "masters, CLI); unset: the system's CAs", "cli")
