@@ -99,6 +99,22 @@ def server(
           tls_cert=tls_cert, tls_key=tls_key)
 
 
+@app.command("agent-token")
+def agent_token(home: Optional[Path] = typer.Option(
+        None, "--home", help="The server's state directory (default $TIDAL_HOME); its server.secret is read, "
+                             "or created (0600) for a server that has not started yet.")) -> None:
+    """Print the join token agents register with (the server writes it to
+    $TIDAL_HOME/agent.token too). For deployments that must hand it to agents
+    before the server first starts, e.g. a Kubernetes Secret.
+
+    Example: tidal agent-token --home /srv/tidal > agent.token
+    """
+    from tidal.control.credentials import Credentials
+
+    h = Path(home or settings.home())
+    print(Credentials.from_file(h / "server.secret").agent_token())
+
+
 @app.command()
 def agent(
     server_url: Optional[str] = ServerOpt,
