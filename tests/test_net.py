@@ -37,3 +37,42 @@ def test_join_names_the_master_and_picks_unique_worker_ids() -> None:
             master_url(bad)
     a, b = worker_ids(2, host="node-a.example", pid=7), worker_ids(2, host="node-a.example", pid=8)
     assert a == ["nodea-7-0", "nodea-7-1"] and not set(a) & set(b)
+
+
+def test_a_client_of_several_replicas_moves_on_when_one_is_down():
+    """``http://a,http://b``: a replica that refuses connections is skipped;
+    the client stays with the one that answers."""
+    import json as _json
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tidal.httpjson import JsonHttp, Unavailable
+
+    class Ok(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            data = _json.dumps({"who": "b"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):  # quiet
+            pass
+
+    with socket.socket() as s:  # a port nothing listens on: the dead replica
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Ok)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        live = f"http://127.0.0.1:{srv.server_address[1]}"
+        c = JsonHttp(f"http://127.0.0.1:{dead}, {live}", patience_s=5)
+        assert c.call("GET", "/x") == (200, {"who": "b"})
+        assert c.url == live and c.call("GET", "/y")[1] == {"who": "b"}
+        with pytest.raises(Unavailable):
+            JsonHttp(f"http://127.0.0.1:{dead}", patience_s=0.2).call("GET", "/x")
+    finally:
+        srv.shutdown()
+        srv.server_close()

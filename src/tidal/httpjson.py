@@ -63,11 +63,14 @@ class JsonHttp:
 
     ``patience_s``: how long to keep retrying transport errors (0: one try);
     the pause between tries doubles from ``backoff_s`` up to ``max_backoff_s``.
+    ``url`` may list several comma-separated replicas of one service (the
+    server's): a transport error moves on to the next one.
     """
 
     def __init__(self, url: str, *, token: str = "", timeout_s: float = 10.0, patience_s: float = 30.0,
                  backoff_s: float = 0.05, max_backoff_s: float = 1.0) -> None:
-        self.url = url.rstrip("/")
+        self.urls = [u.strip().rstrip("/") for u in url.split(",") if u.strip()] or [url.rstrip("/")]
+        self.url = self.urls[0]
         self.token = token
         self.timeout_s, self.patience_s = float(timeout_s), float(patience_s)
         self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
@@ -130,8 +133,11 @@ class JsonHttp:
                                      f"set $TIDAL_CA_FILE to the CA that signed it") from e
             except (ConnectionError, http.client.HTTPException, OSError) as e:
                 self._drop()
+                failed = self.url
+                if len(self.urls) > 1 and failed in self.urls:  # the next replica
+                    self.url = self.urls[(self.urls.index(failed) + 1) % len(self.urls)]
                 if time.monotonic() + pause > deadline:
-                    raise Unavailable(f"{self.url}{path}: {e}") from e
+                    raise Unavailable(f"{failed}{path}: {e}") from e
                 time.sleep(pause)
                 pause = min(self.max_backoff_s, pause * 2)
 

@@ -69,6 +69,7 @@ class MasterClient:
     @url.setter
     def url(self, value: str) -> None:
         self.http.url = value.rstrip("/")
+        self.http.urls = [self.http.url]
 
     def request(self, method: str, path: str, body: dict[str, Any] | None = None,
                 patience_s: float | None = None) -> tuple[int, dict[str, Any]]:
