@@ -89,3 +89,27 @@ def test_tidal_run_refuses_bad_arguments_before_starting_anything(tmp_path):
         assert res.exit_code == 2, (args, res.output)
         assert message in res.output, (args, res.output)
         assert not list((tmp_path).glob("**/jobs/*.json"))  # no master was started
+
+
+def test_simulate_table_fits_80_columns_with_whole_numbers(tmp_path, shared):
+    """`COLUMNS=80 tidal simulate ...`: no cell cut ("fi…", "9.…"); the less
+    important columns go, --wide brings them back."""
+    import os
+    import subprocess
+    import sys
+
+    trace = shared / "traces" / "itp" / "cluster10.csv"
+    args = [sys.executable, "-m", "tidal", "simulate", "--trace", str(trace), "--cluster", "n32g8", "--policy",
+            "fifo,backfill,tiresias,edf", "--limit", "120", "--out", str(tmp_path)]
+    env = dict(os.environ, COLUMNS="80")
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120).stdout
+    lines = out.splitlines()
+    assert lines and max(len(x) for x in lines) <= 80, out
+    assert "…" not in out and "more columns with --wide" in " ".join(out.split())
+    for name in ("fifo", "backfill", "tiresias", "edf"):
+        assert any(x.split("│")[1].strip() == name for x in lines if x.count("│") > 2), out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    by = {s["policy"]: s for s in (summary if isinstance(summary, list) else summary["policies"])}
+    assert f"{by['edf']['avg_jct'] / 3600:.2f}" in out  # a whole number, not cut
+    wide = subprocess.run([*args, "--wide"], env=env, capture_output=True, text=True, timeout=120).stdout
+    assert "p95 JCT h" in wide and "wall s" in wide

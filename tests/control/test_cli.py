@@ -82,3 +82,40 @@ def test_no_server_and_a_wrong_token_say_what_to_do(server, monkeypatch, tmp_pat
     res = runner.invoke(app, ["jobs", "--server", server.url, "--token", "not-a-token"])
     text = " ".join(res.output.split())
     assert res.exit_code == 1 and "401" in text and "admin.token" in text, text
+
+
+def test_tables_fit_80_columns_and_never_cut_an_id(server, tmp_path):
+    """`COLUMNS=80 tidal jobs`: whole job ids (they are pasted into the next
+    command), no line wider than the terminal; -o wide/json/yaml."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    token = cli(server, "user", "erin").stdout.strip()
+    ids = []
+    for name in ("a-rather-long-resnet50-imagenet-job", "bert-large-finetune-squad-v2"):
+        spec = tmp_path / f"{name}.yaml"
+        spec.write_text(f"name: {name}\nscript: train.py\ngpus: 1-2\niterations: 50\n")
+        ids.append(cli(server, "submit", str(spec), token=token).stdout.split()[-1])
+
+    def tidal(*args: str, columns: str = "80") -> str:
+        env = dict(os.environ, COLUMNS=columns, TIDAL_SERVER=server.url, TIDAL_TOKEN=token)
+        res = subprocess.run([sys.executable, "-m", "tidal", *args], env=env, capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode == 0, res.stderr
+        return res.stdout
+
+    out = tidal("jobs")
+    assert all(i in out for i in ids), out
+    assert max(len(line) for line in out.splitlines()) <= 80, out
+    assert "…" not in out
+    wide = tidal("jobs", "-o", "wide")
+    assert "submitted" in wide and "rescales" in wide and all(i in wide for i in ids)
+    assert [j["id"] for j in yaml.safe_load(tidal("jobs", "-o", "yaml"))] == [j["id"] for j in
+                                                                              json.loads(tidal("jobs", "-o", "json"))]
+    shown = tidal("job", ids[0])
+    assert ids[0] in shown and "job.submitted" in shown and max(len(x) for x in shown.splitlines()) <= 80
+    res = runner.invoke(app, ["jobs", "-o", "xml", "--server", server.url, "--token", token])
+    assert res.exit_code == 2 and "choose one of table, wide, json, yaml" in " ".join(res.output.split())

@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.markup import escape
 
+from tidal.cli.tables import Col, OutputOpt, check_format, emit, fit
+
 from tidal import settings
 from tidal.cli.app import app
 
@@ -248,45 +250,60 @@ def _fmt_t(t: Optional[float]) -> str:
     return "-" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
 
 
-def jobs_table(jobs: list[dict]) -> Table:
-    t = Table(title="jobs")
-    for c in ("id", "user", "state", "GPUs", "step", "rescales", "submitted", "JCT s"):
-        t.add_column(c)
+def _step(j: dict) -> str:
+    it = j.get("iterations")
+    return f"{j['step']}/{it}" if it and j["step"] <= it else str(j["step"])  # a script may ignore iterations
+
+
+JOB_COLS = (Col("id"), Col("state"), Col("GPUs", justify="right"), Col("step", 1, justify="right"),
+            Col("user", 2), Col("JCT s", 2, justify="right"), Col("rescales", 3, justify="right"),
+            Col("submitted", 3))
+
+
+def jobs_table(jobs: list[dict], wide: bool = False) -> Table:
+    rows = []
     for j in jobs:
         jct = (j["end_time"] - j["submit_time"]) if j.get("end_time") and j["state"] == "completed" else None
-        t.add_row(j["id"], j["user"], j["state"], str(len(j["gpus"])),
-                  f"{j['step']}/{j['iterations']}", str(j["rescales"]), _fmt_t(j["submit_time"]),
-                  f"{jct:.1f}" if jct else "-")
-    return t
+        rows.append([j["id"], j["state"], str(len(j["gpus"])), _step(j), j["user"], f"{jct:.1f}" if jct else "-",
+                     str(j["rescales"]), _fmt_t(j["submit_time"])])
+    return fit("jobs", JOB_COLS, rows, console.width, wide)
 
 
 @app.command("jobs")
 def jobs_cmd(server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt,
-             as_json: bool = typer.Option(False, "--json")) -> None:
-    """List your jobs (all jobs with the admin token)."""
+             as_json: bool = typer.Option(False, "--json", help="Print JSON (same as -o json)."),
+             output: str = OutputOpt) -> None:
+    """List your jobs (all jobs with the admin token).
+
+    Example: tidal jobs -o wide
+    """
+    check_format(output)
     jobs = _request(server_url, token, lambda api: api.jobs())
-    if as_json:
-        print(json.dumps(jobs))
-    else:
-        console.print(jobs_table(jobs))
+    emit(console, "json" if as_json else output, jobs, lambda wide: jobs_table(jobs, wide))
 
 
 @app.command("job")
 def job_cmd(job_id: str, server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt,
-            as_json: bool = typer.Option(False, "--json")) -> None:
-    """Show one job with its event history."""
+            as_json: bool = typer.Option(False, "--json", help="Print JSON (same as -o json)."),
+            output: str = OutputOpt) -> None:
+    """Show one job: its state, why it ended, and its event history.
+
+    Example: tidal job a-1b2c3d
+    """
+    check_format(output)
     j = _request(server_url, token, lambda api: api.job(job_id))
-    if as_json:
-        print(json.dumps(j))
+    if as_json or output in ("json", "yaml"):
+        emit(console, "json" if as_json else output, j, None)
         return
-    console.print(jobs_table([j]))
-    t = Table(title="events")
-    for c in ("time", "event", "detail"):
-        t.add_column(c)
+    wide = output == "wide"
+    console.print(jobs_table([j], wide))
+    if j.get("exit_info"):
+        console.print(f"ended: {escape(j['exit_info'])}")
+    rows = []
     for e in j["events"]:
         detail = {k: v for k, v in e.items() if k not in ("time", "kind") and v is not None}
-        t.add_row(_fmt_t(e["time"]), e["kind"], json.dumps(detail)[:100])
-    console.print(t)
+        rows.append([_fmt_t(e["time"]), e["kind"], json.dumps(detail)])
+    console.print(fit("events", (Col("time"), Col("event"), Col("detail", 1, wrap=True)), rows, console.width, wide))
 
 
 @app.command()
@@ -321,23 +338,23 @@ def cancel(job_id: str, server_url: Optional[str] = ServerOpt, token: Optional[s
 
 @app.command("cluster")
 def cluster_cmd(server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt,
-                as_json: bool = typer.Option(False, "--json")) -> None:
-    """Show nodes, GPUs and who holds them."""
+                as_json: bool = typer.Option(False, "--json", help="Print JSON (same as -o json)."),
+                output: str = OutputOpt) -> None:
+    """Show nodes, GPUs and who holds them.
+
+    Example: tidal cluster -o wide
+    """
+    check_format(output)
     c = _request(server_url, token, lambda api: api.cluster())
-    if as_json:
-        print(json.dumps(c))
-        return
-    console.print(cluster_table(c))
+    emit(console, "json" if as_json else output, c, lambda wide: cluster_table(c, wide))
 
 
-def cluster_table(c: dict) -> Table:
-    t = Table(title=f"cluster (policy {c['policy']})")
-    for col in ("node", "state", "GPU", "job"):
-        t.add_column(col)
-    for n in c["nodes"]:
-        for g in n["gpus"]:
-            t.add_row(n["name"], n["state"], f"{g['index']} (#{g['gid']})", g["job"] or "-")
-    return t
+def cluster_table(c: dict, wide: bool = False) -> Table:
+    rows = [[n["name"], n["state"], f"{g['index']} (#{g['gid']})", g["job"] or "-", n.get("address", ""),
+             ",".join(f"{k}={v}" for k, v in (n.get("labels") or {}).items()) or "-"]
+            for n in c["nodes"] for g in n["gpus"]]
+    cols = (Col("node"), Col("state"), Col("GPU"), Col("job"), Col("address", 1), Col("labels", 2, wrap=True))
+    return fit(f"cluster (policy {c['policy']})", cols, rows, console.width, wide)
 
 
 @app.command()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -29,28 +30,33 @@ def _fmt(v: Any, kind: str = "") -> str:
     return str(v)
 
 
-def results_table(summaries: list[dict[str, Any]], title: str) -> Table:
-    t = Table(title=title)
-    cols = [
-        ("policy", "policy", ""),
-        ("finished", "done", ""),
-        ("dropped", "dropped", ""),
-        ("avg_jct", "avg JCT h", "h"),
-        ("median_jct", "med JCT h", "h"),
-        ("p95_jct", "p95 JCT h", "h"),
-        ("avg_pending", "avg wait h", "h"),
-        ("makespan", "makespan h", "h"),
-        ("utilization", "util", "pct"),
-        ("cluster_efficiency", "CE", "pct"),
-        ("deadline_ratio", "deadline", "pct"),
-        ("rescales", "rescales", ""),
-        ("wall_seconds", "wall s", ""),
-    ]
-    for _, head, _ in cols:
-        t.add_column(head, justify="left" if head == "policy" else "right")
-    for s in summaries:
-        t.add_row(*(_fmt(s.get(k), kind) for k, _, kind in cols))
-    return t
+#: (summary key, header, format, priority: 0 always shown, higher dropped first on a narrow terminal)
+RESULT_COLS = [
+    ("policy", "policy", "", 0),
+    ("finished", "done", "", 2),
+    ("dropped", "dropped", "", 2),
+    ("avg_jct", "avg JCT h", "h", 0),
+    ("median_jct", "med JCT h", "h", 3),
+    ("p95_jct", "p95 JCT h", "h", 3),
+    ("avg_pending", "avg wait h", "h", 1),
+    ("makespan", "makespan h", "h", 1),
+    ("utilization", "util", "pct", 1),
+    ("cluster_efficiency", "CE", "pct", 2),
+    ("deadline_ratio", "deadline", "pct", 0),
+    ("rescales", "rescales", "", 3),
+    ("wall_seconds", "wall s", "", 4),
+]
+
+
+def results_table(summaries: list[dict[str, Any]], title: str, wide: bool = False,
+                  width: int | None = None) -> Table:
+    """The summary table; on a narrow terminal the less important columns go
+    (``wide`` keeps them), the kept ones are never cut."""
+    from tidal.cli.tables import Col, fit
+
+    cols = [Col(head, prio, justify="left" if head == "policy" else "right") for _, head, _, prio in RESULT_COLS]
+    rows = [[_fmt(s.get(k), kind) for k, _, kind, _ in RESULT_COLS] for s in summaries]
+    return fit(title, cols, rows, width or Console().width, wide, hint="--wide")
 
 
 def run_policies(
@@ -113,6 +119,7 @@ def simulate(
     overhead: str = typer.Option("stop-free", "--overhead", help="Rescale overhead model: stop-free | stop-resume."),
     profiles_dir: Optional[Path] = typer.Option(None, "--profiles", help="Throughput profile directory (default: shipped A100)."),
     rigid: bool = typer.Option(False, "--rigid", help="Treat every job as rigid (not elastic)."),
+    wide: bool = typer.Option(False, "--wide", help="Every column of the table, however wide the terminal."),
 ) -> None:
     """Simulate one or more policies on a trace; print a table (or JSON) and
     write per-job CSVs, summary.json and plots."""
@@ -155,7 +162,10 @@ def simulate(
             obj.update({k: v for k, v in s.items() if k not in obj})
             print(json.dumps(obj))
     else:
-        Console(width=None if sys.stdout.isatty() else 160).print(
-            results_table(summaries, f"{tr.source} on {topo.name}")
-        )
+        # a pipe gets every column unless $COLUMNS says how wide to be
+        con = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)
+        from tidal.cli.tables import wide_console
+
+        (wide_console(con) if wide else con).print(
+            results_table(summaries, f"{tr.source} on {topo.name}", wide=wide, width=con.width))
     err.print(f"wrote {out_dir}/ (summary.json, *_jobs.csv, {paths['utilization'].name}, {paths['jct_cdf'].name})")
