@@ -119,3 +119,59 @@ def test_tables_fit_80_columns_and_never_cut_an_id(server, tmp_path):
     assert ids[0] in shown and "job.submitted" in shown and max(len(x) for x in shown.splitlines()) <= 80
     res = runner.invoke(app, ["jobs", "-o", "xml", "--server", server.url, "--token", token])
     assert res.exit_code == 2 and "choose one of table, wide, json, yaml" in " ".join(res.output.split())
+
+
+def test_logs_follow_prints_every_line_once_while_the_logs_grow(server, tmp_path):
+    """`tidal logs ID -f` while three processes' logs grow (lines written in
+    pieces, as an agent ships them): every line exactly once, whole, in each
+    process's order, and the last line of each, also one without a newline,
+    after the job ends."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from tidal.control.db import Process, Store
+
+    token = cli(server, "user", "fay").stdout.strip()
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: logs\nscript: train.py\ngpus: 100\niterations: 5\n")  # never fits: stays queued
+    jid = cli(server, "submit", str(spec), token=token).stdout.split()[-1]
+    store = Store(f"sqlite:///{server.home / 'tidal.db'}", run_migrations=False)
+    names = ("master", "w0", "w1")
+    with store.session() as s:
+        for n in names:
+            s.add(Process(job_id=jid, name=n, kind="master" if n == "master" else "worker", node="n", argv=[], env={}))
+    d = server.home / "logs" / jid
+    d.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, TIDAL_SERVER=server.url, TIDAL_TOKEN=token)
+    follower = subprocess.Popen([sys.executable, "-m", "tidal", "logs", jid, "-f"], env=env, stdout=subprocess.PIPE,
+                                text=True)
+
+    def write() -> None:
+        for i in range(12):
+            for n in names:
+                with open(d / f"{n}.log", "a") as f:
+                    f.write(f"{n} line {i} part one, ")
+                    f.flush()
+                    time.sleep(0.05)
+                    f.write(f"part two of {i}\n")
+            time.sleep(0.2)
+        with open(d / "master.log", "a") as f:
+            f.write("master's last words")  # no newline
+
+    w = threading.Thread(target=write)
+    w.start()
+    w.join()
+    time.sleep(1.5)
+    assert cli(server, "cancel", jid, token=token).exit_code == 0
+    out, _ = follower.communicate(timeout=60)
+    assert follower.returncode == 0
+    lines = out.splitlines()
+    for n in names:
+        mine = [x for x in lines if x.startswith(f"[{n}] ")]
+        want = [f"[{n}] {n} line {i} part one, part two of {i}" for i in range(12)]
+        assert mine[:12] == want, mine
+    assert lines.count("[master] master's last words") == 1
+    assert len(lines) == 37

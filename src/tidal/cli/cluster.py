@@ -8,7 +8,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -306,23 +306,56 @@ def job_cmd(job_id: str, server_url: Optional[str] = ServerOpt, token: Optional[
     console.print(fit("events", (Col("time"), Col("event"), Col("detail", 1, wrap=True)), rows, console.width, wide))
 
 
+ENDED = ("completed", "failed", "cancelled", "dropped")
+
+
+class _LogTail:
+    """Each process's log from its own offset, printed a whole line at a time
+    (``[name] line`` when several processes are shown), so following never
+    repeats, garbles or loses a line."""
+
+    def __init__(self, api: Any, job_id: str, worker: Optional[str]) -> None:
+        self.api, self.job_id, self.worker = api, job_id, worker
+        self.offsets: dict[str, int] = {}
+        self.partial: dict[str, str] = {}
+
+    def names(self, job: dict) -> list[str]:
+        if self.worker:
+            return [self.worker]
+        return sorted({p["name"] for p in job.get("processes", [])}, key=lambda n: (n != "master", len(n), n))
+
+    def poll(self, job: dict, final: bool) -> None:
+        for name in self.names(job):
+            text = self.api.logs(self.job_id, offset=self.offsets.get(name, 0), worker=name)
+            self.offsets[name] = self.offsets.get(name, 0) + len(text)
+            lines = (self.partial.get(name, "") + text).split("\n")
+            self.partial[name] = lines.pop()
+            if final and self.partial[name]:
+                lines.append(self.partial.pop(name))
+            prefix = "" if self.worker else f"[{name}] "
+            for line in lines:
+                sys.stdout.write(f"{prefix}{line}\n")
+        sys.stdout.flush()
+
+
 @app.command()
-def logs(job_id: str, follow: bool = typer.Option(False, "--follow", "-f"),
-         worker: Optional[str] = typer.Option(None, "--worker"),
+def logs(job_id: str, follow: bool = typer.Option(False, "--follow", "-f",
+                                                   help="Keep printing new lines until the job ends."),
+         worker: Optional[str] = typer.Option(None, "--worker", help="One process only: master, w0, w1, ..."),
          server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt) -> None:
-    """Print a job's logs (all workers, or one); -f follows until it ends."""
+    """Print a job's logs, each line prefixed with its process (or one
+    process's, as it is); -f follows until the job ends.
+
+    Example: tidal logs a-1b2c3d -f --worker w0
+    """
     api = _api(server_url, token)
-    offset = 0
+    tail = _LogTail(api, job_id, worker)
     try:
         while True:
-            text = api.logs(job_id, offset=offset, worker=worker)
-            if text:
-                sys.stdout.write(text)
-                sys.stdout.flush()
-                offset += len(text)
-            if not follow or api.job(job_id)["state"] in ("completed", "failed", "cancelled", "dropped"):
-                if follow:
-                    sys.stdout.write(api.logs(job_id, offset=offset, worker=worker))
+            job = api.job(job_id)  # read before the logs: once it has ended, this read is the last
+            ended = not follow or job["state"] in ENDED
+            tail.poll(job, final=ended)
+            if ended:
                 break
             time.sleep(1)
     except Exception as e:  # noqa: BLE001
