@@ -16,7 +16,7 @@ app = typer.Typer(
 
 
 @app.callback()
-def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.")) -> None:
+def _main(verbose: bool = typer.Option(False, "--verbose", "-v", metavar="", help="Debug logging.")) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -69,7 +69,7 @@ TokenOpt = typer.Option(None, "--token", help="API token (default: $TIDAL_TOKEN 
 def server(
     host: Optional[str] = typer.Option(
         None, "--host", help="Address to listen on (0.0.0.0: every interface); default $TIDAL_BIND_ADDR, else 127.0.0.1."),
-    port: int = typer.Option(8470, "--port"),
+    port: int = typer.Option(8470, "--port", help="The server's port."),
     db: Optional[str] = typer.Option(None, "--db", help="SQLAlchemy URL (default: SQLite in $TIDAL_HOME)."),
     policy: str = typer.Option("edf", "--policy", help="Scheduling policy (same names as `tidal simulate`)."),
     tick: float = typer.Option(2.0, "--tick", help="Scheduling round period in seconds."),
@@ -165,8 +165,8 @@ def agent(
 def up(
     gpus: int = typer.Option(8, "--gpus", help="Virtual GPUs in all."),
     nodes: int = typer.Option(2, "--nodes", help="Agents (nodes)."),
-    policy: str = typer.Option("edf", "--policy"),
-    port: int = typer.Option(8470, "--port"),
+    policy: str = typer.Option("edf", "--policy", help="Scheduling policy (names as in `tidal simulate`)."),
+    port: int = typer.Option(8470, "--port", help="The server's port."),
     home: Optional[Path] = typer.Option(None, "--home", help="State directory (default $TIDAL_HOME)."),
 ) -> None:
     """Start an embedded cluster (server + local agents with virtual GPUs) and
@@ -203,14 +203,17 @@ def up(
 @app.command()
 def submit(
     spec: Optional[Path] = typer.Argument(None, help="YAML job spec (or use the flags)."),
-    name: Optional[str] = typer.Option(None, "--name"),
-    script: Optional[str] = typer.Option(None, "--script"),
+    name: Optional[str] = typer.Option(None, "--name", help="Job name (its id is the name plus a suffix)."),
+    script: Optional[str] = typer.Option(None, "--script", help="Training script: a path on the agents' hosts."),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="N, LOW-HIGH, or a,b,c"),
-    iterations: Optional[int] = typer.Option(None, "--iterations"),
+    iterations: Optional[int] = typer.Option(None, "--iterations", help="Training steps the job runs (or give "
+                                                                         "epochs in a spec)."),
     deadline: Optional[float] = typer.Option(None, "--deadline", help="Seconds after submission."),
-    batch: Optional[int] = typer.Option(None, "--batch-size"),
-    rigid: bool = typer.Option(False, "--rigid"),
-    arg: list[str] = typer.Option([], "--arg", help="Argument for the script (repeat)."),
+    batch: Optional[int] = typer.Option(None, "--batch-size", help="Global batch size (samples per step, all "
+                                                                     "workers)."),
+    rigid: bool = typer.Option(False, "--rigid", metavar="", help="Never rescale this job: it runs at its "
+                                                                  "starting size or waits."),
+    arg: list[str] = typer.Option([], "--arg", metavar="TEXT", help="Argument for the script (repeat)."),
     server_url: Optional[str] = ServerOpt,
     token: Optional[str] = TokenOpt,
 ) -> None:
@@ -271,7 +274,7 @@ def jobs_table(jobs: list[dict], wide: bool = False) -> Table:
 
 @app.command("jobs")
 def jobs_cmd(server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt,
-             as_json: bool = typer.Option(False, "--json", help="Print JSON (same as -o json)."),
+             as_json: bool = typer.Option(False, "--json", metavar="", help="Print JSON (same as -o json)."),
              output: str = OutputOpt) -> None:
     """List your jobs (all jobs with the admin token).
 
@@ -284,7 +287,7 @@ def jobs_cmd(server_url: Optional[str] = ServerOpt, token: Optional[str] = Token
 
 @app.command("job")
 def job_cmd(job_id: str, server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt,
-            as_json: bool = typer.Option(False, "--json", help="Print JSON (same as -o json)."),
+            as_json: bool = typer.Option(False, "--json", metavar="", help="Print JSON (same as -o json)."),
             output: str = OutputOpt) -> None:
     """Show one job: its state, why it ended, and its event history.
 
@@ -340,7 +343,7 @@ class _LogTail:
 
 @app.command()
 def logs(job_id: str, follow: bool = typer.Option(False, "--follow", "-f",
-                                                   help="Keep printing new lines until the job ends."),
+                                                   metavar="", help="Keep printing new lines until the job ends."),
          worker: Optional[str] = typer.Option(None, "--worker", help="One process only: master, w0, w1, ..."),
          server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Print a job's logs, each line prefixed with its process (or one
@@ -371,7 +374,7 @@ def cancel(job_id: str, server_url: Optional[str] = ServerOpt, token: Optional[s
 
 @app.command("cluster")
 def cluster_cmd(server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt,
-                as_json: bool = typer.Option(False, "--json", help="Print JSON (same as -o json)."),
+                as_json: bool = typer.Option(False, "--json", metavar="", help="Print JSON (same as -o json)."),
                 output: str = OutputOpt) -> None:
     """Show nodes, GPUs and who holds them.
 
@@ -391,7 +394,7 @@ def cluster_table(c: dict, wide: bool = False) -> Table:
 
 
 @app.command()
-def user(name: str, rotate: bool = typer.Option(False, "--rotate", help="Give an existing user a new token."),
+def user(name: str, rotate: bool = typer.Option(False, "--rotate", metavar="", help="Give an existing user a new token."),
          server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Create a user (admin token) and print its API token; --rotate replaces
     an existing user's token (the old one stops working)."""

@@ -152,13 +152,13 @@ def sim_demo(con: Console, jobs: int, cluster: str, seed: int, out: Path) -> Non
 
 @app.command()
 def demo(
-    sim: bool = typer.Option(False, "--sim", help="Simulation comparison instead of the live cluster."),
+    sim: bool = typer.Option(False, "--sim", metavar="", help="Simulation comparison instead of the live cluster."),
     policy: str = typer.Option("edf", "--policy", help="Live mode: scheduling policy."),
     home: Optional[Path] = typer.Option(None, "--home", help="Live mode: keep state here (default: a temp dir)."),
     timeout: float = typer.Option(300.0, "--timeout", help="Live mode: give up after this many seconds."),
     jobs: int = typer.Option(200, "--jobs", help="Sim mode: synthetic jobs."),
     cluster: str = typer.Option("n4g8", "--cluster", help="Sim mode: cluster spec."),
-    seed: int = typer.Option(1, "--seed"),
+    seed: int = typer.Option(1, "--seed", help="Seed of the demo's workload (--sim)."),
     out: Path = typer.Option(Path("out/demo"), "--out", help="Sim mode: output directory."),
 ) -> None:
     """Run real elastic jobs on an embedded cluster and watch them reshape (or --sim)."""

@@ -121,7 +121,7 @@ def scale(
     workers: Optional[int] = typer.Option(None, "--workers", "-n", help="`tidal run` job: target number of workers."),
     timeout: float = typer.Option(120.0, "--timeout", help="Give up after this many seconds."),
     wait: bool = typer.Option(True, "--wait/--no-wait",
-                              help="`tidal run` job: wait until it runs at the new size (a live-cluster job's pin "
+                              metavar="", help="`tidal run` job: wait until it runs at the new size (a live-cluster job's pin "
                                    "returns at once; the policy applies it in its next round)."),
     server: Optional[str] = typer.Option(None, "--server", help="Live cluster: server URL."),
     token: Optional[str] = typer.Option(None, "--token", help="Live cluster: API token."),
