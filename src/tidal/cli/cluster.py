@@ -69,7 +69,7 @@ TokenOpt = typer.Option(None, "--token", help="API token (default: $TIDAL_TOKEN 
 def server(
     host: Optional[str] = typer.Option(
         None, "--host", help="Address to listen on (0.0.0.0: every interface); default $TIDAL_BIND_ADDR, else 127.0.0.1."),
-    port: int = typer.Option(8470, "--port", help="The server's port."),
+    port: int = typer.Option(8470, "--port", min=1, max=65535, help="The server's port."),
     db: Optional[str] = typer.Option(None, "--db", help="SQLAlchemy URL (default: SQLite in $TIDAL_HOME)."),
     policy: str = typer.Option("edf", "--policy", help="Scheduling policy (same names as `tidal simulate`)."),
     tick: float = typer.Option(2.0, "--tick", help="Scheduling round period in seconds."),
@@ -122,7 +122,7 @@ def agent(
     server_url: Optional[str] = ServerOpt,
     token: Optional[str] = TokenOpt,
     name: Optional[str] = typer.Option(None, "--name", help="Node name (default: host name)."),
-    virtual_gpus: Optional[int] = typer.Option(None, "--virtual-gpus", help="Pretend to have N GPUs (no GPU needed)."),
+    virtual_gpus: Optional[int] = typer.Option(None, "--virtual-gpus", min=1, help="Pretend to have N GPUs (no GPU needed)."),
     interval: float = typer.Option(0.5, "--interval", help="Heartbeat period in seconds."),
     advertise_addr: Optional[str] = typer.Option(
         None, "--advertise-addr", help="This node's address for the server and the job masters it starts "
@@ -166,7 +166,7 @@ def up(
     gpus: int = typer.Option(8, "--gpus", help="Virtual GPUs in all."),
     nodes: int = typer.Option(2, "--nodes", help="Agents (nodes)."),
     policy: str = typer.Option("edf", "--policy", help="Scheduling policy (names as in `tidal simulate`)."),
-    port: int = typer.Option(8470, "--port", help="The server's port."),
+    port: int = typer.Option(8470, "--port", min=1, max=65535, help="The server's port."),
     home: Optional[Path] = typer.Option(None, "--home", help="State directory (default $TIDAL_HOME)."),
 ) -> None:
     """Start an embedded cluster (server + local agents with virtual GPUs) and
@@ -397,7 +397,13 @@ def cluster_table(c: dict, wide: bool = False) -> Table:
 def user(name: str, rotate: bool = typer.Option(False, "--rotate", metavar="", help="Give an existing user a new token."),
          server_url: Optional[str] = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Create a user (admin token) and print its API token; --rotate replaces
-    an existing user's token (the old one stops working)."""
+    an existing user's token (the old one stops working).
+
+    Example: tidal user alice > alice.token
+    """
+    if not name.strip():
+        err.print("[red]error:[/] a user name must not be empty")
+        raise typer.Exit(2)
     print(_request(server_url, token, lambda api: api.add_user(name, rotate=rotate)))
 
 

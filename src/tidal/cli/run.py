@@ -36,7 +36,7 @@ def run(
                              "or 127.0.0.1."),
     advertise_addr: Optional[str] = typer.Option(None, "--advertise-addr",
                                                  help="Address given to workers and joining hosts."),
-    port: int = typer.Option(0, "--port", help="The master's HTTP port (0: any free one)."),
+    port: int = typer.Option(0, "--port", min=0, max=65535, help="The master's HTTP port (0: any free one)."),
     join: Optional[str] = typer.Option(
         None, "--join", metavar="HOST:PORT",
         help="Add --workers workers on this host to the running job whose master is at HOST:PORT."),

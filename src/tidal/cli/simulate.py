@@ -115,7 +115,7 @@ def simulate(
     seed: int = typer.Option(0, "--seed", help="Seed for trace synthesis (Philly models, batch sizes)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N jobs."),
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print one JSON object per policy."),
-    slot: float = typer.Option(60.0, "--slot", help="Scheduling slot in seconds (0: schedule at every event)."),
+    slot: float = typer.Option(60.0, "--slot", min=0.0, help="Scheduling slot in seconds (0: schedule at every event)."),
     overhead: str = typer.Option("stop-free", "--overhead", help="Rescale overhead model: stop-free | stop-resume."),
     profiles_dir: Optional[Path] = typer.Option(None, "--profiles", help="Throughput profile directory (default: shipped A100)."),
     rigid: bool = typer.Option(False, "--rigid", metavar="", help="Treat every job as rigid (not elastic)."),

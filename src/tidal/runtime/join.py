@@ -20,7 +20,7 @@ import socket
 import time
 from typing import Callable, Sequence
 
-from tidal.runtime.client import MasterClient, retry_while_busy
+from tidal.runtime.client import MasterUnavailable, MasterClient, retry_while_busy
 from tidal.runtime.messages import ScaleAnswer
 from tidal.runtime.spawner import LocalSpawner, WorkerLaunch
 
@@ -34,6 +34,8 @@ def master_url(join: str) -> str:
     host, _, port = rest.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"--join {join!r}: expected HOST:PORT of the job's master (as `tidal run` prints it)")
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"--join {join!r}: port {port} is not a TCP port (1-65535)")
     return url.rstrip("/")
 
 
@@ -89,9 +91,14 @@ def join_job(join: str, script: str, args: Sequence[str] = (), size: int = 1, *,
     if not os.path.isfile(script):
         out(f"tidal run: no such script: {script} (relative to {os.getcwd()})")
         return 2
-    c = MasterClient(url)
+    c = MasterClient(url, patience_s=min(30.0, timeout_s))
     ids = worker_ids(size)
-    ans = _ask(c, ids, replace_host, timeout_s)
+    try:
+        ans = _ask(c, ids, replace_host, timeout_s)
+    except (MasterUnavailable, OSError) as e:
+        out(f"tidal run: no job master answers at {url} ({e}); give the HOST:PORT `tidal run` printed on the "
+            "job's first host")
+        return 1
     if ans.status != "accepted":
         out(f"tidal run: the master at {url} refused: {ans.status}: {ans.message}")
         return 1
