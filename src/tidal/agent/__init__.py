@@ -6,7 +6,10 @@ the processes the server wants on this node (job masters and workers) with
 the ones it runs: it launches them with ``CUDA_VISIBLE_DEVICES`` and the job's
 environment, stops the ones no longer wanted, and ships their output and
 exit codes back. When the server is unreachable it keeps every process
-running and keeps retrying; a restarted server finds them again.
+running and keeps retrying; a restarted server finds them again. Its process
+table is kept on disk (:mod:`tidal.agent.proctable`): an agent restarted
+after a crash adopts the processes still running instead of launching them
+again, and reports those that ended meanwhile.
 """
 
 from tidal.agent.agent import Agent, detect_gpus

@@ -8,12 +8,12 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from tidal import settings
+from tidal.agent.proctable import EXIT_UNKNOWN, Child, Proc, ProcTable
 from tidal.net import LOOPBACK, advertise_addr
 from tidal.control.jobproc import EXIT_REPLACED
 from tidal.httpjson import JsonHttp, Unavailable
@@ -45,19 +45,6 @@ class Refused(RuntimeError):
         self.status = status
 
 
-@dataclass
-class Proc:
-    id: int
-    job: str
-    name: str
-    popen: subprocess.Popen
-    log_path: Path
-    offset: int = 0
-    reported: str = ""
-    stop_sent: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 class Agent:
     def __init__(
         self,
@@ -82,8 +69,11 @@ class Agent:
         self.interval_s = interval_s
         self.workdir = Path(workdir or settings.home() / "agents" / name)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.procs: dict[int, Proc] = {}
-        self.finished: dict[int, dict[str, Any]] = {}  # exit reports not yet acknowledged by the server
+        # the processes a previous run of this agent launched are adopted, never launched twice
+        self.table = ProcTable(self.workdir / "procs.json")
+        self.procs: dict[int, Proc]
+        self.finished: dict[int, dict[str, Any]]  # exit reports not yet acknowledged by the server
+        self.procs, self.finished = self.table.load()
         self.acked: set[int] = set()  # exited processes the server knows about (never relaunched)
         self._stop = threading.Event()
         self.registered = False
@@ -124,6 +114,7 @@ class Agent:
 
     def tick(self) -> None:
         reports = self._collect()
+        self._save()  # an exit seen is reported also by the next run of this agent
         ans = self._post(f"/internal/agents/{self.name}/heartbeat", {"procs": reports, "utils": self._utils()})
         # acknowledged: exit reports are delivered, log chunks too
         for r in reports:
@@ -133,18 +124,27 @@ class Agent:
                 self.acked.add(r["id"])
         self._reconcile(ans.get("workers", []))
         self._write_master_urls(ans.get("masters") or {})
+        self._save()
+
+    def _save(self) -> None:
+        try:
+            self.table.save(self.procs, self.finished)
+        except OSError as e:
+            log.error("cannot write the process table %s: %s", self.table.path, e)
 
     def _collect(self) -> list[dict[str, Any]]:
         """Reports for every live process, plus unacknowledged exits (kept until
-        a heartbeat gets through, so an exit is never lost)."""
+        a heartbeat gets through, so an exit is never lost). An adopted
+        process that ended is ``failed`` with exit code None (unknown)."""
         out = []
         for p in list(self.procs.values()):
-            code = p.popen.poll()
+            code = p.handle.poll()
             if code not in (None, 0) and self._restart_master(p, code):
                 continue  # the same process row runs again; its new pid is reported next tick
             text = self._read_log(p)
             state = "running" if code is None else ("exited" if code == 0 else "failed")
-            rep = {"id": p.id, "state": state, "pid": p.popen.pid, "exit_code": code, "log": text}
+            rep = {"id": p.id, "state": state, "pid": p.handle.pid,
+                   "exit_code": None if code == EXIT_UNKNOWN else code, "log": text}
             if code is not None:
                 del self.procs[p.id]
                 self.finished[p.id] = rep
@@ -157,10 +157,12 @@ class Agent:
         """A job master that crashed (killed, or an exception) and was not told
         to stop restarts here, from its state file and on its ports
         (``--resume``, Elan §V-D), up to :data:`MASTER_RESTARTS` times; its
-        workers reconnect and the job loses no step."""
-        w = p.extra.get("spec") or {}
-        done = int(p.extra.get("restarts", 0))
-        if w.get("kind") != "master" or p.stop_sent or done >= MASTER_RESTARTS or code == EXIT_REPLACED:
+        workers reconnect and the job loses no step. Not an adopted master:
+        its exit code is unknown (0 after its job finished, or
+        :data:`EXIT_REPLACED`); the server judges it (a lost master)."""
+        w, done = p.spec, p.restarts
+        if (p.kind != "master" or not w or p.stop_sent or done >= MASTER_RESTARTS
+                or code in (EXIT_REPLACED, EXIT_UNKNOWN)):
             return False
         log.warning("job master %s/%s exited with %s; restarting it (%d/%d)", p.job, p.name, code, done + 1,
                     MASTER_RESTARTS)
@@ -180,7 +182,7 @@ class Agent:
 
     def _utils(self) -> dict[int, float]:
         if self.virtual:
-            busy = {int(p.extra.get("gpu", -1)) for p in self.procs.values()}
+            busy = {int(p.gpu) for p in self.procs.values() if p.gpu.lstrip("-").isdigit()}
             return {i: (1.0 if i in busy else 0.0) for i in range(self.num_gpus)}
         try:
             import pynvml
@@ -202,15 +204,15 @@ class Agent:
             if w["desired"] == "stop":
                 if p is not None:
                     if not p.stop_sent:
-                        p.popen.send_signal(signal.SIGTERM)
+                        p.handle.send_signal(signal.SIGTERM)
                         p.stop_sent = now
                     elif now - p.stop_sent > 10:
-                        p.popen.kill()
+                        p.handle.kill()
                 continue
             if p is None and wid not in self.acked and wid not in self.finished:
                 self._launch(w)
-            elif p is not None and p.extra.get("gate") and not w.get("gated"):
-                Path(p.extra["gate"]).touch()  # the GPU is this job's now: train
+            elif p is not None and p.gate and not w.get("gated"):
+                Path(p.gate).touch()  # the GPU is this job's now: train
 
     def _master_file(self, job: str) -> Path:
         return self.workdir / "masters" / f"{job}.url"
@@ -250,20 +252,29 @@ class Agent:
         with log_path.open("ab") as fh:
             popen = subprocess.Popen(argv, env=env, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        self.procs[int(w["id"])] = Proc(int(w["id"]), w["job"], w["name"], popen, log_path,
-                                        offset=start,
-                                        extra={"gpu": env.get("CUDA_VISIBLE_DEVICES", "-1"), "gate": gate,
-                                               "spec": w, "restarts": restarts})
+        self.procs[int(w["id"])] = Proc(int(w["id"]), w["job"], w["name"], str(w.get("kind") or "worker"),
+                                        Child(popen), log_path, offset=start,
+                                        gpu=env.get("CUDA_VISIBLE_DEVICES", "-1"), gate=gate, restarts=restarts,
+                                        spec=w)
+        self._save()
         log.info("launched %s/%s pid %d (CUDA_VISIBLE_DEVICES=%s)", w["job"], w["name"], popen.pid,
                  env.get("CUDA_VISIBLE_DEVICES", ""))
 
     def shutdown(self) -> None:
+        """Stop every process (SIGTERM, SIGKILL after 10 s); their exits are
+        kept in the table for the next run to report."""
         self.http.close()
         for p in self.procs.values():
-            if p.popen.poll() is None:
-                p.popen.terminate()
+            p.stop_sent = p.stop_sent or time.time()
+            p.handle.terminate()
         for p in self.procs.values():
             try:
-                p.popen.wait(timeout=10)
+                p.handle.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                p.popen.kill()
+                p.handle.kill()
+                try:
+                    p.handle.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    log.error("%s/%s (pid %d) survived SIGKILL", p.job, p.name, p.handle.pid)
+        self._collect()
+        self._save()

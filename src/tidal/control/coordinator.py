@@ -13,6 +13,10 @@ job that gets a donor's GPUs starts its processes early, gated, so they warm
 up meanwhile (SideCar §III-C). No round waits for a remote change: a change in
 flight is recorded with the job and judged again next round, which comes
 sooner while one is in flight.
+
+Beside the rounds, a small timer runs the registered watches every
+:data:`WATCH_S` (:func:`register_watch`): the API's judge of nodes that
+stopped heart-beating is one, so a dead agent is found on any cluster size.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from sqlalchemy import select
 
@@ -40,6 +44,22 @@ log = logging.getLogger(__name__)
 
 #: the shortest pause of the loop (a plan whose ``wake_at`` has passed)
 MIN_WAIT_S = 0.05
+#: the period of the watches (see :func:`register_watch`)
+WATCH_S = 1.0
+
+#: a check of the store, run by the coordinator's timer: ``watch(store, now)``,
+#: True when it changed something (a round follows at once)
+Watch = Callable[[Store, float], bool]
+_WATCHES: list[Callable[[], Watch]] = []
+
+
+def register_watch(factory: Callable[[], Watch]) -> None:
+    """Every coordinator started from now on runs ``factory()`` every
+    :data:`WATCH_S`, beside its rounds. A watch reads and writes the store
+    only, never waits on a remote process. The modules that own a check
+    register it (they import this one; this one cannot import them)."""
+    if factory not in _WATCHES:
+        _WATCHES.append(factory)
 
 
 class Coordinator:
@@ -71,6 +91,7 @@ class Coordinator:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watch_thread: threading.Thread | None = None
         self.rounds = 0
         self.in_flight = 0  # jobs with a change in flight after the last round
         self.wake_at: float | None = None  # the last plan's
@@ -85,13 +106,19 @@ class Coordinator:
     def start(self) -> "Coordinator":
         self._thread = threading.Thread(target=self._run, name="tidal-coordinator", daemon=True)
         self._thread.start()
+        watches = [factory() for factory in _WATCHES]
+        if watches:
+            self._watch_thread = threading.Thread(target=self._watch, args=(watches,), name="tidal-watch",
+                                                  daemon=True)
+            self._watch_thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        if self._thread:
-            self._thread.join(timeout=10)
+        for t in (self._thread, self._watch_thread):
+            if t:
+                t.join(timeout=10)
 
     def wake(self) -> None:
         self._wake.set()
@@ -117,6 +144,16 @@ class Coordinator:
                 self.round()
             except Exception:  # noqa: BLE001 - the loop must survive any bad round
                 log.exception("scheduling round failed")
+
+    def _watch(self, watches: list[Watch]) -> None:
+        """The timer of the watches; one that changed something wakes the loop."""
+        while not self._stop.wait(WATCH_S):
+            for watch in watches:
+                try:
+                    if watch(self.store, time.time()):
+                        self.wake()
+                except Exception:  # noqa: BLE001 - the timer must survive any bad check
+                    log.exception("watch %s failed", watch)
 
     # -- one round ----------------------------------------------------------------
     def round(self) -> Plan | None:

@@ -70,12 +70,14 @@ class LocalCluster:
             time.sleep(0.2)
         (self.home / "server.json").write_text(json.dumps({"url": self.url}))
 
+    def _spawn_agent(self, i: int) -> subprocess.Popen:
+        return self._spawn(["agent", "--server", self.url, "--token", self.admin_token, "--name", f"node-{i}",
+                            "--virtual-gpus", str(self.gpus_per_node), "--interval", "0.3"], f"agent-{i}")
+
     def start(self, timeout_s: float = 60.0) -> "LocalCluster":
         self.start_server(timeout_s)
         for i in range(self.nodes):
-            self.agents.append(self._spawn(
-                ["agent", "--server", self.url, "--token", self.admin_token, "--name", f"node-{i}",
-                 "--virtual-gpus", str(self.gpus_per_node), "--interval", "0.3"], f"agent-{i}"))
+            self.agents.append(self._spawn_agent(i))
         api = Api(self.url, self.admin_token)
         deadline = time.time() + timeout_s
         while len([n for n in api.cluster()["nodes"] if n["state"] == "up"]) < self.nodes:
@@ -98,6 +100,19 @@ class LocalCluster:
     def restart_server(self) -> None:
         self.stop_server()
         self.start_server()
+
+    def kill_agent(self, i: int) -> None:
+        """``kill -9`` of node ``i``'s agent alone: the processes it launched
+        run on (each leads its own session)."""
+        self.agents[i].kill()
+        self.agents[i].wait()
+
+    def start_agent(self, i: int) -> None:
+        """Node ``i``'s agent again (after :meth:`kill_agent`), on the same
+        work directory: it adopts the processes still running."""
+        if self.agents[i].poll() is None:
+            raise RuntimeError(f"the agent of node-{i} still runs")
+        self.agents[i] = self._spawn_agent(i)
 
     def stop(self) -> None:
         for p in self.agents:

@@ -16,6 +16,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from tidal.control.api.deps import AdminDep, CoordinatorDep, LogsDirDep, StoreDep
+from tidal.control.coordinator import register_watch
 from tidal.control.db import GPU, Job, MasterState, Node, Process, Store
 from tidal.net import LOOPBACK
 
@@ -132,12 +133,37 @@ def _apply_reports(s: Session, store: Store, node: str, reports: list[ProcReport
             _append_log(logs_dir / w.job_id, w.name, rep.log[-MAX_LOG_CHUNK:])
         if w.state == "lost" and rep.state == "running":
             continue  # its node was down and it was given up: it is being stopped, not resumed
-        if w.state != rep.state:
-            store.log(s, f"proc.{rep.state}", w.job_id, node=node, gpu=w.gpu, proc=w.name,
-                      pid=rep.pid, exit_code=rep.exit_code)
-            finished |= rep.state in ("exited", "failed")
-        w.state, w.pid, w.exit_code = rep.state, rep.pid, rep.exit_code
+        state, code = rep.state, rep.exit_code
+        if state == "failed" and code is None:
+            if w.state in ("exited", "failed"):
+                continue  # a restarted agent's repeat of an exit already recorded
+            state, code = _unknown_exit(s, w)
+        if w.state != state:
+            store.log(s, f"proc.{state}", w.job_id, node=node, gpu=w.gpu, proc=w.name, pid=rep.pid, exit_code=code)
+            finished |= state in ("exited", "failed", "lost")
+        w.state, w.pid, w.exit_code = state, rep.pid, code
     return finished
+
+
+def _unknown_exit(s: Session, w: Process) -> tuple[str, int | None]:
+    """The state of a process that ended while its agent was down (the
+    restarted agent adopted it, or found it gone, and cannot know its exit
+    code). A worker failed (like a killed one: the survivors re-form, its GPU
+    is freed). The job's current master, still wanted, is lost: the
+    coordinator restarts it like a master lost with its host; unless its job
+    reported it finished: then the master exited as it does then (0)."""
+    if w.kind != "master":
+        return "failed", None
+    if w.state == "lost":
+        return "lost", None  # given up with its node already
+    j = s.get(Job, w.job_id)
+    if j is not None and (j.progress or {}).get("state") == "finished":
+        return "exited", 0
+    latest = s.scalar(select(func.max(Process.id)).where(Process.job_id == w.job_id, Process.kind == "master"))
+    if w.desired == "run" and latest == w.id:
+        w.desired = "stop"  # never launched again: another master row replaces it
+        return "lost", None
+    return "failed", None
 
 
 def _append_log(d: Path, name: str, text: str) -> None:
@@ -156,16 +182,42 @@ def _apply_utils(s: Session, node: str, utils: dict[int, float]) -> None:
 def _judge_silent_nodes(s: Session, store: Store, clock: HeartbeatClock, now: float) -> bool:
     """Nodes that stopped heart-beating are down and their processes lost (the
     jobs' survivors re-form without them); True when a node went down. After
-    a stall of the server's own, every up node's clock restarts instead."""
+    a stall of the server's own, every up node's clock restarts instead.
+    Heartbeats and the coordinator's watch (:class:`SilentNodeWatch`) both
+    judge; a node goes down once (a conditional UPDATE)."""
     if clock.stalled(now):
         s.execute(update(Node).where(Node.state == "up").values(last_heartbeat=now))
         return False
-    late = s.scalars(select(Node).where(Node.state == "up", Node.last_heartbeat < now - NODE_TIMEOUT_S)).all()
-    for other in late:
-        other.state = "down"
-        store.log(s, "node.down", node=other.name)
-        _lose_node_procs(s, store, other.name)
-    return bool(late)
+    cutoff = now - NODE_TIMEOUT_S
+    late = s.scalars(select(Node.name).where(Node.state == "up", Node.last_heartbeat < cutoff)).all()
+    down = False
+    for name in late:
+        res = s.execute(update(Node).where(Node.name == name, Node.state == "up", Node.last_heartbeat < cutoff)
+                        .values(state="down").execution_options(synchronize_session=False))
+        if res.rowcount != 1:
+            continue  # it beat meanwhile, or another judge took it down
+        store.log(s, "node.down", node=name)
+        _lose_node_procs(s, store, name)
+        down = True
+    return down
+
+
+class SilentNodeWatch:
+    """The coordinator's judge of silent nodes (run every
+    :data:`~tidal.control.coordinator.WATCH_S`): heartbeats judge only the
+    other nodes, so without it a cluster whose every agent died (one node,
+    say) would never see it. Its clock is its own and ticks with the watch:
+    a gap in it is a stall of the server itself."""
+
+    def __init__(self) -> None:
+        self.clock = HeartbeatClock(time.time())
+
+    def __call__(self, store: Store, now: float) -> bool:
+        with store.session() as s:
+            return _judge_silent_nodes(s, store, self.clock, now)
+
+
+register_watch(SilentNodeWatch)
 
 
 def _lose_node_procs(s: Session, store: Store, node: str) -> None:
