@@ -140,8 +140,6 @@ FAULT_LOG: Setting[str | None] = Setting("TIDAL_FAULT_LOG", _opt_str, None,
 JOB_TOKEN: Setting[str] = Setting("TIDAL_JOB_TOKEN", _str, "",
                                   "the job's credential, set by the agent for the job's master and workers: the "
                                   "master's HTTP API requires it, and it acts on this job only", "worker")
-AGENT_TOKEN: Setting[str] = Setting("TIDAL_AGENT_TOKEN", _str, "",
-                                    "transitional: the token a job master used before job credentials", "master")
 ADMIN_TOKEN: Setting[str | None] = Setting("TIDAL_ADMIN_TOKEN", _opt_str, None,
                                            "the admin token tidal server uses (default: $TIDAL_HOME/admin.token, "
                                            "created 0600); keeps it off the command line", "server")

@@ -20,6 +20,9 @@ from tidal.httpjson import JsonHttp, Unavailable
 
 log = logging.getLogger("tidal.agent")
 
+#: variables of the agent's environment a job's processes do not inherit
+_SECRETS = frozenset({settings.TOKEN.name, settings.ADMIN_TOKEN.name, settings.JOB_TOKEN.name})
+
 MASTER_RESTARTS = 3  # a job master that keeps crashing is then reported failed
 
 
@@ -79,6 +82,7 @@ class Agent:
         self.registered = False
         self._urls: dict[str, str] = {}  # the master URL last written per job
         # an unreachable server is retried for one interval, then on the next tick
+        self.join_token = token
         self.http = JsonHttp(self.server, token=token, timeout_s=10.0, patience_s=interval_s)
 
     # -- transport ----------------------------------------------------------------
@@ -98,14 +102,17 @@ class Agent:
         while not self._stop.is_set():
             try:
                 if not self.registered:
-                    self._post("/internal/agents/register", {"name": self.name, "num_gpus": self.num_gpus,
-                                                             "virtual": self.virtual, "address": self.address,
-                                                             "labels": self.labels})
+                    ans = self._post("/internal/agents/register", {"name": self.name, "num_gpus": self.num_gpus,
+                                                                   "virtual": self.virtual, "address": self.address,
+                                                                   "labels": self.labels})
+                    # from now on the node's own credential (its heartbeats only), not the join token
+                    self.http.token = str(ans.get("token") or self.join_token)
                     self.registered = True
                 self.tick()
             except Refused as e:
-                if e.status == 404:  # the server lost us (new store): register again
+                if e.status in (401, 403, 404):  # a new store or secret: register again with the join token
                     self.registered = False
+                    self.http.token = self.join_token
                 log.warning("server answered %s; retrying", e.status)
             except (Unavailable, OSError) as e:
                 log.warning("server unreachable (%s); processes keep running", e)
@@ -236,7 +243,8 @@ class Agent:
         d.mkdir(parents=True, exist_ok=True)
         log_path = d / f"{w['name']}.log"
         start = offset if offset is not None else (log_path.stat().st_size if log_path.exists() else 0)
-        env = dict(os.environ)
+        # the agent's own credentials never reach a job's processes; they get their job's from the server
+        env = {k: v for k, v in os.environ.items() if k not in _SECRETS}
         env.update({k: str(v) for k, v in (w.get("env") or {}).items()})
         env[settings.NODE.name] = self.name
         env[settings.MASTER_FILE.name] = str(self._master_file(w["job"]))

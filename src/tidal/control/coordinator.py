@@ -72,7 +72,6 @@ class Coordinator:
         policy: str | Policy = "edf",
         *,
         server_url: str = "",
-        agent_token: str = "",
         tick_s: float = 2.0,
         overheads: OverheadModel | None = None,
         change_timeout_s: float = 120.0,
@@ -84,7 +83,7 @@ class Coordinator:
         self.tick_s = tick_s
         self.busy_tick_s = min(busy_tick_s, tick_s)
         self.overheads = overheads or OverheadModel(mode="stop-free", pause_s=0.5, warmup_s=3.0)
-        self.cx = Context(store, server_url=server_url, agent_token=agent_token)
+        self.cx = Context(store, server_url=server_url)
         if home is not None:
             self.cx.home = Path(home)
         self.reconciler = Reconciler(self.cx, change_timeout_s)

@@ -21,9 +21,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import logging
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 ADMIN, TENANT, AGENT, NODE, JOB = "admin", "tenant", "agent", "node", "job"
 
@@ -65,7 +68,11 @@ class Credentials:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.touch(mode=0o600)
             path.write_text(secrets.token_hex(32))
-        path.chmod(0o600)
+        if path.stat().st_mode & 0o077:
+            try:
+                path.chmod(0o600)
+            except OSError as e:  # e.g. a read-only mount (a Kubernetes Secret): say so, do not stop
+                log.warning("%s is readable by others and cannot be made private: %s", path, e)
         return cls(bytes.fromhex(path.read_text().strip()))
 
     def _mac(self, role: str, scope: str) -> str:

@@ -36,7 +36,6 @@ class Context:
 
     store: Store
     server_url: str = ""
-    agent_token: str = ""  # unused: job masters get their job's own credential from their agent
     credentials: Credentials = field(default_factory=Credentials)
     home: Path = field(default_factory=settings.home)
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=1024))  # submit -> start, seconds
@@ -91,7 +90,7 @@ def launch_master(cx: Context, s: Session, j: Job, gids: list[int], workers: lis
     argv = [sys.executable, "-m", "tidal.control.jobproc", "--job", j.id, "--server", cx.server_url,
             "--size", str(len(workers)), "--first-worker", workers[0][1:]]
     s.add(Process(job_id=j.id, name="master", kind="master", node=first.node, gpu=None, argv=argv,
-                  env={settings.AGENT_TOKEN.name: cx.agent_token, **sub.get("env", {})},
+                  env=dict(sub.get("env", {})),
                   cwd=sub.get("workdir", "")))
     j.master_url = ""  # the new master reports its own
 

@@ -49,17 +49,17 @@ class LocalCluster:
         self.env = {**os.environ, settings.HOME.name: str(self.home), "OMP_NUM_THREADS": "1",
                     settings.CHECKPOINT_SHARED.name: "1"}
 
-    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+    def _spawn(self, args: list[str], log_name: str, **env: str) -> subprocess.Popen:
+        # credentials go in the environment, never on a command line (visible to every user in ps)
         with open(self.home / f"{log_name}.log", "ab") as log:
-            return subprocess.Popen([sys.executable, "-m", "tidal", *args], env=self.env, stdout=log,
+            return subprocess.Popen([sys.executable, "-m", "tidal", *args], env={**self.env, **env}, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
 
     def start_server(self, timeout_s: float = 60.0) -> None:
-        args = ["server", "--port", str(self.port), "--policy", self.policy, "--tick", str(self.tick_s),
-                "--token", self.admin_token]
+        args = ["server", "--port", str(self.port), "--policy", self.policy, "--tick", str(self.tick_s)]
         if self.db_url:
             args += ["--db", self.db_url]
-        self.server = self._spawn(args, "server")
+        self.server = self._spawn(args, "server", **{settings.ADMIN_TOKEN.name: self.admin_token})
         api = Api(self.url, self.admin_token)
         deadline = time.time() + timeout_s
         while not api.healthy():
@@ -71,8 +71,9 @@ class LocalCluster:
         (self.home / "server.json").write_text(json.dumps({"url": self.url}))
 
     def _spawn_agent(self, i: int) -> subprocess.Popen:
-        return self._spawn(["agent", "--server", self.url, "--token", self.admin_token, "--name", f"node-{i}",
-                            "--virtual-gpus", str(self.gpus_per_node), "--interval", "0.3"], f"agent-{i}")
+        join = (self.home / "agent.token").read_text().strip()  # written by the server: register, nothing else
+        return self._spawn(["agent", "--server", self.url, "--name", f"node-{i}", "--virtual-gpus",
+                            str(self.gpus_per_node), "--interval", "0.3"], f"agent-{i}", **{settings.TOKEN.name: join})
 
     def start(self, timeout_s: float = 60.0) -> "LocalCluster":
         self.start_server(timeout_s)

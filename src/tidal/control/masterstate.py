@@ -42,7 +42,7 @@ class ServerBackend(StateBackend):
         if not hostport or not job:
             raise ValueError(f"tidal state backend: expected tidal://HOST:PORT/JOB, got tidal://{rest}")
         self.job, self.node = job, node or settings.NODE.get() or ""
-        self.http = JsonHttp(f"http://{hostport}", token=token if token is not None else (settings.JOB_TOKEN.get() or settings.AGENT_TOKEN.get()),
+        self.http = JsonHttp(f"http://{hostport}", token=token if token is not None else settings.JOB_TOKEN.get(),
                              timeout_s=5.0, patience_s=2.0)
 
     def save(self, snapshot: dict[str, Any]) -> None:

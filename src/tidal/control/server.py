@@ -53,7 +53,7 @@ def create_app(
     admin_token = admin_token or secrets.token_urlsafe(24)
     credentials = credentials or Credentials()
     store.add_user("admin", admin=True, token=admin_token)
-    coord = Coordinator(store, policy, server_url=server_url, agent_token=admin_token, tick_s=tick_s, home=home)
+    coord = Coordinator(store, policy, server_url=server_url, tick_s=tick_s, home=home)
     coord.cx.credentials = credentials
     app = FastAPI(title="Tidal control plane", version="0.1.0", lifespan=_lifespan(start_loop),
                   description="Submit elastic training jobs; the scheduler reshapes them.")

@@ -15,8 +15,10 @@ from pydantic import BaseModel, Field, field_validator
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from tidal.control.api.deps import AdminDep, CoordinatorDep, LogsDirDep, StoreDep
+from tidal import settings
+from tidal.control.api.deps import AgentDep, CoordinatorDep, JobCredDep, LogsDirDep, NodeDep, StoreDep
 from tidal.control.coordinator import register_watch
+from tidal.control.credentials import Credentials
 from tidal.control.db import GPU, Job, MasterState, Node, Process, Store
 from tidal.net import LOOPBACK
 
@@ -72,7 +74,7 @@ class HeartbeatClock:
 # -- agents ------------------------------------------------------------------------------
 @router.post("/agents/register")
 def register(req: RegisterRequest, request: Request, store: StoreDep, coord: CoordinatorDep,
-             _: AdminDep) -> dict[str, Any]:
+             _: AgentDep) -> dict[str, Any]:
     """A node joins with its GPUs, or rejoins (with the same number of GPUs, else 409)."""
     now = time.time()
     with request.app.state.register_lock, store.session() as s:
@@ -85,7 +87,8 @@ def register(req: RegisterRequest, request: Request, store: StoreDep, coord: Coo
             n.state, n.last_heartbeat, n.address, n.labels = "up", now, req.address, dict(req.labels)
             store.log(s, "node.rejoin", node=req.name)
     coord.wake()
-    return {"ok": True, "name": req.name}
+    # the node's own credential: its heartbeats, nothing else
+    return {"ok": True, "name": req.name, "token": request.app.state.credentials.node_token(req.name)}
 
 
 def _add_node(s: Session, store: Store, req: RegisterRequest, now: float) -> None:
@@ -100,7 +103,7 @@ def _add_node(s: Session, store: Store, req: RegisterRequest, now: float) -> Non
 
 @router.post("/agents/{name}/heartbeat")
 def heartbeat(name: str, req: HeartbeatRequest, request: Request, store: StoreDep, coord: CoordinatorDep,
-              logs_dir: LogsDirDep, _: AdminDep) -> dict[str, Any]:
+              logs_dir: LogsDirDep, _: NodeDep) -> dict[str, Any]:
     """The agent's processes' states, output and GPU utilisation in; the
     processes this node should run (or stop) out. Also judges which other
     nodes went silent."""
@@ -115,7 +118,7 @@ def heartbeat(name: str, req: HeartbeatRequest, request: Request, store: StoreDe
         finished = _apply_reports(s, store, name, req.procs, logs_dir)
         _apply_utils(s, name, req.utils)
         finished |= _judge_silent_nodes(s, store, request.app.state.heartbeat_clock, now)
-        wanted = _wanted_processes(s, name)
+        wanted = _wanted_processes(s, name, request.app.state.credentials)
         masters = _master_urls(s, {w["job"] for w in wanted})
     if finished:
         coord.wake()
@@ -230,13 +233,15 @@ def _lose_node_procs(s: Session, store: Store, node: str) -> None:
         store.log(s, "proc.lost", w.job_id, node=node, gpu=w.gpu, proc=w.name)
 
 
-def _wanted_processes(s: Session, node: str) -> list[dict[str, Any]]:
-    """What the node should run or stop, each process on its GPU (``CUDA_VISIBLE_DEVICES``)."""
+def _wanted_processes(s: Session, node: str, creds: Credentials) -> list[dict[str, Any]]:
+    """What the node should run or stop, each process on its GPU
+    (``CUDA_VISIBLE_DEVICES``) with its job's credential (``$TIDAL_JOB_TOKEN``,
+    derived here, never stored)."""
     procs = s.scalars(select(Process).where(Process.node == node,
                                             Process.state.in_(("pending", "running", "lost")))).all()
     gpu_index = {g.gid: g.index for g in s.scalars(select(GPU).where(GPU.node == node))}
     return [{"id": w.id, "job": w.job_id, "name": w.name, "kind": w.kind, "argv": w.argv, "cwd": w.cwd,
-             "env": {**(w.env or {}),
+             "env": {**(w.env or {}), settings.JOB_TOKEN.name: creds.job_token(w.job_id),
                      **({"CUDA_VISIBLE_DEVICES": str(gpu_index[w.gpu])} if w.gpu is not None else {})},
              "desired": w.desired, "gated": w.gated} for w in procs]
 
@@ -258,7 +263,7 @@ def _any_job(s: Session, job_id: str) -> Job:
 
 
 @router.post("/jobs/{job_id}/kill")
-def kill_worker(job_id: str, body: dict[str, Any], store: StoreDep, _: AdminDep) -> dict[str, Any]:
+def kill_worker(job_id: str, body: dict[str, Any], store: StoreDep, _: JobCredDep) -> dict[str, Any]:
     """The job master found a worker hung: its agent stops it (SIGTERM,
     then SIGKILL after 10 s)."""
     with store.session() as s:
@@ -283,7 +288,7 @@ def _fence(s: Session, job_id: str, body: dict[str, Any]) -> None:
 
 @router.post("/jobs/{job_id}/master")
 def master_up(job_id: str, body: dict[str, Any], store: StoreDep, coord: CoordinatorDep,
-              _: AdminDep) -> dict[str, Any]:
+              _: JobCredDep) -> dict[str, Any]:
     """The job's master is up at ``url`` (the coordinator writes its workers' rows now)."""
     with store.session() as s:
         j = _any_job(s, job_id)
@@ -295,7 +300,7 @@ def master_up(job_id: str, body: dict[str, Any], store: StoreDep, coord: Coordin
 
 
 @router.post("/jobs/{job_id}/status")
-def job_status(job_id: str, body: dict[str, Any], store: StoreDep, _: AdminDep) -> dict[str, Any]:
+def job_status(job_id: str, body: dict[str, Any], store: StoreDep, _: JobCredDep) -> dict[str, Any]:
     """The job master's latest status (progress, step)."""
     with store.session() as s:
         j = _any_job(s, job_id)
@@ -312,7 +317,7 @@ class MasterStateBody(BaseModel):
 
 
 @router.post("/jobs/{job_id}/master-state")
-def save_master_state(job_id: str, body: MasterStateBody, store: StoreDep, _: AdminDep) -> dict[str, Any]:
+def save_master_state(job_id: str, body: MasterStateBody, store: StoreDep, _: JobCredDep) -> dict[str, Any]:
     """The job master's latest snapshot; an older one (lower ``seq``) than
     the stored one is ignored."""
     with store.session() as s:
@@ -328,7 +333,7 @@ def save_master_state(job_id: str, body: MasterStateBody, store: StoreDep, _: Ad
 
 
 @router.get("/jobs/{job_id}/master-state")
-def load_master_state(job_id: str, store: StoreDep, _: AdminDep) -> dict[str, Any]:
+def load_master_state(job_id: str, store: StoreDep, _: JobCredDep) -> dict[str, Any]:
     """The newest snapshot a master of this job saved (404: none)."""
     with store.session() as s:
         row = s.get(MasterState, job_id)
