@@ -264,3 +264,158 @@ def test_asking_for_more_gpus_than_the_cluster_or_the_job_allows_is_refused(env)
         r = client.post(f"/v1/jobs/{jid}/scale", json={"gpus": n}, headers=hdr(t["alice"]))
         assert r.status_code == 422, (n, r.text)
     assert client.post(f"/v1/jobs/{jid}/scale", json={"gpus": 2}, headers=hdr(t["alice"])).status_code == 200
+
+
+def _keyed(client, tok, key, body=GOOD):
+    return client.post("/v1/jobs", json=body, headers={**hdr(tok), "Idempotency-Key": key})
+
+
+def test_a_retried_submission_with_its_idempotency_key_gets_the_same_job(env):
+    client, _, t = env
+    first = _keyed(client, t["alice"], "retry-1")
+    again = _keyed(client, t["alice"], "retry-1")
+    assert first.status_code == 201 and again.status_code == 200
+    assert again.json() == first.json()  # same job, same shape
+    by_query = client.post("/v1/jobs?idempotency_key=retry-1", json=GOOD, headers=hdr(t["alice"]))
+    assert by_query.status_code == 200 and by_query.json()["id"] == first.json()["id"]
+    assert [j["id"] for j in client.get("/v1/jobs", headers=hdr(t["alice"])).json()] == [first.json()["id"]]
+    # the key is the user's own: bob's same key is bob's job
+    bobs = _keyed(client, t["bob"], "retry-1")
+    assert bobs.status_code == 201 and bobs.json()["id"] != first.json()["id"]
+    # the same key with another body is refused, and creates nothing
+    other = _keyed(client, t["alice"], "retry-1", {**GOOD, "iterations": 7})
+    assert other.status_code == 422 and "Idempotency-Key" in str(other.json()["detail"])
+    assert len(client.get("/v1/jobs", headers=hdr(t["alice"])).json()) == 1
+    # a submission without a key is a new job every time
+    assert client.post("/v1/jobs", json=GOOD, headers=hdr(t["alice"])).status_code == 201
+    assert len(client.get("/v1/jobs", headers=hdr(t["alice"])).json()) == 2
+
+
+def test_a_malformed_idempotency_key_gets_422_naming_the_header(env):
+    client, _, t = env
+    for bad in ("", "k" * 129, " lead", "tab\there", "caf\u00e9".encode("latin-1")):
+        r = _keyed(client, t["alice"], bad)
+        assert r.status_code == 422, (bad, r.text)
+        assert any(e["loc"][-1].lower() == "idempotency-key" for e in r.json()["detail"]), r.text
+    assert _keyed(client, t["alice"], "k" * 128).status_code == 201
+    assert client.get("/v1/jobs", headers=hdr(t["alice"])).json()[0]["name"] == "j"
+
+
+def test_concurrent_duplicate_submissions_make_one_job(env):
+    """Eight clients race with one key: one job, every answer names it."""
+    import threading
+
+    client, store, t = env
+    answers: list = []
+    start = threading.Barrier(8)
+
+    def submit() -> None:
+        start.wait()
+        answers.append(_keyed(client, t["alice"], "race"))
+
+    threads = [threading.Thread(target=submit) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert sorted(r.status_code for r in answers) == [200] * 7 + [201], [r.text for r in answers]
+    assert len({r.json()["id"] for r in answers}) == 1
+    assert len(client.get("/v1/jobs", headers=hdr(t["alice"])).json()) == 1
+
+
+def test_migration_0006_keeps_existing_jobs(tmp_path):
+    """A store at 0005 with a job upgrades: the job stays, without a key."""
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine, text
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    cfg = Config()
+    cfg.set_main_option("script_location", "tidal.control:migrations")
+    cfg.set_main_option("sqlalchemy.url", url)
+    command.upgrade(cfg, "0005")
+    eng = create_engine(url)
+    with eng.begin() as c:
+        c.execute(text("INSERT INTO jobs (id, user, name, state, spec, submit_time, admitted, drop_reason, target, "
+                       "master_url, progress, done, attained, executed, waiting_since, tags, rescales, exit_info, "
+                       "change) VALUES ('old-1', 'alice', 'old', 'completed', '{}', 1.0, 0, '', 0, '', '{}', 0, 0, "
+                       "0, 0, '{}', 0, '', '{}')"))
+    eng.dispose()
+    store = Store(url)
+    indexes = {i["name"]: i for i in inspect(store.engine).get_indexes("jobs")}
+    assert indexes["ix_jobs_user_idempotency_key"]["unique"]
+    from tidal.control.db import Job
+
+    with store.session(write=False) as s:
+        assert s.get(Job, "old-1").idempotency_key is None
+
+
+def test_logs_are_read_by_process_name_never_by_path(env, tmp_path):
+    """alice cannot reach bob's log (or any file) through ``worker``."""
+    client, _, t = env
+    alice_job = client.post("/v1/jobs", json=GOOD, headers=hdr(t["alice"])).json()["id"]
+    bob_job = client.post("/v1/jobs", json=GOOD, headers=hdr(t["bob"])).json()["id"]
+    logs = tmp_path / "logs"
+    for job, who in ((alice_job, "alice"), (bob_job, "bob")):
+        (logs / job).mkdir(parents=True)
+        (logs / job / "master.log").write_text(f"{who} secret line\n")
+    (tmp_path / "outside.log").write_text("bob secret outside\n")
+    attacks = [f"../{bob_job}/master", f"..%2F{bob_job}%2Fmaster", str(logs / bob_job / "master"),
+               "/etc/passwd", "../../outside", "../outside", ".", "..", "master/../../outside", "w0\x00"]
+    for worker in attacks:
+        r = client.get(f"/v1/jobs/{alice_job}/logs", params={"worker": worker}, headers=hdr(t["alice"]))
+        assert r.status_code in (404, 422), (worker, r.status_code, r.text)
+        assert "bob" not in r.text and "root:" not in r.text, worker
+    own = client.get(f"/v1/jobs/{alice_job}/logs", params={"worker": "master"}, headers=hdr(t["alice"]))
+    assert own.status_code == 200 and own.text == "alice secret line\n"
+    everything = client.get(f"/v1/jobs/{alice_job}/logs", headers=hdr(t["alice"]))
+    assert everything.text == "[master] alice secret line\n"
+
+
+def test_a_cluster_without_gpus_schedules_quietly(tmp_path, caplog):
+    """No node (or only a down one) and jobs waiting: rounds decide nothing
+    and log no error."""
+    import logging
+
+    from sqlalchemy import update
+
+    from tidal.control.db import Node
+
+    store = Store(f"sqlite:///{tmp_path / 't.db'}")
+    client = TestClient(create_app(store, admin_token="adm", home=tmp_path, start_loop=False))
+    for body in (GOOD, {"name": "s", "script": "t.py", "deadline": 600, "iterations": 10}):
+        assert client.post("/v1/jobs", json=body, headers=hdr("adm")).status_code == 201
+    coord = client.app.state.coordinator
+    with caplog.at_level(logging.WARNING):
+        assert coord.round() is None
+        client.post("/internal/agents/register", json={"name": "n0", "num_gpus": 2, "virtual": True},
+                    headers=hdr("adm"))
+        with store.session() as s:
+            s.execute(update(Node).values(state="down"))
+        assert coord.round() is None
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert {j["state"] for j in client.get("/v1/jobs", headers=hdr("adm")).json()} == {"submitted"}
+
+
+def test_the_cli_client_sends_a_fresh_valid_key_that_makes_a_retry_harmless(env):
+    """``Api.submit`` keys each submission; resending its request (what the
+    transport's retry does after a lost answer) finds the job, not a second one."""
+    from tidal.control.client import Api
+    from tidal.httpjson import Response
+
+    client, _, t = env
+    sent = []
+
+    def send(method, path, body=None, params=None, patience_s=None):
+        sent.append((method, path, body, dict(params or {})))
+        for _ in range(2):  # the answer to the first try was "lost": the same request again
+            r = client.request(method, path, json=body, params=params, headers=hdr(t["alice"]))
+        return Response(r.status_code, r.headers["content-type"], r.content)
+
+    api = Api("http://127.0.0.1:9", t["alice"])
+    api.http.send = send
+    first, second = api.submit(GOOD), api.submit(GOOD)
+    keys = [params["idempotency_key"] for *_, params in sent]
+    assert len(set(keys)) == 2 and all(keys)  # one key per submission
+    assert first["id"] != second["id"]
+    assert len(client.get("/v1/jobs", headers=hdr(t["alice"])).json()) == 2  # not four

@@ -8,6 +8,7 @@ Server URL: ``--server``, ``$TIDAL_SERVER`` or ``$TIDAL_HOME/server.json``
 from __future__ import annotations
 
 import json
+import secrets
 from typing import Any
 from urllib.parse import quote
 
@@ -78,8 +79,14 @@ class Api:
             raise ApiError(r.status, detail)
         return r.json() if r.is_json else r.text
 
-    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "/v1/jobs", spec)
+    def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
+        """Submit a job under an idempotency key (a fresh random one unless
+        given): the transport's retries resend the same key, so a submission
+        whose answer was lost is found, not created twice. The key travels as
+        the ``idempotency_key`` query parameter, the ``Idempotency-Key``
+        header's equivalent (:class:`JsonHttp` sends no custom headers)."""
+        key = idempotency_key or secrets.token_urlsafe(24)
+        return self._call("POST", "/v1/jobs", spec, params={"idempotency_key": key})
 
     def jobs(self) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/jobs")

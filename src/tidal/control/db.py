@@ -10,6 +10,12 @@ server resumes).
 Invariant: a GPU row has at most one ``job_id``; :meth:`Store.assign_gpus`
 takes GPUs with a conditional UPDATE (``WHERE job_id IS NULL``) inside one
 transaction and writes ``gpu.assign`` / ``gpu.release`` audit events.
+
+SQLite: every session is one serializable transaction begun with ``BEGIN
+IMMEDIATE`` (it takes the write lock up front, waiting up to
+:data:`SQLITE_BUSY_TIMEOUT_S` for it), so concurrent read-modify-write
+sessions never lose an update and never fail with "database is locked" when a
+reader turns writer; ``session(write=False)`` reads a snapshot without the lock.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +34,7 @@ from sqlalchemy import (
     Boolean,
     Float,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
@@ -36,7 +44,7 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from tidal import settings
@@ -107,6 +115,10 @@ class Job(Base):
     phase: Mapped[str] = mapped_column(String(16), default="submitted", server_default="submitted")
     change: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     batch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # the policy's global batch (0: the spec's)
+    # the submission's Idempotency-Key: a retry with the same key finds this job (unique per user)
+    idempotency_key: Mapped[str | None] = mapped_column(String(128), nullable=True)
+
+    __table_args__ = (Index("ix_jobs_user_idempotency_key", "user", "idempotency_key", unique=True),)
 
 
 class Process(Base):
@@ -179,20 +191,71 @@ def default_url() -> str:
     return f"sqlite:///{home / 'tidal.db'}"
 
 
+SQLITE_BUSY_TIMEOUT_S = 30.0  # how long a SQLite transaction waits for the write lock
+_BEGIN = "tidal_sqlite_begin"  # execution option: how a SQLite session begins (IMMEDIATE | DEFERRED)
+_HOLDS = "tidal_holds_write_lock"  # connection info: it began with BEGIN IMMEDIATE (value: queued on the lock)
+_held = threading.local()  # per thread: the SQLite databases it holds the write lock of
+
+
+def _held_by_thread() -> set[str]:
+    if not hasattr(_held, "urls"):
+        _held.urls = set()
+    return _held.urls
+
+
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
-        eng = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
-
-        @event.listens_for(eng, "connect")
-        def _pragmas(dbapi_conn, _rec) -> None:  # pragma: no cover - trivial
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA synchronous=NORMAL")
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.close()
-
-        return eng
+        return _sqlite_engine(url)
     return create_engine(url, pool_pre_ping=True)
+
+
+def _sqlite_engine(url: str) -> Engine:
+    """SQLite with SQLAlchemy, not the driver, beginning transactions (the
+    SQLAlchemy 2 recipe for pysqlite): ``BEGIN IMMEDIATE`` unless the session
+    only reads, or this thread already holds the write lock in an enclosing
+    session (which would wait for itself). This process's writers queue on a
+    lock first, which wakes the next at once; SQLite's busy handler, which
+    polls with sleeps of up to 100 ms, is left to writers of other processes."""
+    eng = create_engine(url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_S})
+    db = str(eng.url)
+    writers = threading.Lock()
+
+    def connect(dbapi_conn: Any, _rec: Any) -> None:
+        dbapi_conn.isolation_level = None  # the driver emits no BEGIN of its own
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    def begin(conn: Connection) -> None:
+        held = _held_by_thread()
+        if conn.get_execution_options().get(_BEGIN, "IMMEDIATE") != "IMMEDIATE" or db in held:
+            conn.exec_driver_sql("BEGIN")
+            return
+        queued = writers.acquire(timeout=SQLITE_BUSY_TIMEOUT_S)  # on a timeout SQLite's own lock still guards
+        try:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        except BaseException:
+            if queued:
+                writers.release()
+            raise
+        conn.info[_HOLDS] = queued
+        held.add(db)
+
+    def end(info: dict[Any, Any]) -> None:
+        queued = info.pop(_HOLDS, None)
+        if queued is not None:
+            _held_by_thread().discard(db)
+            if queued:
+                writers.release()
+
+    event.listen(eng, "connect", connect)
+    event.listen(eng, "begin", begin)
+    event.listen(eng, "commit", lambda conn: end(conn.info))
+    event.listen(eng, "rollback", lambda conn: end(conn.info))
+    event.listen(eng, "checkin", lambda _dbapi_conn, rec: end(rec.info))  # whatever ended the transaction
+    return eng
 
 
 def migrate(url: str) -> None:
@@ -215,10 +278,14 @@ class Store:
             migrate(self.url)
         self.engine = make_engine(self.url)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._reads = sessionmaker(self.engine.execution_options(**{_BEGIN: "DEFERRED"}), expire_on_commit=False)
 
     @contextmanager
-    def session(self) -> Iterator[Session]:
-        with self._sessions() as s:
+    def session(self, write: bool = True) -> Iterator[Session]:
+        """One transaction, committed at the end (rolled back on an error).
+        ``write=False``: a session that only reads; on SQLite it takes no
+        write lock (a write in it may then fail with "database is locked")."""
+        with (self._sessions if write else self._reads)() as s:
             try:
                 yield s
                 s.commit()
@@ -238,7 +305,7 @@ class Store:
         return token
 
     def user_for_token(self, token: str) -> User | None:
-        with self.session() as s:
+        with self.session(write=False) as s:
             return s.scalar(select(User).where(User.token_hash == hash_token(token)))
 
     # -- events ------------------------------------------------------------------

@@ -1,17 +1,29 @@
-"""``/v1/jobs``: submit, list, show, pin (``tidal scale``), cancel, logs."""
+"""``/v1/jobs``: submit, list, show, pin (``tidal scale``), cancel, logs.
+
+A submission may carry an ``Idempotency-Key`` header (or the equivalent
+``idempotency_key`` query parameter): the same key from the same user again
+(a client's retry) answers 200 with the job the first one created, never a
+second job; with a different body it is refused (422). A unique index on
+(user, key) settles concurrent duplicates. Logs are addressed
+by process name (``master``, ``w3``), never by a path.
+"""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Response
+from fastapi import Path as PathParam
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from tidal.control.api.deps import CoordinatorDep, LogsDirDep, StoreDep, UserDep, own_job
@@ -25,31 +37,95 @@ FINISHED = ("completed", "failed", "cancelled", "dropped")
 PINNABLE = ("submitted", "pending", "running", "resizing")
 
 
+#: a job id as submit makes them (the name's characters, "-", six hex digits); anything else is a
+#: 422 before the store sees it (PostgreSQL refuses text with NUL in it)
+JobId = Annotated[str, PathParam(max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
 class ScaleRequest(BaseModel):
     gpus: int = Field(..., ge=1)
 
 
-@router.post("", status_code=201)
-def submit(sub: JobSubmission, p: UserDep, store: StoreDep, coord: CoordinatorDep) -> dict[str, Any]:
+KEY_HEADER = "Idempotency-Key"
+KEY_PATTERN = r"^[!-~](?:[ -~]*[!-~])?$"  # printable ASCII, no space at either end
+KEY_DOC = ("1-128 printable ASCII characters chosen by the client for one submission: a retry with the same key "
+           "returns the job the first attempt created (200) instead of creating another")
+
+
+def idempotency_key(
+    header: Annotated[str | None, Header(alias=KEY_HEADER, min_length=1, max_length=128, pattern=KEY_PATTERN,
+                                         description=KEY_DOC)] = None,
+    query: Annotated[str | None, Query(alias="idempotency_key", min_length=1, max_length=128, pattern=KEY_PATTERN,
+                                       description=f"the {KEY_HEADER} for clients that cannot set a header")] = None,
+) -> str | None:
+    """The submission's key, from the header or the query (422 if they differ)."""
+    if header is not None and query is not None and header != query:
+        raise HTTPException(422, detail=[{"loc": ["header", KEY_HEADER], "type": "value_error",
+                                          "msg": "differs from the idempotency_key query parameter"}])
+    return header if header is not None else query
+
+
+IdempotencyKey = Annotated[str | None, Depends(idempotency_key)]
+ID_TRIES = 5  # fresh job ids to try when a random one is taken
+
+
+@router.post("", status_code=201, responses={200: {"description": "an earlier submission with this "
+                                                                  "Idempotency-Key: its job"}})
+def submit(sub: JobSubmission, p: UserDep, store: StoreDep, coord: CoordinatorDep, response: Response,
+           key: IdempotencyKey) -> dict[str, Any]:
+    """Create a job (201), or with a known ``Idempotency-Key`` return its job (200)."""
+    body = json.loads(json.dumps(sub.model_dump()))  # as the store gives it back
+    earlier = _replay(store, p.name, key, body)
+    if earlier is not None:
+        response.status_code = 200
+        return earlier
     now = time.time()
-    job_id = f"{sub.name}-{uuid.uuid4().hex[:6]}"
-    spec = sub.to_jobspec(job_id, now, p.name)
+    spec = sub.to_jobspec(sub.name, now, p.name)
     total = _total_gpus(store)
     need = max(spec.lo, spec.requested_gpus or 0)
     if total and need > total:
         raise HTTPException(422, detail=[{"loc": ["body", "gpus"], "msg": f"asks for {need} GPUs, cluster has {total}",
                                           "type": "value_error"}])
-    with store.session() as s:
-        s.add(Job(id=job_id, user=p.name, name=sub.name, state="submitted", submit_time=now,
-                  spec={"submission": sub.model_dump(), "jobspec": asdict(spec)}, waiting_since=now))
-        store.log(s, "job.submitted", job_id, user=p.name)
-    coord.wake()
-    return {"id": job_id, "state": "submitted"}
+    for _ in range(ID_TRIES):
+        job_id = f"{sub.name}-{uuid.uuid4().hex[:6]}"
+        spec = replace(spec, job_id=job_id)
+        try:
+            with store.session() as s:
+                s.add(Job(id=job_id, user=p.name, name=sub.name, state="submitted", submit_time=now,
+                          spec={"submission": body, "jobspec": asdict(spec)}, waiting_since=now,
+                          idempotency_key=key))
+                store.log(s, "job.submitted", job_id, user=p.name)
+        except IntegrityError:  # the key's job was created meanwhile, or the random id is taken
+            earlier = _replay(store, p.name, key, body)
+            if earlier is not None:
+                response.status_code = 200
+                return earlier
+            continue
+        coord.wake()
+        return {"id": job_id, "state": "submitted"}
+    raise RuntimeError(f"no free job id for {sub.name!r} after {ID_TRIES} tries")
+
+
+def _replay(store: Store, user: str, key: str | None, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The answer for ``user``'s job submitted with ``key`` (None: no such job);
+    422 if that job was submitted with another body."""
+    if key is None:
+        return None
+    with store.session(write=False) as s:
+        j = s.scalar(select(Job).where(Job.user == user, Job.idempotency_key == key))
+        if j is None:
+            return None
+        if (j.spec or {}).get("submission") != body:
+            raise HTTPException(422, detail=[{
+                "loc": ["header", KEY_HEADER],
+                "msg": f"this {KEY_HEADER} was used for another submission (job {j.id}); use a new key",
+                "type": "idempotency_key_reused"}])
+        return {"id": j.id, "state": j.state}
 
 
 @router.get("")
 def list_jobs(p: UserDep, store: StoreDep) -> list[dict[str, Any]]:
-    with store.session() as s:
+    with store.session(write=False) as s:
         q = select(Job).order_by(Job.submit_time)
         if not p.admin:
             q = q.where(Job.user == p.name)
@@ -57,8 +133,8 @@ def list_jobs(p: UserDep, store: StoreDep) -> list[dict[str, Any]]:
 
 
 @router.get("/{job_id}")
-def get_job(job_id: str, p: UserDep, store: StoreDep) -> dict[str, Any]:
-    with store.session() as s:
+def get_job(job_id: JobId, p: UserDep, store: StoreDep) -> dict[str, Any]:
+    with store.session(write=False) as s:
         out = job_json(s, store, own_job(s, job_id, p), detail=True)
         out["events"] = [
             {"time": e.time, "kind": e.kind, "gpu": e.gpu, **(e.detail or {})}
@@ -68,7 +144,7 @@ def get_job(job_id: str, p: UserDep, store: StoreDep) -> dict[str, Any]:
 
 
 @router.post("/{job_id}/scale")
-def scale(job_id: str, req: ScaleRequest, p: UserDep, store: StoreDep, coord: CoordinatorDep) -> dict[str, Any]:
+def scale(job_id: JobId, req: ScaleRequest, p: UserDep, store: StoreDep, coord: CoordinatorDep) -> dict[str, Any]:
     """Pin the job at ``gpus`` GPUs: the policy uses that count from now on."""
     total = _total_gpus(store)
     with store.session() as s:
@@ -87,7 +163,7 @@ def scale(job_id: str, req: ScaleRequest, p: UserDep, store: StoreDep, coord: Co
 
 
 @router.post("/{job_id}/cancel")
-def cancel(job_id: str, p: UserDep, store: StoreDep, coord: CoordinatorDep) -> dict[str, Any]:
+def cancel(job_id: JobId, p: UserDep, store: StoreDep, coord: CoordinatorDep) -> dict[str, Any]:
     """A job with GPUs or a master is cancelling (the coordinator stops it); otherwise cancelled at once."""
     with store.session() as s:
         j = own_job(s, job_id, p)
@@ -102,17 +178,35 @@ def cancel(job_id: str, p: UserDep, store: StoreDep, coord: CoordinatorDep) -> d
     return {"id": job_id, "state": state}
 
 
+PROCESS_NAME = re.compile(r"^(master|w[0-9]{1,9})$")  # the names the coordinator gives
+SAFE_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$")  # a file name, never a path
+
+
 @router.get("/{job_id}/logs", response_class=PlainTextResponse)
-def logs(job_id: str, p: UserDep, store: StoreDep, logs_dir: LogsDirDep, worker: str | None = None,
-         offset: int = 0) -> str:
+def logs(job_id: JobId, p: UserDep, store: StoreDep, logs_dir: LogsDirDep,
+         worker: Annotated[str | None, Query(max_length=64, description="a process of the job: master, w0, ...")]
+         = None, offset: Annotated[int, Query(ge=0)] = 0) -> str:
     """Every process's output, each line prefixed with its name (or one
-    process's, as it is), from character ``offset`` on."""
-    with store.session() as s:
+    process's, as it is), from character ``offset`` on. ``worker`` names a
+    process of this job (422 for anything else, before any file is read)."""
+    with store.session(write=False) as s:
         own_job(s, job_id, p)
+        if worker is not None and not _is_process_of(s, job_id, worker):
+            raise HTTPException(422, detail=[{"loc": ["query", "worker"], "type": "value_error",
+                                              "msg": "not a process of this job (master, w0, w1, ...)"}])
     return read_logs(logs_dir / job_id, worker)[offset:]
 
 
+def _is_process_of(s: Session, job_id: str, name: str) -> bool:
+    """``name`` is a plain process name the job has, or may have had, a log under."""
+    if not SAFE_NAME.match(name):
+        return False
+    return bool(PROCESS_NAME.match(name)) or name in set(
+        s.scalars(select(Process.name).where(Process.job_id == job_id)))
+
+
 def read_logs(d: Path, worker: str | None) -> str:
+    """The logs in ``d``; ``worker`` must be a checked process name."""
     if not d.exists():
         return ""
     files = sorted(d.glob("*.log")) if worker is None else [d / f"{worker}.log"]
@@ -125,7 +219,7 @@ def read_logs(d: Path, worker: str | None) -> str:
 
 
 def _total_gpus(store: Store) -> int:
-    with store.session() as s:
+    with store.session(write=False) as s:
         return int(s.scalar(select(func.count()).select_from(GPU)) or 0)
 
 
