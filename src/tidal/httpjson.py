@@ -109,13 +109,13 @@ class JsonHttp:
 
     # -- requests ------------------------------------------------------------------
     def send(self, method: str, path: str, body: Any = None, params: dict[str, Any] | None = None,
-             patience_s: float | None = None) -> Response:
-        """One request, retried on transport errors; raises :class:`Unavailable`
-        when the patience runs out."""
+             patience_s: float | None = None, headers: dict[str, str] | None = None) -> Response:
+        """One request (with extra ``headers``), retried on transport errors;
+        raises :class:`Unavailable` when the patience runs out."""
         if params:
             path = f"{path}?{urlencode({k: v for k, v in params.items() if v is not None})}"
         data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
+        headers = {**({"Content-Type": "application/json"} if data is not None else {}), **(headers or {})}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         patience = self.patience_s if patience_s is None else patience_s

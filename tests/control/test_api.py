@@ -406,16 +406,16 @@ def test_the_cli_client_sends_a_fresh_valid_key_that_makes_a_retry_harmless(env)
     client, _, t = env
     sent = []
 
-    def send(method, path, body=None, params=None, patience_s=None):
-        sent.append((method, path, body, dict(params or {})))
+    def send(method, path, body=None, params=None, patience_s=None, headers=None):
+        sent.append((method, path, body, dict(headers or {})))
         for _ in range(2):  # the answer to the first try was "lost": the same request again
-            r = client.request(method, path, json=body, params=params, headers=hdr(t["alice"]))
+            r = client.request(method, path, json=body, params=params, headers={**hdr(t["alice"]), **(headers or {})})
         return Response(r.status_code, r.headers["content-type"], r.content)
 
     api = Api("http://127.0.0.1:9", t["alice"])
     api.http.send = send
     first, second = api.submit(GOOD), api.submit(GOOD)
-    keys = [params["idempotency_key"] for *_, params in sent]
+    keys = [headers["Idempotency-Key"] for *_, headers in sent]
     assert len(set(keys)) == 2 and all(keys)  # one key per submission
     assert first["id"] != second["id"]
     assert len(client.get("/v1/jobs", headers=hdr(t["alice"])).json()) == 2  # not four

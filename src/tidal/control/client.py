@@ -69,8 +69,9 @@ class Api:
         self.token = find_token(token)
         self.http = JsonHttp(self.url, token=self.token, timeout_s=timeout_s, patience_s=patience_s)
 
-    def _call(self, method: str, path: str, body: Any = None, params: dict[str, Any] | None = None) -> Any:
-        r = self.http.send(method, path, body, params)
+    def _call(self, method: str, path: str, body: Any = None, params: dict[str, Any] | None = None,
+              headers: dict[str, str] | None = None) -> Any:
+        r = self.http.send(method, path, body, params, headers=headers)
         if r.status >= 400:
             try:
                 detail = r.json().get("detail", r.text)
@@ -82,11 +83,9 @@ class Api:
     def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
         """Submit a job under an idempotency key (a fresh random one unless
         given): the transport's retries resend the same key, so a submission
-        whose answer was lost is found, not created twice. The key travels as
-        the ``idempotency_key`` query parameter, the ``Idempotency-Key``
-        header's equivalent (:class:`JsonHttp` sends no custom headers)."""
+        whose answer was lost is found, not created twice."""
         key = idempotency_key or secrets.token_urlsafe(24)
-        return self._call("POST", "/v1/jobs", spec, params={"idempotency_key": key})
+        return self._call("POST", "/v1/jobs", spec, headers={"Idempotency-Key": key})
 
     def jobs(self) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/jobs")

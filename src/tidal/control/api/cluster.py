@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from sqlalchemy import func, select
@@ -44,9 +44,10 @@ def _visible_job(s: Session, job_id: str | None, p: Principal) -> str | None:
 
 
 @router.get("/v1/events")
-def events(_: AdminDep, store: StoreDep, since: int = 0) -> list[dict[str, Any]]:
+def events(_: AdminDep, store: StoreDep,
+           since: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0) -> list[dict[str, Any]]:
     """The audit trail after event ``since`` (admin token)."""
-    with store.session() as s:
+    with store.session(write=False) as s:
         return [{"id": e.id, "time": e.time, "kind": e.kind, "job": e.job_id, "node": e.node, "gpu": e.gpu,
                  **(e.detail or {})} for e in s.scalars(select(Event).where(Event.id > since).order_by(Event.id))]
 

@@ -12,14 +12,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, HTTPException, Path as PathParam, Request
 from sqlalchemy.orm import Session
 
 from tidal.control.coordinator import Coordinator
 from tidal.control.credentials import ADMIN, AGENT, JOB, NODE, TENANT, Credentials, Principal
 from tidal.control.db import Job, Store
 
-__all__ = ["Principal", "StoreDep", "CoordinatorDep", "LogsDirDep", "UserDep", "AdminDep", "AgentDep", "NodeDep",
+#: a job id or node name in a path: no NUL, no slash, bounded (the store takes it as is)
+JobId = Annotated[str, PathParam(max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]
+NodeName = Annotated[str, PathParam(max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+__all__ = ["JobId", "NodeName", "Principal", "StoreDep", "CoordinatorDep", "LogsDirDep", "UserDep", "AdminDep", "AgentDep", "NodeDep",
            "JobCredDep", "own_job"]
 
 

@@ -16,7 +16,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from tidal import settings
-from tidal.control.api.deps import AgentDep, CoordinatorDep, JobCredDep, LogsDirDep, NodeDep, StoreDep
+from tidal.control.api.deps import AgentDep, CoordinatorDep, JobCredDep, JobId, LogsDirDep, NodeDep, NodeName, StoreDep
 from tidal.control.coordinator import register_watch
 from tidal.control.credentials import Credentials
 from tidal.control.db import GPU, Job, MasterState, Node, Process, Store
@@ -29,7 +29,7 @@ MAX_LOG_CHUNK = 256 * 1024
 
 
 class RegisterRequest(BaseModel):
-    name: str = Field(..., min_length=1, max_length=128)
+    name: str = Field(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
     num_gpus: int = Field(..., ge=1, le=1024)
     virtual: bool = False
     address: str = Field(LOOPBACK, max_length=256)
@@ -102,7 +102,7 @@ def _add_node(s: Session, store: Store, req: RegisterRequest, now: float) -> Non
 
 
 @router.post("/agents/{name}/heartbeat")
-def heartbeat(name: str, req: HeartbeatRequest, request: Request, store: StoreDep, coord: CoordinatorDep,
+def heartbeat(name: NodeName, req: HeartbeatRequest, request: Request, store: StoreDep, coord: CoordinatorDep,
               logs_dir: LogsDirDep, _: NodeDep) -> dict[str, Any]:
     """The agent's processes' states, output and GPU utilisation in; the
     processes this node should run (or stop) out. Also judges which other
@@ -263,7 +263,7 @@ def _any_job(s: Session, job_id: str) -> Job:
 
 
 @router.post("/jobs/{job_id}/kill")
-def kill_worker(job_id: str, body: dict[str, Any], store: StoreDep, _: JobCredDep) -> dict[str, Any]:
+def kill_worker(job_id: JobId, body: dict[str, Any], store: StoreDep, _: JobCredDep) -> dict[str, Any]:
     """The job master found a worker hung: its agent stops it (SIGTERM,
     then SIGKILL after 10 s)."""
     with store.session() as s:
@@ -273,6 +273,15 @@ def kill_worker(job_id: str, body: dict[str, Any], store: StoreDep, _: JobCredDe
             w.desired = "stop"
             store.log(s, "worker.kill", job_id, node=w.node, gpu=w.gpu, worker=w.name, reason="hung")
     return {"ok": bool(ws)}
+
+
+def _plain_json(body: Any, where: str) -> None:
+    """A body the store can keep as JSON (PostgreSQL refuses NaN and infinities): else 422."""
+    try:
+        json.dumps(body, allow_nan=False)
+    except ValueError as e:
+        raise HTTPException(422, detail=[{"loc": ["body", where], "msg": f"not plain JSON: {e}",
+                                          "type": "value_error"}]) from None
 
 
 def _fence(s: Session, job_id: str, body: dict[str, Any]) -> None:
@@ -287,7 +296,7 @@ def _fence(s: Session, job_id: str, body: dict[str, Any]) -> None:
 
 
 @router.post("/jobs/{job_id}/master")
-def master_up(job_id: str, body: dict[str, Any], store: StoreDep, coord: CoordinatorDep,
+def master_up(job_id: JobId, body: dict[str, Any], store: StoreDep, coord: CoordinatorDep,
               _: JobCredDep) -> dict[str, Any]:
     """The job's master is up at ``url`` (the coordinator writes its workers' rows now)."""
     with store.session() as s:
@@ -300,13 +309,18 @@ def master_up(job_id: str, body: dict[str, Any], store: StoreDep, coord: Coordin
 
 
 @router.post("/jobs/{job_id}/status")
-def job_status(job_id: str, body: dict[str, Any], store: StoreDep, _: JobCredDep) -> dict[str, Any]:
+def job_status(job_id: JobId, body: dict[str, Any], store: StoreDep, _: JobCredDep) -> dict[str, Any]:
     """The job master's latest status (progress, step)."""
+    _plain_json(body, "status")
+    step = body.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 <= step < 2**63:
+        raise HTTPException(422, detail=[{"loc": ["body", "step"], "msg": "a step count (0 or more)",
+                                          "type": "value_error"}])
     with store.session() as s:
         j = _any_job(s, job_id)
         _fence(s, job_id, body)
         j.progress = {k: v for k, v in body.items() if k != "node"}
-        j.done = float(body.get("step", j.done))
+        j.done = float(body.get("step", j.done))  # checked above
     return {"ok": True}
 
 
@@ -317,9 +331,10 @@ class MasterStateBody(BaseModel):
 
 
 @router.post("/jobs/{job_id}/master-state")
-def save_master_state(job_id: str, body: MasterStateBody, store: StoreDep, _: JobCredDep) -> dict[str, Any]:
+def save_master_state(job_id: JobId, body: MasterStateBody, store: StoreDep, _: JobCredDep) -> dict[str, Any]:
     """The job master's latest snapshot; an older one (lower ``seq``) than
     the stored one is ignored."""
+    _plain_json(body.doc, "doc")
     with store.session() as s:
         _any_job(s, job_id)
         _fence(s, job_id, {"node": body.node})
@@ -333,7 +348,7 @@ def save_master_state(job_id: str, body: MasterStateBody, store: StoreDep, _: Jo
 
 
 @router.get("/jobs/{job_id}/master-state")
-def load_master_state(job_id: str, store: StoreDep, _: JobCredDep) -> dict[str, Any]:
+def load_master_state(job_id: JobId, store: StoreDep, _: JobCredDep) -> dict[str, Any]:
     """The newest snapshot a master of this job saved (404: none)."""
     with store.session() as s:
         row = s.get(MasterState, job_id)

@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Response
-from fastapi import Path as PathParam
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from tidal.control.api.deps import CoordinatorDep, LogsDirDep, StoreDep, UserDep, own_job
+from tidal.control.api.deps import CoordinatorDep, JobId, LogsDirDep, StoreDep, UserDep, own_job
 from tidal.control.db import GPU, Event, Job, Process, Store
+from tidal.control.jobrules import check_env, check_paths
 from tidal.control.snapshot import job_spec
 from tidal.control.spec import JobSubmission
 
@@ -39,7 +39,6 @@ PINNABLE = ("submitted", "pending", "running", "resizing")
 
 #: a job id as submit makes them (the name's characters, "-", six hex digits); anything else is a
 #: 422 before the store sees it (PostgreSQL refuses text with NUL in it)
-JobId = Annotated[str, PathParam(max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]
 
 
 class ScaleRequest(BaseModel):
@@ -79,6 +78,8 @@ def submit(sub: JobSubmission, p: UserDep, store: StoreDep, coord: CoordinatorDe
     if earlier is not None:
         response.status_code = 200
         return earlier
+    check_env(sub.env)  # what the job may ask of the hosts (docs/security.md)
+    check_paths(sub.script, sub.workdir, p.name, p.admin)
     now = time.time()
     spec = sub.to_jobspec(sub.name, now, p.name)
     total = _total_gpus(store)
