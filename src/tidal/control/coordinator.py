@@ -77,6 +77,7 @@ class Coordinator:
         change_timeout_s: float = 120.0,
         home: Path | None = None,
         busy_tick_s: float = 0.5,
+        leading: Callable[[], bool] | None = None,
     ) -> None:
         self.store = store
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
@@ -92,6 +93,8 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         self._watch_thread: threading.Thread | None = None
         self.rounds = 0
+        # whether this server replica schedules now (the leader among replicas; tidal.control.leader)
+        self.leading: Callable[[], bool] = leading or (lambda: True)
         self.in_flight = 0  # jobs with a change in flight after the last round
         self.wake_at: float | None = None  # the last plan's
         self._last_account = time.time()
@@ -140,6 +143,8 @@ class Coordinator:
             if self._stop.is_set():
                 break
             try:
+                if not self.leading():
+                    continue  # a follower serves the API; the leader schedules
                 self.round()
             except Exception:  # noqa: BLE001 - the loop must survive any bad round
                 log.exception("scheduling round failed")
@@ -147,6 +152,8 @@ class Coordinator:
     def _watch(self, watches: list[Watch]) -> None:
         """The timer of the watches; one that changed something wakes the loop."""
         while not self._stop.wait(WATCH_S):
+            if not self.leading():
+                continue
             for watch in watches:
                 try:
                     if watch(self.store, time.time()):
@@ -167,7 +174,7 @@ class Coordinator:
         return plan
 
     def _plan(self, now: float) -> tuple[Plan | None, dict[str, JobDelta]]:
-        with self.store.session() as s:
+        with self.store.session(write=False) as s:
             snap, gmap, jobs = build_snapshot(s, now, self.overheads)
             snap = apply_pins(snap, jobs)
         if not snap.jobs or not gmap.to_gid:

@@ -159,6 +159,11 @@ class Elector:
                 self.on_change(now)
         return now
 
+    @property
+    def is_leading(self) -> bool:
+        """The last answer of :meth:`leading` (no I/O)."""
+        return self._leading
+
     def close(self) -> None:
         if self._leading:
             self.lease.release()

@@ -55,7 +55,7 @@ class Reconciler:
     def tick(self, deltas: Mapping[str, JobDelta], now: float) -> int:
         """Step every live job; the number left with a change in flight."""
         self.sweep()
-        with self.store.session() as s:
+        with self.store.session(write=False) as s:
             jobs = s.execute(select(Job.id, Job.phase).where(Job.state.notin_(TERMINAL))
                              .order_by(Job.submit_time, Job.id)).all()
 

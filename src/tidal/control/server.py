@@ -26,6 +26,7 @@ from tidal import settings
 from tidal.control.api import cluster, internal, jobs, users
 from tidal.control.coordinator import Coordinator
 from tidal.control.credentials import Credentials
+from tidal.control.leader import Elector, lease_for
 from tidal.control.db import Node, Store
 from tidal.core.errors import InputError
 from tidal.net import advertise_addr, bind_addr
@@ -53,11 +54,14 @@ def create_app(
     admin_token = admin_token or secrets.token_urlsafe(24)
     credentials = credentials or Credentials()
     store.add_user("admin", admin=True, token=admin_token)
-    coord = Coordinator(store, policy, server_url=server_url, tick_s=tick_s, home=home)
+    # every replica serves the API over the shared store; the one holding the lease schedules
+    elector = Elector(lease_for(store.engine))
+    coord = Coordinator(store, policy, server_url=server_url, tick_s=tick_s, home=home, leading=elector.leading)
     coord.cx.credentials = credentials
     app = FastAPI(title="Tidal control plane", version="0.1.0", lifespan=_lifespan(start_loop),
                   description="Submit elastic training jobs; the scheduler reshapes them.")
     app.state.store, app.state.coordinator, app.state.credentials = store, coord, credentials
+    app.state.elector = elector
     app.state.logs_dir = home / "logs"
     app.state.register_lock = threading.Lock()
     app.state.heartbeat_clock = internal.HeartbeatClock(time.time())
@@ -81,6 +85,7 @@ def _lifespan(start_loop: bool) -> Callable[[FastAPI], AsyncContextManager[None]
             yield
         finally:
             coord.stop()
+            app.state.elector.close()
 
     return lifespan
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from sqlalchemy import func, select
@@ -19,7 +19,7 @@ router = APIRouter(tags=["cluster"])
 @router.get("/v1/cluster")
 def cluster(p: UserDep, store: StoreDep, coord: CoordinatorDep) -> dict[str, Any]:
     """Nodes and their GPUs; a user sees which GPUs are busy, not whose job holds them."""
-    with store.session() as s:
+    with store.session(write=False) as s:
         nodes = [_node_json(s, n, p) for n in s.scalars(select(Node).order_by(Node.ordinal))]
         counts = dict(s.execute(select(Job.state, func.count()).group_by(Job.state)).all())
         return {"nodes": nodes, "jobs": counts, "policy": coord.policy.name, "rounds": coord.rounds}
@@ -53,8 +53,9 @@ def events(_: AdminDep, store: StoreDep,
 
 
 @router.get("/healthz")
-def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+def healthz(request: Request) -> dict[str, Any]:
+    """Up; ``leader``: whether this replica schedules (the others serve the API)."""
+    return {"status": "ok", "leader": request.app.state.elector.is_leading}
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
@@ -63,7 +64,7 @@ def metrics(store: StoreDep, coord: CoordinatorDep) -> str:
     reg = CollectorRegistry()
     g_jobs = Gauge("tidal_jobs", "jobs by state", ["state"], registry=reg)
     g_gpus = Gauge("tidal_gpus", "GPUs by state", ["state"], registry=reg)
-    with store.session() as s:
+    with store.session(write=False) as s:
         for state, n in s.execute(select(Job.state, func.count()).group_by(Job.state)).all():
             g_jobs.labels(state).set(n)
         for state, n in s.execute(select(GPU.state, func.count()).group_by(GPU.state)).all():
