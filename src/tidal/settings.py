@@ -149,6 +149,13 @@ ENV_ALLOW: Setting[str | None] = Setting("TIDAL_ENV_ALLOW", _opt_str, None,
 TENANT_ROOT: Setting[str | None] = Setting("TIDAL_TENANT_ROOT", _opt_str, None,
                                            "when set, a tenant's job workdir and script must be inside "
                                            "ROOT/<user> (the admin's are not checked)", "server")
+SECRET_FILE: Setting[str | None] = Setting("TIDAL_SECRET_FILE", _opt_str, None,
+                                           "the server's secret (agents', nodes' and jobs' credentials derive from "
+                                           "it); default $TIDAL_HOME/server.secret; server replicas share one",
+                                           "server")
+PUBLIC_URL: Setting[str | None] = Setting("TIDAL_PUBLIC_URL", _opt_str, None,
+                                          "the URL(s) job masters reach the server at, comma-separated for "
+                                          "replicas (default: this server's own address)", "server")
 CA_FILE: Setting[str | None] = Setting("TIDAL_CA_FILE", _opt_str, None,
                                        "CA bundle (PEM) that https:// servers are verified against (agents, job "
                                        "masters, CLI); unset: the system's CAs", "cli")

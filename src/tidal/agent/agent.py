@@ -65,7 +65,7 @@ class Agent:
         self.server = server.rstrip("/")
         self.name = name
         # what the server and the job masters here are reached at: the interface routing to the server
-        self.address = address or advertise_addr("0.0.0.0", peer=urlparse(self.server).hostname or LOOPBACK)
+        self.address = address or advertise_addr("0.0.0.0", peer=urlparse(self.server.split(",")[0]).hostname or LOOPBACK)
         self.num_gpus = num_gpus
         self.labels = dict(labels or {})  # e.g. {"switch": "rack1"}: the node's place in the topology
         self.virtual = virtual

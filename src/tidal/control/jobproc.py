@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tidal.runtime import JobMaster, MasterServer
     from tidal.runtime.host import host_master
-    from tidal.control.masterstate import Mirrored
-    from tidal.runtime.persistence import FileBackend, open_backend
+    from tidal.control.masterstate import Mirrored, ServerBackend
+    from tidal.runtime.persistence import FileBackend
     from tidal.net import advertise_addr, bind_addr
 
     server = JsonHttp(a.server, token=settings.JOB_TOKEN.get(), timeout_s=10.0, patience_s=60.0)
@@ -130,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     state_dir = Path(a.state_dir or settings.home() / "masters" / (node or "local"))
     state_dir.mkdir(parents=True, exist_ok=True)
     backend = Mirrored(FileBackend(str(state_dir / f"{a.job}.json")),
-                       open_backend(f"tidal://{urlparse(a.server).netloc}/{a.job}"))
+                       ServerBackend.for_server(a.server, a.job))
     ports_file = state_dir / f"{a.job}.ports.json"
     ports = json.loads(ports_file.read_text()) if a.resume and ports_file.exists() else {"http": 0, "store": 0}
     bind = bind_addr()
-    adv = advertise_addr(bind, peer=urlparse(a.server).hostname, explicit=settings.ADVERTISE_ADDR.get())
+    adv = advertise_addr(bind, peer=urlparse(a.server.split(",")[0]).hostname, explicit=settings.ADVERTISE_ADDR.get())
     lost = [w for w in a.lost.split(",") if w]
     master = JobMaster(a.job, a.size, backend=backend, spawner=ControlPlaneSpawner(server, a.job, lost),
                        first_worker=a.first_worker, store_host=adv, store_port=int(ports["store"]),

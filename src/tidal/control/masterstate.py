@@ -41,8 +41,18 @@ class ServerBackend(StateBackend):
         hostport, _, job = rest.partition("/")
         if not hostport or not job:
             raise ValueError(f"tidal state backend: expected tidal://HOST:PORT/JOB, got tidal://{rest}")
+        self._setup(f"http://{hostport}", job, token, node)
+
+    @classmethod
+    def for_server(cls, urls: str, job: str, token: str | None = None, node: str | None = None) -> "ServerBackend":
+        """The copy kept by the server at ``urls`` (comma-separated replicas)."""
+        self = cls.__new__(cls)
+        self._setup(urls, job, token, node)
+        return self
+
+    def _setup(self, urls: str, job: str, token: str | None, node: str | None) -> None:
         self.job, self.node = job, node or settings.NODE.get() or ""
-        self.http = JsonHttp(f"http://{hostport}", token=token if token is not None else settings.JOB_TOKEN.get(),
+        self.http = JsonHttp(urls, token=token if token is not None else settings.JOB_TOKEN.get(),
                              timeout_s=5.0, patience_s=2.0)
 
     def save(self, snapshot: dict[str, Any]) -> None:

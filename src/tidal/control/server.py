@@ -206,12 +206,14 @@ def serve(
     if admin_token is None:
         admin_token = token_file.read_text().strip() if token_file.exists() else secrets.token_urlsafe(24)
     _private(token_file, admin_token)
-    credentials = Credentials.from_file(home / "server.secret")
+    credentials = Credentials.from_file(Path(settings.SECRET_FILE.get() or home / "server.secret"))
     _private(home / "agent.token", credentials.agent_token())  # the join token agents start with
     if (tls_cert is None) != (tls_key is None):
         raise InputError("give both a TLS certificate and its key, or neither", field="tls")
     scheme = "https" if tls_cert else "http"
-    url = f"{scheme}://{advertise_addr(host, explicit=advertise or settings.ADVERTISE_ADDR.get())}:{port}"
+    # replicas give their masters every replica's URL, so a master follows a failover
+    url = settings.PUBLIC_URL.get() or \
+        f"{scheme}://{advertise_addr(host, explicit=advertise or settings.ADVERTISE_ADDR.get())}:{port}"
     app = create_app(store, policy=policy, admin_token=admin_token, credentials=credentials, tick_s=tick_s,
                      home=home, server_url=url)
     tls = {"ssl_certfile": str(tls_cert), "ssl_keyfile": str(tls_key)} if tls_cert else {}
