@@ -103,8 +103,9 @@ def server(
 
 @app.command("agent-token")
 def agent_token(home: Optional[Path] = typer.Option(
-        None, "--home", help="The server's state directory (default $TIDAL_HOME); its server.secret is read, "
-                             "or created (0600) for a server that has not started yet.")) -> None:
+        None, "--home", help="The server's state directory (default $TIDAL_HOME); its server.secret (or "
+                             "$TIDAL_SECRET_FILE) is read, or created (0600) for a server that has not started "
+                             "yet.")) -> None:
     """Print the join token agents register with (the server writes it to
     $TIDAL_HOME/agent.token too). For deployments that must hand it to agents
     before the server first starts, e.g. a Kubernetes Secret.
@@ -113,8 +114,9 @@ def agent_token(home: Optional[Path] = typer.Option(
     """
     from tidal.control.credentials import Credentials
 
-    h = Path(home or settings.home())
-    print(Credentials.from_file(h / "server.secret").agent_token())
+    secret = settings.SECRET_FILE.get()
+    path = Path(secret) if secret and home is None else Path(home or settings.home()) / "server.secret"
+    print(Credentials.from_file(path).agent_token())
 
 
 @app.command()

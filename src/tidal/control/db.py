@@ -42,6 +42,7 @@ from sqlalchemy import (
     false,
     event,
     select,
+    text,
     update,
 )
 from sqlalchemy.engine import Connection, Engine
@@ -258,6 +259,9 @@ def _sqlite_engine(url: str) -> Engine:
     return eng
 
 
+MIGRATION_LOCK = 0x7D1DA1  # the advisory lock replicas take around a migration
+
+
 def migrate(url: str) -> None:
     """Bring the schema to the newest revision (alembic ``upgrade head``)."""
     from alembic import command
@@ -266,7 +270,20 @@ def migrate(url: str) -> None:
     cfg = Config()
     cfg.set_main_option("script_location", str(Path(__file__).with_name("migrations")))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    command.upgrade(cfg, "head")
+    if not url.startswith("postgresql"):
+        command.upgrade(cfg, "head")
+        return
+    # server replicas starting together over one PostgreSQL: one migrates, the others wait for it
+    eng = create_engine(url)
+    try:
+        with eng.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+            c.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK})
+            try:
+                command.upgrade(cfg, "head")
+            finally:
+                c.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": MIGRATION_LOCK})
+    finally:
+        eng.dispose()
 
 
 class Store:
