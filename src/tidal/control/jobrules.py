@@ -30,10 +30,10 @@ ALLOWED_PREFIXES = (
 #: variables a job may set exactly
 ALLOWED_KEYS = frozenset({"CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS", "TZ", "LANG", "LC_ALL"})
 #: Tidal settings a job may tune (the others are set by the control plane)
-ALLOWED_TIDAL = frozenset({
-    "TIDAL_CHECKPOINT_EVERY", "TIDAL_CHECKPOINT_SHARED", "TIDAL_COLLECTIVE_TIMEOUT_S", "TIDAL_OVERLAP",
-    "TIDAL_HEARTBEAT_S", "TIDAL_DEVICE", "TIDAL_LOG_LEVEL",
-})
+ALLOWED_TIDAL = frozenset(x.name for x in (
+    settings.CHECKPOINT_EVERY, settings.CHECKPOINT_SHARED, settings.COLLECTIVE_TIMEOUT_S, settings.OVERLAP,
+    settings.HEARTBEAT_S, settings.DEVICE, settings.LOG_LEVEL,
+))
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
 
