@@ -297,6 +297,7 @@ def test_agent_killed_for_3s_adopts_its_master_and_workers(tmp_path):
         assert not any(ch["kind"] == "recover" for ch in (final["progress"] or {}).get("changes", []))
 
 
+@pytest.mark.slow  # ~75 s: CI's second step runs it
 def test_agent_killed_for_15s_stops_what_the_server_gave_up(tmp_path):
     """kill -9 of a workers-only node's agent, back after 15 s: meanwhile
     the node is marked down and its workers lost. The returning agent adopts
