@@ -499,3 +499,17 @@ def test_every_worker_failing_with_an_error_fails_the_job_with_its_last_log_line
     j = job(store, a)
     assert j.state == "failed" and j.exit_info == "every worker failed; w1: FileNotFoundError: data.csv", j.exit_info
     assert gpus(store, a) == []
+
+
+def test_attained_service_counts_gpu_seconds_of_running_jobs(env):
+    """Attained service (Tiresias' 2D-LAS input) = GPUs held x seconds
+    running; a waiting job attains nothing."""
+    store, policy, masters, coord = env
+    a = run(store, policy, coord, submit(store, "a"), (0, 1)) or "a"
+    b = submit(store, "b")  # nowhere to run: no placement
+    before = job(store, a).attained, job(store, a).executed
+    coord._last_account -= 10.0  # ten seconds pass between rounds
+    coord.round()
+    ja = job(store, a)
+    assert 20.0 <= ja.attained - before[0] < 20.5 and 10.0 <= ja.executed - before[1] < 10.3
+    assert job(store, b).attained == 0.0

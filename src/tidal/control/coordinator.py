@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from sqlalchemy import select
+from sqlalchemy import func, select, update
 
 from tidal.control.db import GPU, Job, Store
 from tidal.control.effects import Context, set_phase
@@ -217,15 +217,13 @@ class Coordinator:
         """Attained service (GPU-seconds) and running time of running jobs."""
         dt = max(0.0, now - self._last_account)
         self._last_account = now
+        # one statement, no job row loaded (their JSON columns are costly); the progress
+        # (``done``) is written by the masters' status reports
+        held = select(func.count()).select_from(GPU).where(GPU.job_id == Job.id).scalar_subquery()
         with self.store.session() as s:
-            held: dict[str, int] = {}
-            for g in s.scalars(select(GPU).where(GPU.job_id.is_not(None))):
-                held[g.job_id] = held.get(g.job_id, 0) + 1
-            for j in s.scalars(select(Job).where(Job.state.in_(("running", "resizing")))):
-                n = held.get(j.id, 0)
-                j.executed += dt
-                j.attained += n * dt
-                j.done = float((j.progress or {}).get("step", j.done))
+            s.execute(update(Job).where(Job.state.in_(("running", "resizing")))
+                      .values(executed=Job.executed + dt, attained=Job.attained + held * dt)
+                      .execution_options(synchronize_session=False))
 
 
 def to_gids(d: JobDelta, gmap: GpuMap) -> JobDelta:

@@ -16,7 +16,7 @@ from sqlalchemy import select, update
 from tidal.control import effects, intents
 from tidal.control.db import GPU, Job, Process
 from tidal.control.effects import Context, release_dead_workers, set_phase
-from tidal.control.observe import gpu_availability, observe
+from tidal.control.observe import gpu_availability, observe, quiet_jobs
 from tidal.control.phases import (
     DONOR, IN_FLIGHT, RUNNING, STARTING, TERMINAL, WARMING, JOINING, SHRINKING, advance, answer_event, intent, judge,
 )
@@ -58,6 +58,7 @@ class Reconciler:
         with self.store.session(write=False) as s:
             jobs = s.execute(select(Job.id, Job.phase).where(Job.state.notin_(TERMINAL))
                              .order_by(Job.submit_time, Job.id)).all()
+            quiet = quiet_jobs(s, deltas, now, self.change_timeout_s)
 
         def rank(row) -> int:
             d = deltas.get(row.id)
@@ -65,6 +66,9 @@ class Reconciler:
 
         in_flight = 0
         for row in sorted(jobs, key=rank):
+            if row.id in quiet:  # nothing to do: no transaction
+                in_flight += row.phase in IN_FLIGHT
+                continue
             try:
                 phase = self.step(row.id, deltas.get(row.id), now)
             except Exception as e:  # noqa: BLE001 - one job's failure must not stop the others
