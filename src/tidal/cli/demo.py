@@ -111,6 +111,7 @@ def live_demo(con: Console, home: Optional[Path], policy: str, timeout_s: float)
                 time.sleep(0.5)
         con.print()
         summary = Table(title="summary")
+        # the group changes the job's workers went through, each with its measured pause
         for c in ("job", "state", "JCT s", "wait s", "rescales", "pauses (ms)"):
             summary.add_column(c)
         for jid in ids:
@@ -120,11 +121,13 @@ def live_demo(con: Console, home: Optional[Path], policy: str, timeout_s: float)
             jct = (j["end_time"] - j["submit_time"]) if j["end_time"] else None
             wait = (j["start_time"] - j["submit_time"]) if j["start_time"] else None
             summary.add_row(jid, j["state"], f"{jct:.1f}" if jct else "-", f"{wait:.1f}" if wait else "-",
-                            str(j["rescales"]), pauses)
+                            str(len(changes)), pauses)
             if j["state"] != "completed":
                 rc = 1
         con.print(summary)
-        con.print(f"demo finished in {time.time() - t0:.0f} s; logs: tidal logs <job> (while the cluster runs)")
+        where = (f"; its state and logs stay in {root / 'home'}" if tmp is None
+                 else " (run it with --home DIR to keep the cluster's state and logs)")
+        con.print(f"demo finished in {time.time() - t0:.0f} s{where}")
     finally:
         cluster.stop()
         if tmp:

@@ -174,4 +174,4 @@ def load_spec_file(path: str | Path) -> JobSubmission:
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(x) for x in err["loc"]) or None
-        raise InputError(err["msg"], source=str(p), field=field) from None
+        raise InputError(str(err["msg"]).removeprefix("Value error, "), source=str(p), field=field) from None
