@@ -165,6 +165,13 @@ SERVER: Setting[str | None] = Setting("TIDAL_SERVER", _opt_str, None,
 TOKEN: Setting[str | None] = Setting("TIDAL_TOKEN", _opt_str, None,
                                      "the CLI's API token; default $TIDAL_HOME/token, then admin.token", "cli")
 
+ENGINE: Setting[str] = Setting("TIDAL_ENGINE", _str, "agents",
+                               "where jobs run: `agents` (Tidal's agents register) or `ray` (Ray's nodes, as agents "
+                               "inside the server)", "server")
+RAY_ADDRESS: Setting[str | None] = Setting("TIDAL_RAY_ADDRESS", _opt_str, None,
+                                           "the Ray cluster of `--engine ray` (host:port of its GCS); default "
+                                           "$RAY_ADDRESS, else the local one", "server")
+
 
 def home() -> Path:
     """``$TIDAL_HOME`` or ``~/.tidal`` (not created here)."""

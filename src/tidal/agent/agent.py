@@ -9,11 +9,11 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlparse
 
 from tidal import settings
-from tidal.agent.proctable import EXIT_UNKNOWN, Child, Proc, ProcTable
+from tidal.agent.proctable import EXIT_UNKNOWN, Child, Handle, Proc, ProcTable
 from tidal.net import LOOPBACK, advertise_addr
 from tidal.control.jobproc import EXIT_REPLACED
 from tidal.httpjson import JsonHttp, Unavailable
@@ -24,6 +24,17 @@ log = logging.getLogger("tidal.agent")
 _SECRETS = frozenset({settings.TOKEN.name, settings.ADMIN_TOKEN.name, settings.JOB_TOKEN.name})
 
 MASTER_RESTARTS = 3  # a job master that keeps crashing is then reported failed
+
+#: starts one process row: ``launch(row, argv, env, cwd, log_path)`` -> its handle; the process
+#: appends its stdout and stderr to ``log_path`` and leads its own session
+Launcher = Callable[[dict[str, Any], list[str], dict[str, str], "str | None", Path], Handle]
+
+
+def popen_launcher(w: dict[str, Any], argv: list[str], env: dict[str, str], cwd: str | None, log_path: Path) -> Handle:
+    """The default launcher: a child process of the agent on this machine."""
+    with log_path.open("ab") as fh:
+        return Child(subprocess.Popen(argv, env=env, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
 
 
 def detect_gpus() -> int:
@@ -61,6 +72,7 @@ class Agent:
         workdir: Path | None = None,
         address: str | None = None,
         labels: dict[str, str] | None = None,
+        launcher: Launcher = popen_launcher,
     ) -> None:
         self.server = server.rstrip("/")
         self.name = name
@@ -69,6 +81,7 @@ class Agent:
         self.num_gpus = num_gpus
         self.labels = dict(labels or {})  # e.g. {"switch": "rack1"}: the node's place in the topology
         self.virtual = virtual
+        self.launcher = launcher  # how a process row is started (a subprocess here, or e.g. a Ray actor)
         self.interval_s = interval_s
         self.workdir = Path(workdir or settings.home() / "agents" / name)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -178,12 +191,7 @@ class Agent:
         return True
 
     def _read_log(self, p: Proc) -> str:
-        try:
-            with p.log_path.open("rb") as fh:
-                fh.seek(p.offset)
-                data = fh.read(256 * 1024)
-        except FileNotFoundError:
-            return ""
+        data = p.handle.read_log(p.log_path, p.offset, 256 * 1024)
         p.offset += len(data)
         return data.decode(errors="replace")
 
@@ -257,15 +265,13 @@ class Agent:
             gates.mkdir(exist_ok=True)
             gate = str(gates / f"{w['id']}")
             argv = [argv[0], "-u", "-m", "tidal.agent.prewarm", gate, "--", *argv]
-        with log_path.open("ab") as fh:
-            popen = subprocess.Popen(argv, env=env, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        handle = self.launcher(w, argv, env, cwd, log_path)
         self.procs[int(w["id"])] = Proc(int(w["id"]), w["job"], w["name"], str(w.get("kind") or "worker"),
-                                        Child(popen), log_path, offset=start,
+                                        handle, log_path, offset=start,
                                         gpu=env.get("CUDA_VISIBLE_DEVICES", "-1"), gate=gate, restarts=restarts,
                                         spec=w)
         self._save()
-        log.info("launched %s/%s pid %d (CUDA_VISIBLE_DEVICES=%s)", w["job"], w["name"], popen.pid,
+        log.info("launched %s/%s pid %d (CUDA_VISIBLE_DEVICES=%s)", w["job"], w["name"], handle.pid,
                  env.get("CUDA_VISIBLE_DEVICES", ""))
 
     def shutdown(self) -> None:

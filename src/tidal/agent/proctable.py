@@ -95,6 +95,17 @@ class Handle(ABC):
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    def read_log(self, path: Path, offset: int, limit: int) -> bytes:
+        """Up to ``limit`` bytes of its log from ``offset`` (b"" if there is
+        none yet). Here the file on this machine; a handle to a process on
+        another machine may fetch it from there."""
+        try:
+            with path.open("rb") as fh:
+                fh.seek(offset)
+                return fh.read(limit)
+        except FileNotFoundError:
+            return b""
+
     def wait(self, timeout: float | None = None) -> int:
         """Its exit code once it ended (``subprocess.TimeoutExpired`` after ``timeout`` s)."""
         deadline = None if timeout is None else time.monotonic() + timeout

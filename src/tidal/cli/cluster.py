@@ -82,6 +82,13 @@ def server(
     tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM certificate: serve HTTPS (with --tls-key); "
                                                                     "clients verify it against $TIDAL_CA_FILE."),
     tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
+    engine: Optional[str] = typer.Option(
+        None, "--engine", help="Where jobs run: agents (`tidal agent` on each node registers) or ray (this server "
+                               "runs one agent per Ray node; needs `pip install 'tidal[ray]'`). Default $TIDAL_ENGINE, "
+                               "else agents."),
+    ray_address: Optional[str] = typer.Option(
+        None, "--ray-address", help="With --engine ray: the Ray cluster (host:port); default $TIDAL_RAY_ADDRESS, "
+                                    "then $RAY_ADDRESS."),
 ) -> None:
     """Run the control plane (REST API + scheduler loop)."""
     from tidal.control.server import serve
@@ -97,8 +104,38 @@ def server(
     if (tls_cert is None) != (tls_key is None):
         err.print("[red]error:[/] give --tls-cert and --tls-key together")
         raise typer.Exit(2)
+    engine = engine or settings.ENGINE.get()
+    if engine == "ray":
+        _start_ray_engine(host, port, advertise_addr, tls_cert is not None, ray_address or settings.RAY_ADDRESS.get())
+    elif engine != "agents":
+        err.print("[red]error:[/] " + escape(f"unknown engine {engine!r}; known: agents, ray"))
+        raise typer.Exit(2)
     serve(host=host, port=port, db_url=db, policy=policy, admin_token=token, tick_s=tick, advertise=advertise_addr,
           tls_cert=tls_cert, tls_key=tls_key)
+
+
+def _start_ray_engine(host: Optional[str], port: int, advertise: Optional[str], tls: bool,
+                      address: Optional[str]) -> None:
+    """Connect to Ray and run its nodes' agents in a thread of this server,
+    with the server's URL and join token (what ``serve`` computes)."""
+    import importlib.util
+
+    from tidal.control.credentials import Credentials
+    from tidal.net import advertise_addr as _advertise, bind_addr
+
+    if importlib.util.find_spec("ray") is None:
+        err.print("[red]error:[/] --engine ray needs Ray: pip install 'tidal[ray]'")
+        raise typer.Exit(2)
+    from tidal.engines.ray import RayEngine, connect
+
+    home = settings.home()
+    home.mkdir(parents=True, exist_ok=True)
+    join = Credentials.from_file(Path(settings.SECRET_FILE.get() or home / "server.secret")).agent_token()
+    url = settings.PUBLIC_URL.get() or (f"{'https' if tls else 'http'}://"
+                                        f"{_advertise(bind_addr(host), explicit=advertise or settings.ADVERTISE_ADDR.get())}"
+                                        f":{port}")
+    connect(address)  # in the main thread; a Ray cluster that cannot be reached fails the start
+    RayEngine(url, join, ray_address=address).start()
 
 
 @app.command("agent-token")
