@@ -156,6 +156,9 @@ SECRET_FILE: Setting[str | None] = Setting("TIDAL_SECRET_FILE", _opt_str, None,
 PUBLIC_URL: Setting[str | None] = Setting("TIDAL_PUBLIC_URL", _opt_str, None,
                                           "the URL(s) job masters reach the server at, comma-separated for "
                                           "replicas (default: this server's own address)", "server")
+RUN_AS: Setting[str | None] = Setting("TIDAL_RUN_AS", _opt_str, None,
+                                      "an agent running as root starts job processes as this unprivileged user",
+                                      "agent")
 CA_FILE: Setting[str | None] = Setting("TIDAL_CA_FILE", _opt_str, None,
                                        "CA bundle (PEM) that https:// servers are verified against (agents, job "
                                        "masters, CLI); unset: the system's CAs", "cli")

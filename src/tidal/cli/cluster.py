@@ -169,8 +169,14 @@ def agent(
     label: list[str] = typer.Option(
         [], "--label", help="KEY=VALUE, repeatable. 'switch=NAME' places the node under that network switch "
                             "in the scheduler's topology (nodes under one switch are packed together)."),
+    run_as: Optional[str] = typer.Option(
+        None, "--run-as", help="Start job processes as this unprivileged user (the agent must run as root); "
+                               "default $TIDAL_RUN_AS. See docs/security.md."),
 ) -> None:
-    """Run the node agent: register GPUs, launch and watch workers."""
+    """Run the node agent: register GPUs, launch and watch workers.
+
+    Example: TIDAL_TOKEN=$(cat agent.token) tidal agent --server http://10.0.0.1:8470 --run-as tidal-jobs
+    """
     import logging
 
     from tidal.agent import Agent, detect_gpus
@@ -188,8 +194,18 @@ def agent(
             err.print(f"error: --label {escape(item)!r}: expected KEY=VALUE, e.g. --label switch=rack1")
             raise typer.Exit(2)
         labels[key.strip()] = value.strip()
+    extra = {}
+    run_as = run_as or settings.RUN_AS.get()
+    if run_as:
+        from tidal.agent.runas import RunAs
+
+        try:
+            extra["launcher"] = RunAs(run_as)
+        except ValueError as e:
+            err.print("[red]error:[/] " + escape(str(e)))
+            raise typer.Exit(2)
     a = Agent(find_server(server_url), find_token(token), name or socket.gethostname(), n,
-              virtual=virtual_gpus is not None, interval_s=interval, address=advertise_addr, labels=labels)
+              virtual=virtual_gpus is not None, interval_s=interval, address=advertise_addr, labels=labels, **extra)
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: a.stop())

@@ -1,0 +1,56 @@
+"""Job processes as an unprivileged OS user (``tidal agent --run-as USER``).
+
+An agent that runs as root starts every job master and worker as ``USER``
+(its uid, its primary group, no supplementary groups, umask 077), so a
+tenant's script cannot read what only the agent may: its process table, the
+server's files on a shared host, other users' files. The job's checkpoint
+directory is created for that user with mode 0700 (only the job's own
+processes, the agent and root can enter it). The user must be able to read
+the training script and to traverse to the checkpoint directory and to the
+agent's work directory (the file telling workers where their master is);
+docs/security.md.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from tidal import settings
+from tidal.agent.proctable import Child, Handle
+
+
+class RunAs:
+    """A launcher (see :data:`tidal.agent.agent.Launcher`) that starts each
+    process as ``user``; refused unless the agent runs as root."""
+
+    def __init__(self, user: str) -> None:
+        try:
+            pw = pwd.getpwnam(user)
+        except KeyError:
+            raise ValueError(f"--run-as {user!r}: no such user on this host") from None
+        if os.geteuid() != 0:
+            raise ValueError(f"--run-as {user!r} needs the agent to run as root (it runs as uid {os.geteuid()})")
+        if pw.pw_uid == 0:
+            raise ValueError("--run-as root would give tenants' scripts root: name an unprivileged user")
+        self.user, self.uid, self.gid = user, pw.pw_uid, pw.pw_gid
+
+    def private_dir(self, path: Path) -> None:
+        """``path`` (and missing parents) for this user only: 0700, owned by it."""
+        path.mkdir(parents=True, exist_ok=True)
+        os.chown(path, self.uid, self.gid)
+        path.chmod(0o700)
+
+    def __call__(self, w: dict[str, Any], argv: list[str], env: dict[str, str], cwd: str | None,
+                 log_path: Path) -> Handle:
+        ckpt = env.get(settings.CHECKPOINT_DIR.name)
+        if ckpt:
+            self.private_dir(Path(ckpt))
+        env = {**env, "USER": self.user, "LOGNAME": self.user}
+        with log_path.open("ab") as fh:  # opened by the agent: the user need not reach the log directory
+            return Child(subprocess.Popen(argv, env=env, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
+                                          start_new_session=True, user=self.uid, group=self.gid,
+                                          extra_groups=[], umask=0o077))
