@@ -32,7 +32,7 @@ def _run_alone(out: Path, home: Path, feature: str) -> dict[str, torch.Tensor]:
 def _launch(out: Path, home: Path, feature: str) -> subprocess.Popen[str]:
     out.mkdir()
     cmd = [sys.executable, "-m", "tidal.runtime.launch", "run", "--workers", "2", "--job", "outside", "--timeout",
-           "150", str(SCRIPT), "--out", str(out), "--features", feature, "--sleep", "0.15"]
+           "150", str(SCRIPT), "--out", str(out), "--features", feature, "--sleep", "0.3"]  # slow until "fast": a newcomer starting on a busy machine must find steps left
     return subprocess.Popen(cmd, env=env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
