@@ -21,7 +21,8 @@ import pytest
 from tidal.control.local import LocalCluster
 from test_e2e import check_exactly_once, job, replay_gpu_holders, wait
 
-pytestmark = pytest.mark.timeout(300)
+# three live-cluster scenarios of a minute or more each: CI runs them in its second step (-m slow)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def _procs(user, jid, **match):
