@@ -109,7 +109,9 @@ def join_job(join: str, script: str, args: Sequence[str] = (), size: int = 1, *,
         out(f"tidal run: cannot start the workers here: {e}")
         return 1
     out(f"tidal run: joined job at {url} with {', '.join(ids)}")
-    prev = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # Ctrl-C and kill both mean "leave": installed here, since a launcher started in the
+    # background of a shell inherits SIGINT ignored and would never see Ctrl-C otherwise
+    prev = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         while any(code is None for code in sp.exit_codes().values()):
             time.sleep(0.2)
@@ -119,7 +121,8 @@ def join_job(join: str, script: str, args: Sequence[str] = (), size: int = 1, *,
         except KeyboardInterrupt:
             sp.terminate(grace_s=0.0)
     finally:
-        signal.signal(signal.SIGTERM, prev)
+        for sig, handler in prev.items():
+            signal.signal(sig, handler)
     codes = sp.exit_codes()
     out("tidal run: workers exited: " + ", ".join(f"{w}: {code}" for w, code in sorted(codes.items())))
     return 0 if all(code == 0 for code in codes.values()) else 1
