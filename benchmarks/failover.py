@@ -89,14 +89,18 @@ class Cluster:
         secret.chmod(0o600)
         self.env = {**os.environ, "TIDAL_ADMIN_TOKEN": self.admin, "TIDAL_SECRET_FILE": str(secret),
                     "TIDAL_PUBLIC_URL": self.both, "OMP_NUM_THREADS": "1", "TIDAL_CHECKPOINT_SHARED": "1"}
-        self.replicas = [self._spawn(["server", "--port", str(p), "--db", db_url, "--policy", "fifo", "--tick", "0.5"],
-                                     f"server-{i}") for i, p in enumerate(self.ports)]
-        for url in self.urls:
-            self.wait(lambda url=url: Api(url, self.admin).healthy(), 60, f"replica {url}")
-        join = subprocess.run([sys.executable, "-m", "tidal", "agent-token"], env={**self.env,
-                              "TIDAL_HOME": str(work / "server-0")}, capture_output=True, text=True).stdout.strip()
-        self.agent = self._spawn(["agent", "--server", self.both, "--name", "n0", "--virtual-gpus", "2",
-                                  "--interval", "0.3"], "agent", TIDAL_TOKEN=join)
+        try:  # a start that fails leaves nothing running
+            self.replicas = [self._spawn(["server", "--port", str(p), "--db", db_url, "--policy", "fifo", "--tick",
+                                          "0.5"], f"server-{i}") for i, p in enumerate(self.ports)]
+            for url in self.urls:
+                self.wait(lambda url=url: Api(url, self.admin).healthy(), 60, f"replica {url}")
+            join = subprocess.run([sys.executable, "-m", "tidal", "agent-token"], env={**self.env,
+                                  "TIDAL_HOME": str(work / "server-0")}, capture_output=True, text=True).stdout.strip()
+            self.agent = self._spawn(["agent", "--server", self.both, "--name", "n0", "--virtual-gpus", "2",
+                                      "--interval", "0.3"], "agent", TIDAL_TOKEN=join)
+        except BaseException:
+            self.stop()
+            raise
 
     def _spawn(self, args: list[str], name: str, **env: str) -> subprocess.Popen:
         home = self.work / name
