@@ -51,3 +51,23 @@ def pg_url():
     finally:
         subprocess.run(_as_postgres([pg_ctl, "-D", str(data), "-m", "fast", "stop"]), capture_output=True, timeout=60)
         shutil.rmtree(d, ignore_errors=True)
+
+
+def reset_postgres(url: str) -> None:
+    """An empty database (the PostgreSQL server lives for the session)."""
+    from sqlalchemy import create_engine, text
+
+    eng = create_engine(url)
+    with eng.begin() as c:
+        c.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
+    eng.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path):
+    """A fresh store's URL: a SQLite file, or the session's PostgreSQL emptied."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 't.db'}"
+    url = request.getfixturevalue("pg_url")
+    reset_postgres(url)
+    return url

@@ -35,7 +35,7 @@ from tidal.control.api import internal
 from tidal.control.db import Node, Process, Store
 from tidal.control.local import LocalCluster
 from tidal.control.server import create_app
-from test_e2e import check_exactly_once, job, replay_gpu_holders, wait
+from test_e2e import check_exactly_once, job, job_on_4_gpus, procs, replay_gpu_holders, wait
 
 SLEEPER = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"]
 
@@ -161,8 +161,8 @@ def test_unknown_exits_are_judged_and_a_lone_dead_node_goes_down(tmp_path):
         s.add_all(rows)
         s.flush()
         ids = [r.id for r in rows]
-    procs = [{"id": i, "state": "failed", "pid": 1, "exit_code": None} for i in ids]
-    r = client.post("/internal/agents/n0/heartbeat", json={"procs": procs}, headers=_hdr())
+    reports = [{"id": i, "state": "failed", "pid": 1, "exit_code": None} for i in ids]
+    r = client.post("/internal/agents/n0/heartbeat", json={"procs": reports}, headers=_hdr())
     assert r.status_code == 200
     with store.session() as s:
         got = {p.name: (p.state, p.desired, p.exit_code) for p in s.query(Process)}
@@ -247,17 +247,6 @@ def _cluster(home: Path) -> Iterator[LocalCluster]:
                 pass
 
 
-def _procs(user, jid, **match):
-    return [p for p in user.job(jid)["processes"] if all(p[k] == v for k, v in match.items())]
-
-
-def _start(c, rec, samples, epochs):
-    admin = c.api()
-    user = c.api(admin.add_user("alice"))
-    a = user.submit(job("a", rec, samples=samples, epochs=epochs, gpus="1-4", deadline=3600))["id"]
-    wait(lambda: len(user.job(a)["gpus"]) == 4 and user.job(a)["world_size"] == 4 and user.job(a)["step"] > 3,
-         120, "A to train on 4 GPUs", user)
-    return admin, user, a
 
 
 def _finish(admin, user, a, census, rec, samples, epochs):
@@ -278,18 +267,18 @@ def test_agent_killed_for_3s_adopts_its_master_and_workers(tmp_path):
     rec = tmp_path / "records"
     samples, epochs = 2048, 4
     with _cluster(tmp_path / "home") as c:
-        admin, user, a = _start(c, rec, samples, epochs)
+        admin, user, a = job_on_4_gpus(c, rec, samples, epochs)
         with ProcessCensus(c.home) as census:
-            node = _procs(user, a, kind="master")[0]["node"]
-            before = {p["name"]: p["pid"] for p in _procs(user, a, node=node)}
+            node = procs(user, a, kind="master")[0]["node"]
+            before = {p["name"]: p["pid"] for p in procs(user, a, node=node)}
             assert len(before) == 3
             c.kill_agent(int(node[-1]))
             time.sleep(3)
-            assert {p["name"]: p["pid"] for p in _procs(user, a, node=node)} == before
+            assert {p["name"]: p["pid"] for p in procs(user, a, node=node)} == before
             step = user.job(a)["step"]
             c.start_agent(int(node[-1]))
             wait(lambda: user.job(a)["step"] > step + 5, 60, "A to train on", user)
-            assert {p["name"]: (p["pid"], p["state"]) for p in _procs(user, a, node=node)} == \
+            assert {p["name"]: (p["pid"], p["state"]) for p in procs(user, a, node=node)} == \
                 {n: (pid, "running") for n, pid in before.items()}
             assert all(n["state"] == "up" for n in admin.cluster()["nodes"])
             _finish(admin, user, a, census, rec, samples, epochs)
@@ -306,15 +295,15 @@ def test_agent_killed_for_15s_stops_what_the_server_gave_up(tmp_path):
     rec = tmp_path / "records"
     samples, epochs = 2048, 8
     with _cluster(tmp_path / "home") as c:
-        admin, user, a = _start(c, rec, samples, epochs)
+        admin, user, a = job_on_4_gpus(c, rec, samples, epochs)
         with ProcessCensus(c.home) as census:
-            master_node = _procs(user, a, kind="master")[0]["node"]
+            master_node = procs(user, a, kind="master")[0]["node"]
             node = "node-1" if master_node == "node-0" else "node-0"
-            orphans = {p["name"]: p["pid"] for p in _procs(user, a, node=node)}
+            orphans = {p["name"]: p["pid"] for p in procs(user, a, node=node)}
             assert len(orphans) == 2
             c.kill_agent(int(node[-1]))
             killed = time.time()
-            wait(lambda: {p["state"] for p in _procs(user, a, node=node)} == {"lost"}, 30,
+            wait(lambda: {p["state"] for p in procs(user, a, node=node)} == {"lost"}, 30,
                  "the silent node's workers to be lost", user)
             assert any(n["name"] == node and n["state"] == "down" for n in admin.cluster()["nodes"])
             assert all(start_time(pid) is not None for pid in orphans.values())  # still running, unwatched
@@ -322,7 +311,7 @@ def test_agent_killed_for_15s_stops_what_the_server_gave_up(tmp_path):
             c.start_agent(int(node[-1]))
             wait(lambda: all(start_time(pid) is None for pid in orphans.values()), 30,
                  "the returning agent to stop the lost workers", user)
-            wait(lambda: {p["state"] for p in _procs(user, a, node=node) if p["name"] in orphans} == {"failed"},
+            wait(lambda: {p["state"] for p in procs(user, a, node=node) if p["name"] in orphans} == {"failed"},
                  15, "their rows to be failed", user)
             _finish(admin, user, a, census, rec, samples, epochs)
         assert any(n["name"] == node and n["state"] == "up" for n in admin.cluster()["nodes"])

@@ -13,14 +13,9 @@ from tidal.control.spec import GpuRequest, load_spec_file, parse_gpu_request
 from tidal.core.errors import InputError
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def env(request, tmp_path):
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 't.db'}"
-    else:
-        url = request.getfixturevalue("pg_url")
-        _reset_postgres(url)
-    store = Store(url)
+@pytest.fixture
+def env(store_url, tmp_path):
+    store = Store(store_url)
     app = create_app(store, admin_token="admin-tok", home=tmp_path, start_loop=False)
     client = TestClient(app)
     alice = store.add_user("alice", token="alice-tok")
@@ -28,16 +23,6 @@ def env(request, tmp_path):
     client.post("/internal/agents/register", json={"name": "n0", "num_gpus": 4, "virtual": True},
                 headers={"Authorization": "Bearer admin-tok"})
     return client, store, {"admin": "admin-tok", "alice": alice, "bob": bob}
-
-
-def _reset_postgres(url: str) -> None:
-    """Each test starts from an empty database (the server is per session)."""
-    from sqlalchemy import create_engine, text
-
-    eng = create_engine(url)
-    with eng.begin() as c:
-        c.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
-    eng.dispose()
 
 
 def hdr(tok):

@@ -66,6 +66,21 @@ def check_exactly_once(d: Path, samples: int, epochs: int) -> None:
     assert all(set(c.values()) == {1} for c in per_step.values()), "a sample went to two workers in one step"
 
 
+def procs(user, jid, **match):
+    """The job's processes whose fields equal ``match``."""
+    return [p for p in user.job(jid)["processes"] if all(p[k] == v for k, v in match.items())]
+
+
+def job_on_4_gpus(c, rec, samples, epochs):
+    """Admin and user clients of cluster ``c``, and job "a" training on all 4 of its GPUs."""
+    admin = c.api()
+    user = c.api(admin.add_user("alice"))
+    a = user.submit(job("a", rec, samples=samples, epochs=epochs, gpus="1-4", deadline=3600))["id"]
+    wait(lambda: len(user.job(a)["gpus"]) == 4 and user.job(a)["world_size"] == 4 and user.job(a)["step"] > 3,
+         120, "A to train on 4 GPUs", user)
+    return admin, user, a
+
+
 def replay_gpu_holders(events) -> None:
     holder: dict[int, str] = {}
     for e in events:

@@ -19,36 +19,24 @@ import signal
 import pytest
 
 from tidal.control.local import LocalCluster
-from test_e2e import check_exactly_once, job, replay_gpu_holders, wait
+from test_e2e import check_exactly_once, job, job_on_4_gpus, procs, replay_gpu_holders, wait
 
 # three live-cluster scenarios of a minute or more each: CI runs them in its second step (-m slow)
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
-def _procs(user, jid, **match):
-    return [p for p in user.job(jid)["processes"] if all(p[k] == v for k, v in match.items())]
-
-
-def _job_on_4_gpus(c, rec, samples, epochs):
-    """Admin and user clients, and job "a" training on all 4 GPUs of ``c``."""
-    admin = c.api()
-    user = c.api(admin.add_user("alice"))
-    a = user.submit(job("a", rec, samples=samples, epochs=epochs, gpus="1-4", deadline=3600))["id"]
-    wait(lambda: len(user.job(a)["gpus"]) == 4 and user.job(a)["world_size"] == 4 and user.job(a)["step"] > 3,
-         120, "A to train on 4 GPUs", user)
-    return admin, user, a
 
 
 def test_worker_kill_and_node_loss_are_survived(tmp_path):
     rec = tmp_path / "records"
     samples, epochs = 2048, 6
     with LocalCluster(tmp_path / "home", nodes=2, gpus_per_node=2, policy="edf", tick_s=1.0) as c:
-        admin, user, a = _job_on_4_gpus(c, rec, samples, epochs)
-        master_node = _procs(user, a, kind="master")[0]["node"]
+        admin, user, a = job_on_4_gpus(c, rec, samples, epochs)
+        master_node = procs(user, a, kind="master")[0]["node"]
         other = "node-1" if master_node == "node-0" else "node-0"
 
         # 1. kill -9 one worker on the master's node
-        victim = _procs(user, a, kind="worker", node=master_node, state="running")[0]
+        victim = procs(user, a, kind="worker", node=master_node, state="running")[0]
         os.kill(victim["pid"], signal.SIGKILL)
         wait(lambda: any(e["kind"] == "job.worker_lost" and e["gpu"] == victim["gpu"] for e in user.job(a)["events"]),
              30, "the dead worker's GPU to be released", user)
@@ -63,14 +51,14 @@ def test_worker_kill_and_node_loss_are_survived(tmp_path):
         assert "job.scale_out_failed" not in kinds
 
         # 2. the other node loses power: its agent and every process on it die at once
-        doomed = _procs(user, a, node=other, state="running")
+        doomed = procs(user, a, node=other, state="running")
         assert doomed and all(p["kind"] == "worker" for p in doomed)
         c.agents[int(other[-1])].kill()
         for p in doomed:
             os.kill(p["pid"], signal.SIGKILL)
         wait(lambda: any(n["name"] == other and n["state"] == "down" for n in admin.cluster()["nodes"]), 40,
              f"{other} to be marked down", user)
-        wait(lambda: {p["state"] for p in _procs(user, a, node=other) if p["pid"] in {d["pid"] for d in doomed}}
+        wait(lambda: {p["state"] for p in procs(user, a, node=other) if p["pid"] in {d["pid"] for d in doomed}}
              == {"lost"}, 20, "the lost node's processes to be marked lost", user)
         # the survivors re-form on the remaining node; the down node's GPUs stay with the job (out of the
         # topology) until its processes are known to be gone, and are freed when the job ends
@@ -116,11 +104,11 @@ def test_a_killed_job_master_is_restarted_and_the_job_loses_nothing(tmp_path):
     rec = tmp_path / "records"
     samples, epochs = 2048, 6
     with LocalCluster(tmp_path / "home", nodes=2, gpus_per_node=2, policy="edf", tick_s=1.0) as c:
-        admin, user, a = _job_on_4_gpus(c, rec, samples, epochs)
-        master = _procs(user, a, kind="master")[0]
+        admin, user, a = job_on_4_gpus(c, rec, samples, epochs)
+        master = procs(user, a, kind="master")[0]
         url = user.job(a)["master_url"]
         os.kill(master["pid"], signal.SIGKILL)
-        wait(lambda: _procs(user, a, kind="master")[0]["pid"] != master["pid"], 30, "the master to restart", user)
+        wait(lambda: procs(user, a, kind="master")[0]["pid"] != master["pid"], 30, "the master to restart", user)
         step = user.job(a)["step"]
         wait(lambda: user.job(a)["step"] > step + 3, 60, "A to train on", user)
         assert user.job(a)["master_url"] == url  # the same address: the workers found it again
@@ -128,5 +116,5 @@ def test_a_killed_job_master_is_restarted_and_the_job_loses_nothing(tmp_path):
         final = user.job(a)
         assert final["state"] == "completed", final
         assert not any(ch["kind"] == "recover" for ch in (final["progress"] or {}).get("changes", []))
-        assert len(_procs(user, a, kind="master")) == 1  # the same process row, run again
+        assert len(procs(user, a, kind="master")) == 1  # the same process row, run again
     check_exactly_once(rec / "a", samples, epochs)

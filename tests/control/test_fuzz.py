@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sqlalchemy import create_engine, text
+from conftest import reset_postgres
 
 from tidal.control.db import Store
 from tidal.control.server import create_app
@@ -96,10 +96,7 @@ def api(request, tmp_path_factory):
     url = f"sqlite:///{home / 't.db'}"
     if request.param == "postgresql":
         url = request.getfixturevalue("pg_url")
-        eng = create_engine(url)
-        with eng.begin() as c:
-            c.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
-        eng.dispose()
+        reset_postgres(url)  # module scope: the shared function-scoped store_url fixture cannot serve
     store = Store(url)
     app = create_app(store, admin_token=TOKENS["admin"], home=home, start_loop=False)
     client = TestClient(app, raise_server_exceptions=False)

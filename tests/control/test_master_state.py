@@ -26,18 +26,11 @@ from tidal.runtime.persistence import FileBackend
 TOKEN = "admin-tok"
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def server(request, tmp_path):
+@pytest.fixture
+def server(store_url, tmp_path):
     """The real app on a loopback port (its store SQLite or PostgreSQL), a
     job ``a`` whose master runs on n0."""
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 't.db'}"
-    else:
-        from test_api import _reset_postgres
-
-        url = request.getfixturevalue("pg_url")
-        _reset_postgres(url)
-    store = Store(url)
+    store = Store(store_url)
     app = create_app(store, admin_token=TOKEN, home=tmp_path, start_loop=False)
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

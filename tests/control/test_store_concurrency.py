@@ -7,23 +7,16 @@ import threading
 import time
 
 import pytest
-from sqlalchemy import create_engine, func, select, text
+from sqlalchemy import func, select
 
 from tidal.control.db import Event, Job, Store
 
 THREADS, WRITES = 8, 50
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def url(request, tmp_path):
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 't.db'}"
-    url = request.getfixturevalue("pg_url")
-    eng = create_engine(url)
-    with eng.begin() as c:
-        c.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
-    eng.dispose()
-    return url
+@pytest.fixture
+def url(store_url):
+    return store_url
 
 
 def _job(job_id: str) -> Job:

@@ -26,7 +26,7 @@ CONTROL = Path(__file__).resolve().parents[1] / "control"
 if str(CONTROL) not in sys.path:
     sys.path.insert(0, str(CONTROL))
 
-from test_e2e import check_exactly_once, job, replay_gpu_holders, wait  # noqa: E402
+from test_e2e import check_exactly_once, job, procs, replay_gpu_holders, wait  # noqa: E402
 
 from tidal.control.client import Api  # noqa: E402
 
@@ -48,9 +48,6 @@ def _tidal(h: Any, args: list[str], home: Path, log: str) -> subprocess.Popen[by
     out = open(home / f"{log}.log", "ab")
     return h.popen([sys.executable, "-m", "tidal", *args], env=_env(home), stdout=out, stderr=subprocess.STDOUT)
 
-
-def _procs(user: Api, jid: str, **match: Any) -> list[dict[str, Any]]:
-    return [p for p in user.job(jid)["processes"] if all(p[k] == v for k, v in match.items())]
 
 
 @pytest.mark.slow
@@ -77,18 +74,18 @@ def test_a_job_spans_hosts_survives_losing_one_and_a_server_restart(hosts: Any, 
         user = Api(url, admin.add_user("alice"))
         a = user.submit(job("a", rec, samples=samples, epochs=epochs, gpus="1-4", deadline=3600))["id"]
         wait(lambda: user.job(a)["world_size"] == 4 and user.job(a)["step"] > 3, 150, "A to train on 4 GPUs", user)
-        master = _procs(user, a, kind="master")[0]["node"]
+        master = procs(user, a, kind="master")[0]["node"]
         assert user.job(a)["master_url"].startswith(f"http://{addr[master]}:"), user.job(a)["master_url"]
-        nodes = {p["node"] for p in _procs(user, a, kind="worker", state="running")}
+        nodes = {p["node"] for p in procs(user, a, kind="worker", state="running")}
         assert len(nodes) == 2 and master in nodes, nodes  # 4 GPUs of 2 per host: two hosts
         other = next(n for n in nodes if n != master)
 
         # the other host of the job dies: its agent and its workers at once
-        doomed = _procs(user, a, node=other, state="running")
+        doomed = procs(user, a, node=other, state="running")
         hs.kill_host(int(other[-1]))
         wait(lambda: any(n["name"] == other and n["state"] == "down" for n in admin.cluster()["nodes"]), 40,
              f"{other} to be marked down", user)
-        wait(lambda: {p["state"] for p in _procs(user, a, node=other) if p["pid"] in {d["pid"] for d in doomed}}
+        wait(lambda: {p["state"] for p in procs(user, a, node=other) if p["pid"] in {d["pid"] for d in doomed}}
              == {"lost"}, 30, "its processes to be marked lost", user)
         step = user.job(a)["step"]
         wait(lambda: user.job(a)["step"] > step + 3, 90, "A to train on after the loss", user)
@@ -136,9 +133,9 @@ def test_a_host_cut_off_for_10s_comes_back_without_duplicates(hosts: Any, tmp_pa
         user = Api(url, admin.add_user("alice"))
         a = user.submit(job("a", rec, samples=samples, epochs=epochs, gpus="1-4", deadline=3600))["id"]
         wait(lambda: user.job(a)["world_size"] == 4 and user.job(a)["step"] > 3, 150, "A on 4 GPUs", user)
-        master = _procs(user, a, kind="master")[0]["node"]
+        master = procs(user, a, kind="master")[0]["node"]
         other = "node-1" if master == "node-2" else "node-2"
-        cut_off = {p["pid"] for p in _procs(user, a, node=other, state="running")}
+        cut_off = {p["pid"] for p in procs(user, a, node=other, state="running")}
         t_cut = time.monotonic()
         hs.cut(int(other[-1]))
         wait(lambda: any(n["name"] == other and n["state"] == "down" for n in admin.cluster()["nodes"]), 30,
@@ -198,16 +195,16 @@ def test_the_masters_host_dies_and_the_master_moves_to_another_host_of_the_job(h
         user = Api(url, admin.add_user("alice"))
         a = user.submit(job("a", rec, samples=samples, epochs=epochs, gpus="1-4", deadline=3600))["id"]
         wait(lambda: user.job(a)["world_size"] == 4 and user.job(a)["step"] > 3, 150, "A on 4 GPUs", user)
-        doomed = _procs(user, a, kind="master")[0]["node"]
+        doomed = procs(user, a, kind="master")[0]["node"]
         survivor = "node-1" if doomed == "node-2" else "node-2"
-        kept = sorted(p["name"] for p in _procs(user, a, node=survivor, kind="worker", state="running"))
+        kept = sorted(p["name"] for p in procs(user, a, node=survivor, kind="worker", state="running"))
         assert len(kept) == 2, kept
         hs.kill_host(int(doomed[-1]))
         wait(lambda: "job.master_relocated" in _kinds(admin, a), 60,
              "the master to be relocated", user)
         wait(lambda: user.job(a)["master_url"].startswith(f"http://{addr[survivor]}:"), 60,
              f"the new master to report from {survivor}", user)
-        relocated = [p for p in _procs(user, a, kind="master") if p["node"] == survivor]
+        relocated = [p for p in procs(user, a, kind="master") if p["node"] == survivor]
         assert len(relocated) == 1, user.job(a)["processes"]
         step = user.job(a)["step"]
         wait(lambda: user.job(a)["step"] > step + 3 or user.job(a)["state"] == "completed", 120,
