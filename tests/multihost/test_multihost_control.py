@@ -50,20 +50,28 @@ def _tidal(h: Any, args: list[str], home: Path, log: str) -> subprocess.Popen[by
 
 
 
+SERVER_ARGS = ["server", "--host", "0.0.0.0", "--port", str(PORT), "--policy", "edf", "--tick", "1"]
+
+
+def _control_plane(hs: Any, agents: int, home: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+    """The server on host 0 and an agent with 2 virtual GPUs on hosts 1..agents:
+    the server's process, its URL and the admin token."""
+    home.mkdir()
+    token = secrets.token_urlsafe(16)
+    server = _tidal(hs[0], [*SERVER_ARGS, "--token", token], home, "server")
+    url = f"http://{hs[0].addr}:{PORT}"
+    for i in range(1, agents + 1):
+        _tidal(hs[i], ["agent", "--server", url, "--token", token, "--name", f"node-{i}", "--virtual-gpus", "2",
+                       "--interval", "0.3"], home, f"agent-{i}")
+    return server, url, token
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_job_spans_hosts_survives_losing_one_and_a_server_restart(hosts: Any, tmp_path: Path) -> None:
     hs = hosts(4)
     home, rec = tmp_path / "home", tmp_path / "records"
-    home.mkdir()
-    token = secrets.token_urlsafe(16)
-    server_args = ["server", "--host", "0.0.0.0", "--port", str(PORT), "--policy", "edf", "--tick", "1",
-                   "--token", token]
-    server = _tidal(hs[0], server_args, home, "server")
-    url = f"http://{hs[0].addr}:{PORT}"
-    for i in (1, 2, 3):
-        _tidal(hs[i], ["agent", "--server", url, "--token", token, "--name", f"node-{i}", "--virtual-gpus", "2",
-                       "--interval", "0.3"], home, f"agent-{i}")
+    server, url, token = _control_plane(hs, 3, home)
     addr = {f"node-{i}": hs[i].addr for i in (1, 2, 3)}
     samples, epochs = 4096, 6
     with hs[0].entered():  # the API client talks to host 0 from inside the namespaces
@@ -93,7 +101,7 @@ def test_a_job_spans_hosts_survives_losing_one_and_a_server_restart(hosts: Any, 
         # the server restarts on its host; the agents on the others reconnect
         server.terminate()
         server.wait(timeout=20)
-        server = _tidal(hs[0], server_args, home, "server")
+        server = _tidal(hs[0], [*SERVER_ARGS, "--token", token], home, "server")
         wait(admin.healthy, 60, "the restarted server")
         up = {n: addr[n] for n in addr if n != other}
         wait(lambda: {n["name"]: n["address"] for n in admin.cluster()["nodes"] if n["state"] == "up"} == up, 60,
@@ -117,14 +125,7 @@ def test_a_host_cut_off_for_10s_comes_back_without_duplicates(hosts: Any, tmp_pa
     no reset, so nothing fails until the cut-off processes are stopped.)"""
     hs = hosts(3)
     home, rec = tmp_path / "home", tmp_path / "records"
-    home.mkdir()
-    token = secrets.token_urlsafe(16)
-    _tidal(hs[0], ["server", "--host", "0.0.0.0", "--port", str(PORT), "--policy", "edf", "--tick", "1",
-                   "--token", token], home, "server")
-    url = f"http://{hs[0].addr}:{PORT}"
-    for i in (1, 2):
-        _tidal(hs[i], ["agent", "--server", url, "--token", token, "--name", f"node-{i}", "--virtual-gpus", "2",
-                       "--interval", "0.3"], home, f"agent-{i}")
+    _, url, token = _control_plane(hs, 2, home)
     samples, epochs = 4096, 8
     with hs[0].entered():
         admin = Api(url, token)
@@ -178,14 +179,7 @@ def test_the_masters_host_dies_and_the_master_moves_to_another_host_of_the_job(h
     the job finishes, every sample exactly once per epoch."""
     hs = hosts(3)
     home, rec = tmp_path / "home", tmp_path / "records"
-    home.mkdir()
-    token = secrets.token_urlsafe(16)
-    _tidal(hs[0], ["server", "--host", "0.0.0.0", "--port", str(PORT), "--policy", "edf", "--tick", "1",
-                   "--token", token], home, "server")
-    url = f"http://{hs[0].addr}:{PORT}"
-    for i in (1, 2):
-        _tidal(hs[i], ["agent", "--server", url, "--token", token, "--name", f"node-{i}", "--virtual-gpus", "2",
-                       "--interval", "0.3"], home, f"agent-{i}")
+    _, url, token = _control_plane(hs, 2, home)
     addr = {f"node-{i}": hs[i].addr for i in (1, 2)}
     samples, epochs = 4096, 6
     with hs[0].entered():

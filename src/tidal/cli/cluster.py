@@ -105,37 +105,29 @@ def server(
         err.print("[red]error:[/] give --tls-cert and --tls-key together")
         raise typer.Exit(2)
     engine = engine or settings.ENGINE.get()
+    on_ready = None
     if engine == "ray":
-        _start_ray_engine(host, port, advertise_addr, tls_cert is not None, ray_address or settings.RAY_ADDRESS.get())
+        on_ready = _ray_engine(ray_address or settings.RAY_ADDRESS.get())
     elif engine != "agents":
         err.print("[red]error:[/] " + escape(f"unknown engine {engine!r}; known: agents, ray"))
         raise typer.Exit(2)
     serve(host=host, port=port, db_url=db, policy=policy, admin_token=token, tick_s=tick, advertise=advertise_addr,
-          tls_cert=tls_cert, tls_key=tls_key)
+          tls_cert=tls_cert, tls_key=tls_key, on_ready=on_ready)
 
 
-def _start_ray_engine(host: Optional[str], port: int, advertise: Optional[str], tls: bool,
-                      address: Optional[str]) -> None:
-    """Connect to Ray and run its nodes' agents in a thread of this server,
-    with the server's URL and join token (what ``serve`` computes)."""
+def _ray_engine(address: Optional[str]) -> Any:
+    """Connect to Ray now (a cluster that cannot be reached fails the start);
+    the callback ``serve`` calls with its URL and credentials runs the Ray
+    nodes' agents in a thread of this server."""
     import importlib.util
-
-    from tidal.control.credentials import Credentials
-    from tidal.net import advertise_addr as _advertise, bind_addr
 
     if importlib.util.find_spec("ray") is None:
         err.print("[red]error:[/] --engine ray needs Ray: pip install 'tidal[ray]'")
         raise typer.Exit(2)
     from tidal.engines.ray import RayEngine, connect
 
-    home = settings.home()
-    home.mkdir(parents=True, exist_ok=True)
-    join = Credentials.from_file(Path(settings.SECRET_FILE.get() or home / "server.secret")).agent_token()
-    url = settings.PUBLIC_URL.get() or (f"{'https' if tls else 'http'}://"
-                                        f"{_advertise(bind_addr(host), explicit=advertise or settings.ADVERTISE_ADDR.get())}"
-                                        f":{port}")
-    connect(address)  # in the main thread; a Ray cluster that cannot be reached fails the start
-    RayEngine(url, join, ray_address=address).start()
+    connect(address)
+    return lambda url, credentials: RayEngine(url, credentials.agent_token(), ray_address=address).start()
 
 
 @app.command("agent-token")
@@ -151,8 +143,9 @@ def agent_token(home: Optional[Path] = typer.Option(
     """
     from tidal.control.credentials import Credentials
 
-    secret = settings.SECRET_FILE.get()
-    path = Path(secret) if secret and home is None else Path(home or settings.home()) / "server.secret"
+    from tidal.control.server import secret_path
+
+    path = Path(home) / "server.secret" if home is not None else secret_path(settings.home())
     print(Credentials.from_file(path).agent_token())
 
 

@@ -163,6 +163,11 @@ def _reset_after_restart(store: Store) -> None:
         store.log(s, "server.start")
 
 
+def secret_path(home: Path) -> Path:
+    """The server's secret: ``$TIDAL_SECRET_FILE``, else ``home/server.secret``."""
+    return Path(settings.SECRET_FILE.get() or home / "server.secret")
+
+
 def _private(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` readable by this user only (0600 from the start)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -182,6 +187,7 @@ def serve(
     advertise: str | None = None,
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
+    on_ready: Callable[[str, Credentials], None] | None = None,
 ) -> None:
     """Run the server until interrupted; state in ``home`` (default
     ``$TIDAL_HOME``): the SQLite store unless ``db_url``, and the admin token
@@ -189,7 +195,8 @@ def serve(
     job masters and agents on other hosts reach it at (default: ``host``, or
     with 0.0.0.0 this host's first non-loopback address; :mod:`tidal.net`).
     ``tls_cert`` and ``tls_key`` (PEM): serve HTTPS; clients verify the
-    certificate against ``$TIDAL_CA_FILE``."""
+    certificate against ``$TIDAL_CA_FILE``. ``on_ready(url, credentials)``
+    runs before the server listens (e.g. the Ray engine's agents)."""
     import uvicorn
 
     host = bind_addr(host)
@@ -206,7 +213,7 @@ def serve(
     if admin_token is None:
         admin_token = token_file.read_text().strip() if token_file.exists() else secrets.token_urlsafe(24)
     _private(token_file, admin_token)
-    credentials = Credentials.from_file(Path(settings.SECRET_FILE.get() or home / "server.secret"))
+    credentials = Credentials.from_file(secret_path(home))
     _private(home / "agent.token", credentials.agent_token())  # the join token agents start with
     if (tls_cert is None) != (tls_key is None):
         raise InputError("give both a TLS certificate and its key, or neither", field="tls")
@@ -216,6 +223,8 @@ def serve(
         f"{scheme}://{advertise_addr(host, explicit=advertise or settings.ADVERTISE_ADDR.get())}:{port}"
     app = create_app(store, policy=policy, admin_token=admin_token, credentials=credentials, tick_s=tick_s,
                      home=home, server_url=url)
+    if on_ready is not None:
+        on_ready(url, credentials)
     tls = {"ssl_certfile": str(tls_cert), "ssl_keyfile": str(tls_key)} if tls_cert else {}
     # an idle keep-alive client must not hold a stopping server up
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5, **tls)
