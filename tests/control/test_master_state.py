@@ -58,13 +58,13 @@ def server(store_url, tmp_path):
 
 def test_the_servers_copy_keeps_the_newest_and_refuses_another_nodes_master(server):
     http, store, job, port = server
-    n0 = ServerBackend(f"127.0.0.1:{port}/{job}", token=TOKEN, node="n0")
+    n0 = ServerBackend(f"http://127.0.0.1:{port}", job, token=TOKEN, node="n0")
     assert n0.load() is None
     n0.save({"gen": 3, SEQ: 2})
     n0.save({"gen": 2, SEQ: 1})  # a late write of an older document
     assert n0.load() == {"gen": 3, SEQ: 2}
     with pytest.raises(Fenced, match="runs on n0"):
-        ServerBackend(f"127.0.0.1:{port}/{job}", token=TOKEN, node="n1").save({"gen": 9, SEQ: 9})
+        ServerBackend(f"http://127.0.0.1:{port}", job, token=TOKEN, node="n1").save({"gen": 9, SEQ: 9})
     assert n0.load()["gen"] == 3
     # the old master's status reports are refused the same way; the current one's are taken
     assert http.call("POST", f"/internal/jobs/{job}/status", {"state": "running", "step": 7, "node": "n1"})[0] == 409
@@ -77,30 +77,30 @@ def test_the_servers_copy_keeps_the_newest_and_refuses_another_nodes_master(serv
 
 def test_the_mirrored_backend_loads_the_newer_copy_and_stops_when_fenced(server, tmp_path):
     http, store, job, port = server
-    here = Mirrored(FileBackend(str(tmp_path / "n0" / "a.json")), ServerBackend(f"127.0.0.1:{port}/{job}",
+    here = Mirrored(FileBackend(str(tmp_path / "n0" / "a.json")), ServerBackend(f"http://127.0.0.1:{port}", job,
                                                                                  token=TOKEN, node="n0"))
     for gen in range(1, 6):
         here.save({"gen": gen})
     assert here.flush(10)
     here.close()
     # another host (no local file): the server's copy, and the sequence goes on from it
-    there = Mirrored(FileBackend(str(tmp_path / "n1" / "a.json")), ServerBackend(f"127.0.0.1:{port}/{job}",
+    there = Mirrored(FileBackend(str(tmp_path / "n1" / "a.json")), ServerBackend(f"http://127.0.0.1:{port}", job,
                                                                                   token=TOKEN, node="n0"))
     assert there.load() == {"gen": 5, SEQ: 5}
     there.save({"gen": 6})
     assert there.flush(10)
     # the first host's file is older now: the server's copy wins there too
-    again = Mirrored(FileBackend(str(tmp_path / "n0" / "a.json")), ServerBackend(f"127.0.0.1:{port}/{job}",
+    again = Mirrored(FileBackend(str(tmp_path / "n0" / "a.json")), ServerBackend(f"http://127.0.0.1:{port}", job,
                                                                                   token=TOKEN, node="n0"))
     assert again.load()["gen"] == 6
     there.close()
     again.close()
-    fenced = Mirrored(FileBackend(str(tmp_path / "n1" / "b.json")), ServerBackend(f"127.0.0.1:{port}/{job}",
+    fenced = Mirrored(FileBackend(str(tmp_path / "n1" / "b.json")), ServerBackend(f"http://127.0.0.1:{port}", job,
                                                                                    token=TOKEN, node="n1"))
     fenced.save({"gen": 99})
     assert fenced.fenced.wait(10)
     fenced.close()
-    assert ServerBackend(f"127.0.0.1:{port}/{job}", token=TOKEN).load()["gen"] == 6
+    assert ServerBackend(f"http://127.0.0.1:{port}", job, token=TOKEN).load()["gen"] == 6
 
 
 def test_the_heartbeat_tells_agents_where_each_jobs_master_is(server, tmp_path):

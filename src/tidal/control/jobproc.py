@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     state_dir = Path(a.state_dir or settings.home() / "masters" / (node or "local"))
     state_dir.mkdir(parents=True, exist_ok=True)
     backend = Mirrored(FileBackend(str(state_dir / f"{a.job}.json")),
-                       ServerBackend.for_server(a.server, a.job))
+                       ServerBackend(a.server, a.job))
     ports_file = state_dir / f"{a.job}.ports.json"
     ports = json.loads(ports_file.read_text()) if a.resume and ports_file.exists() else {"http": 0, "store": 0}
     bind = bind_addr()

@@ -31,26 +31,12 @@ class Fenced(RuntimeError):
     restarted on another host): this master must stop."""
 
 
-@register_backend("tidal")
 class ServerBackend(StateBackend):
-    """The server's copy of one job master's state: ``HOST:PORT/JOB``. Writes
-    name this node; the server refuses them (409) once the job's master runs
-    on another node."""
+    """The copy of job ``job``'s master state kept by the server at ``urls``
+    (comma-separated replicas). Writes name this node; the server refuses them
+    (409) once the job's master runs on another node."""
 
-    def __init__(self, rest: str, token: str | None = None, node: str | None = None) -> None:
-        hostport, _, job = rest.partition("/")
-        if not hostport or not job:
-            raise ValueError(f"tidal state backend: expected tidal://HOST:PORT/JOB, got tidal://{rest}")
-        self._setup(f"http://{hostport}", job, token, node)
-
-    @classmethod
-    def for_server(cls, urls: str, job: str, token: str | None = None, node: str | None = None) -> "ServerBackend":
-        """The copy kept by the server at ``urls`` (comma-separated replicas)."""
-        self = cls.__new__(cls)
-        self._setup(urls, job, token, node)
-        return self
-
-    def _setup(self, urls: str, job: str, token: str | None, node: str | None) -> None:
+    def __init__(self, urls: str, job: str, token: str | None = None, node: str | None = None) -> None:
         self.job, self.node = job, node or settings.NODE.get() or ""
         self.http = JsonHttp(urls, token=token if token is not None else settings.JOB_TOKEN.get(),
                              timeout_s=5.0, patience_s=2.0)
@@ -74,6 +60,15 @@ class ServerBackend(StateBackend):
 
     def close(self) -> None:
         self.http.close()
+
+
+@register_backend("tidal")
+def _server_backend(rest: str) -> ServerBackend:
+    """``tidal://HOST:PORT/JOB``."""
+    hostport, _, job = rest.partition("/")
+    if not hostport or not job:
+        raise ValueError(f"tidal state backend: expected tidal://HOST:PORT/JOB, got tidal://{rest}")
+    return ServerBackend(f"http://{hostport}", job)
 
 
 class Mirrored(StateBackend):
