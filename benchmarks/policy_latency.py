@@ -6,17 +6,19 @@ them running on consolidated power-of-two placements, the rest pending, plus
 a few jobs that have just been submitted (so admission control has work to
 do). Every job has a deadline that it can meet at a few GPUs. Each policy
 schedules the same snapshots; we time ``schedule`` and, separately, the
-placement step on the plan it returned, and report admission + allocation
-(= schedule - placement) as ``p50_ms`` / ``p95_ms``. Times are the
+placement step on the plan it returned, and report the whole decision
+(admission + allocation + placement, = ``schedule``) as ``p50_ms`` /
+``p95_ms``, and admission + allocation alone as ``alloc_p50_ms`` /
+``alloc_p95_ms``. Times are the
 process's CPU time (``time.process_time``; the policies are single-threaded,
 so on an idle machine this equals wall time, and it does not count time the
 process waited for a core on a busy one); ``wall_total_p95_ms`` is the wall
 time of the whole ``schedule`` call.
 
-    python benchmarks/policy_latency.py --json          # one JSON line per policy
+    python benchmarks/policy_latency.py --json          # one JSON line: every policy
     python benchmarks/policy_latency.py --policy elasticflow --events 50
 
-Target: elasticflow p95 < 50 ms at 1,024 GPUs with 500 jobs.
+Target: every policy p95 < 50 ms (placement included) at 1,024 GPUs with 500 jobs.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from tidal.scheduler.registry import get_policy, policy_names
 log = logging.getLogger("policy_latency")
 
 NOW = 100_000.0
+TARGET_MS = 50.0
 
 
 def build_snapshot(cluster_spec: str, jobs: int, new: int, seed: int) -> Snapshot:
@@ -151,11 +154,12 @@ def _measure(name: str, snaps: list[Snapshot], budget_s: float, call_timeout: fl
         "policy": name,
         "gpus": snaps[0].cluster.num_gpus,
         "jobs": sum(1 for j in snaps[0].jobs if j.admitted),
-        "p50_ms": round(q(alloc, 50), 2),
-        "p95_ms": round(q(alloc, 95), 2),
+        "p50_ms": round(q(total, 50), 2),
+        "p95_ms": round(q(total, 95), 2),
+        "alloc_p50_ms": round(q(alloc, 50), 2),
+        "alloc_p95_ms": round(q(alloc, 95), 2),
         "placement_p50_ms": round(q(place, 50), 2),
         "placement_p95_ms": round(q(place, 95), 2),
-        "total_p95_ms": round(q(total, 95), 2),
         "wall_total_p95_ms": round(q(wall, 95), 2),
         "events": len(total),
     }
@@ -170,24 +174,31 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=60.0, help="wall seconds per policy (at least 3 events)")
     ap.add_argument("--call-timeout", type=float, default=10.0, help="give up on a policy if one call takes longer (s)")
     ap.add_argument("--policy", default="", help="comma-separated names (default: every registered policy)")
-    ap.add_argument("--json", action="store_true", help="one JSON line per policy")
+    ap.add_argument("--json", action="store_true", help="one JSON line with every policy")
     args = ap.parse_args()
     names = [p for p in args.policy.split(",") if p] or policy_names()
     snaps = [build_snapshot(args.cluster, args.jobs, args.new, seed) for seed in range(args.events)]
+    rows = {}
     for name in names:
         try:
             row = measure(name, snaps, args.budget, args.call_timeout)
         except Exception as exc:  # a policy under construction must not hide the others
             row = {"policy": name, "error": f"{type(exc).__name__}: {exc}"}
-        if args.json:
-            print(json.dumps(row), flush=True)
-        else:
+        rows[name] = {k: v for k, v in row.items() if k not in ("policy", "gpus", "jobs")}
+        if not args.json:
             print(
                 f"{name:18s} {row.get('gpus', '-')} GPUs {row.get('jobs', '-')} jobs  "
                 f"p50 {row.get('p50_ms', '-')} ms  p95 {row.get('p95_ms', '-')} ms  "
-                f"placement p95 {row.get('placement_p95_ms', '-')} ms",
+                f"(placement p95 {row.get('placement_p95_ms', '-')} ms)",
                 flush=True,
             )
+    if args.json:
+        slow = sorted(n for n, r in rows.items() if "error" in r or r["p95_ms"] >= TARGET_MS)
+        print(json.dumps({
+            "benchmark": "policy_latency", "cluster": args.cluster, "gpus": snaps[0].cluster.num_gpus,
+            "jobs": args.jobs, "events": args.events, "target_p95_ms": TARGET_MS, "over_target": slow,
+            "policies": rows,
+        }), flush=True)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ class ThroughputProfile:
     cross_node_penalty: float = 0.9
     source: str = ""
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)  # throughput() results
 
     @property
     def models(self) -> list[str]:
@@ -93,9 +94,13 @@ class ThroughputProfile:
 
     def throughput(self, model: str, batch: int, n: float, spread: bool = False) -> float:
         """Iterations/s at ``n`` GPUs; ``spread`` applies the cross-node penalty."""
-        curve, scale = self._curve(model, batch)
-        value = curve.at(n) * scale
-        return value * self.cross_node_penalty if spread else value
+        key = (model, batch, n, spread)
+        hit = self._memo.get(key)
+        if hit is None:
+            curve, scale = self._curve(model, batch)
+            value = curve.at(n) * scale
+            hit = self._memo[key] = value * self.cross_node_penalty if spread else value
+        return hit
 
     def max_useful(self, model: str, batch: int, cap: int) -> int:
         """The smallest GPU count <= ``cap`` that reaches the best throughput

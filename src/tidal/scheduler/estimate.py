@@ -33,8 +33,11 @@ def useful_counts(snap: Snapshot, job: JobView | JobSpec, cap: int) -> list[int]
     spec = job.spec if isinstance(job, JobView) else job
     if spec.allowed_gpus is not None:
         return spec.counts(cap)  # the user's own list of counts wins
-    profiled = set(snap.profiles.profiled_counts(spec.model, spec.batch_size))
-    return [c for c in spec.counts(cap) if c in profiled]
+    profiled = snap.profiles.profiled_counts(spec.model, spec.batch_size)
+    if spec.elastic:  # spec.counts(cap) is the range [lo, hi(cap)]: no need to list it
+        lo, hi = spec.lo, spec.hi(cap)
+        return sorted({c for c in profiled if lo <= c <= hi})
+    return [c for c in spec.counts(cap) if c in set(profiled)]
 
 
 def best_count(snap: Snapshot, job: JobView | JobSpec, cap: int) -> int:

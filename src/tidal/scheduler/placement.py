@@ -28,8 +28,12 @@ class FreeMap:
         self.cluster = cluster
         self.by_node: dict[int, list[int]] = defaultdict(list)
         per = cluster.gpus_per_node
+        busy = {g // per for g in used}
         for node in range(cluster.num_nodes):
             base = node * per
+            if node not in busy:
+                self.by_node[node] = list(range(base, base + per))
+                continue
             free = [g for g in range(base, base + per) if g not in used]
             if free:
                 self.by_node[node] = free

@@ -64,6 +64,7 @@ class Rates:
     _table: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
     _alloc: dict[tuple[int, int], tuple[dict[str, int], dict[str, float]]] = field(default_factory=dict)
     _bit: dict[str, int] = field(default_factory=dict)
+    steps: dict[tuple[str, int, int], tuple[float, int]] = field(default_factory=dict)  # see elan_allocation
 
     def allocation(self, jobs: list[JobView], total: int) -> tuple[dict[str, int], dict[str, float]]:
         """:func:`elan_allocation` and each job's rate under it, memoised by the
@@ -155,6 +156,23 @@ def total_batch(snap: Snapshot, job: JobView, n: int, saturation: float = 0.2) -
     return b
 
 
+def _step(
+    counts: tuple[int, ...], rs: tuple[float, ...], i: int, one: float, cap: int, lookahead: int
+) -> tuple[float, int]:
+    """The allocation rule's next step from count index ``i``: the best gain
+    per GPU and the target index (0: none), at most ``cap`` GPUs."""
+    n, r0 = counts[i], rs[i]
+    best, target = 0.0, 0
+    for k in range(i + 1, len(counts)):
+        c = counts[k]
+        if c > cap or c - n > lookahead:
+            break
+        g = (rs[k] - r0) / one / (c - n)
+        if g > best + _EPS:
+            best, target = g, k
+    return best, target
+
+
 def elan_allocation(rates: Rates, jobs: list[JobView], total: int, lookahead: int = 8) -> dict[str, int]:
     """Allocation rule: min_res to each job, then one GPU at a time to the job
     with the largest marginal gain (progress rate gained, over the job's
@@ -174,22 +192,22 @@ def elan_allocation(rates: Rates, jobs: list[JobView], total: int, lookahead: in
         raise ValueError("min_res of the started jobs exceed the cluster")
     by_id = {j.job_id: j for j in jobs}
     heap: list[tuple[float, int, str, int]] = []
+    steps = rates.steps
 
     def push(j: JobView, cap: int) -> None:
         jid = j.job_id
         counts, rs = tables[jid]
         i = pos[jid]
-        n, r0, one = counts[i], rs[i], rates.one(j)
-        best, target = 0.0, 0
-        for k in range(i + 1, len(counts)):
-            c = counts[k]
-            if c > cap or c - n > lookahead:
-                break
-            g = (rs[k] - r0) / one / (c - n)
-            if g > best + _EPS:
-                best, target = g, k
-        if target:
-            heapq.heappush(heap, (-best, j.spec.submit_time, jid, target))
+        n = counts[i]
+        if cap >= n + lookahead:  # the cap cannot cut the step: the same for every round of the rule
+            key = (jid, i, lookahead)
+            hit = steps.get(key)
+            if hit is None:
+                hit = steps[key] = _step(counts, rs, i, rates.one(j), n + lookahead, lookahead)
+        else:
+            hit = _step(counts, rs, i, rates.one(j), cap, lookahead)
+        if hit[1]:
+            heapq.heappush(heap, (-hit[0], j.spec.submit_time, jid, hit[1]))
 
     for j in jobs:
         push(j, alloc[j.job_id] + free)

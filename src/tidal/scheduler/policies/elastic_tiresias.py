@@ -85,27 +85,95 @@ class _State:
         return out
 
 
-def _releases(snap: Snapshot, st: _State, donors: dict[str, JobView], nodes: set[int] | None) -> dict[int, list[tuple[float, str]]]:
-    """Per machine, the GPUs donors could release there, each with the drop in
-    the donor's normalised throughput; a donor releases one GPU at a time,
-    down to its min count, counting its releases over all ``nodes`` together."""
-    out: dict[int, list[tuple[float, str]]] = defaultdict(list)
-    for jid, d in donors.items():
-        cur = len(st.gpus[jid])
-        for node, gs in sorted(st.on_node(jid).items(), key=lambda x: (len(x[1]), x[0])):
-            if nodes is not None and node not in nodes:
-                continue
-            for _ in gs:
-                down = _next_down(d, cur)
-                if down != cur - 1 or down < d.spec.lo:
-                    break
-                out[node].append((_speed(snap, d, cur) - _speed(snap, d, down), jid))
-                cur = down
-            if nodes is None:
-                cur = len(st.gpus[jid])  # machines are alternatives: count each from p_j
-    for v in out.values():
-        v.sort()
+class _Speeds:
+    """:func:`_speed` memoised by (job, count) for one round."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        self.snap = snap
+        self._memo: dict[tuple[str, int], float] = {}
+
+    def __call__(self, job: JobView, n: int) -> float:
+        key = (job.job_id, n)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = _speed(self.snap, job, n)
+        return hit
+
+
+def _donor_releases(
+    speed: _Speeds, d: JobView, n: int, on: dict[int, list[int]], nodes: set[int] | None
+) -> dict[int, list[tuple[float, str]]]:
+    """One donor's releases per machine, each with the drop in its normalised
+    throughput; one GPU at a time, down to its min count, counting its
+    releases over all ``nodes`` together (``None``: each machine from p_j)."""
+    out: dict[int, list[tuple[float, str]]] = {}
+    cur = n
+    for node, gs in sorted(on.items(), key=lambda x: (len(x[1]), x[0])):
+        if nodes is not None and node not in nodes:
+            continue
+        got = []
+        for _ in gs:
+            down = _next_down(d, cur)
+            if down != cur - 1 or down < d.spec.lo:
+                break
+            got.append((speed(d, cur) - speed(d, down), d.job_id))
+            cur = down
+        if got:
+            out[node] = got
+        if nodes is None:
+            cur = n  # machines are alternatives: count each from p_j
     return out
+
+
+class _Releases:
+    """Per machine, the GPUs donors could release (sorted by loss), kept up
+    to date as compaction scales donors in: only changed donors are redone."""
+
+    def __init__(self, snap: Snapshot, st: _State, donors: dict[str, JobView]) -> None:
+        self.st, self.donors = st, donors
+        self.speed = _Speeds(snap)
+        self.nodes_of: dict[str, dict[int, list[int]]] = {}
+        self.on: dict[int, set[str]] = defaultdict(set)  # machine -> donors with GPUs there
+        self.per_node: dict[int, list[tuple[float, str]]] = defaultdict(list)
+        for jid in donors:
+            self._add(jid)
+        for v in self.per_node.values():
+            v.sort()
+
+    def _add(self, jid: str) -> set[int]:
+        on = self.nodes_of[jid] = self.st.on_node(jid)
+        for node in on:
+            self.on[node].add(jid)
+        got = _donor_releases(self.speed, self.donors[jid], len(self.st.gpus[jid]), on, None)
+        for node, entries in got.items():
+            self.per_node[node].extend(entries)
+        return set(got)
+
+    def changed(self, jids: set[str]) -> None:
+        """Donors ``jids`` gave GPUs away."""
+        nodes: set[int] = set()
+        for jid in jids:
+            for node in self.nodes_of[jid]:
+                self.on[node].discard(jid)
+                nodes.add(node)
+        for node in nodes:
+            self.per_node[node] = [e for e in self.per_node[node] if e[1] not in jids]
+        for jid in jids:
+            nodes |= self._add(jid)
+        for node in nodes:
+            self.per_node[node].sort()
+
+    def within(self, nodes: set[int]) -> list[tuple[float, int, str]]:
+        """(loss, machine, donor) of the releases over ``nodes`` together, sorted."""
+        jids = set().union(*(self.on.get(n, ()) for n in nodes))
+        return sorted(
+            (loss, node, jid)
+            for jid in jids
+            for node, v in _donor_releases(
+                self.speed, self.donors[jid], len(self.st.gpus[jid]), self.nodes_of[jid], nodes
+            ).items()
+            for loss, _ in v
+        )
 
 
 def compaction(
@@ -115,18 +183,23 @@ def compaction(
     scaling in ``donors`` (running elastic jobs of G_i, i != 0)."""
     m = st.m
     left = len(waiting)
+    rel = _Releases(snap, st, donors)
+    per_node = rel.per_node
+    stale = True  # the machine options change only when a compaction is done
     for w in waiting:
         if left <= max_waiting:
             break
         p = rigid_count(w.spec, snap.cluster.num_gpus)
         k = math.ceil(p / m)
-        per_node = _releases(snap, st, donors, None)
-        options = []
-        for node in set(st.free) | set(per_node):
-            free = len(st.free.get(node, ()))
-            avail = min(m, free + len(per_node.get(node, ())))
-            if avail:
-                options.append((avail, free, node))
+        if stale:
+            stale = False
+            all_options = []
+            for node in set(st.free) | set(per_node):
+                free = len(st.free.get(node, ()))
+                avail = min(m, free + len(per_node.get(node, ())))
+                if avail:
+                    all_options.append((avail, free, node))
+        options = list(all_options)
         if k == 1:
             # the machine that gives p GPUs with the least loss
             fits = [
@@ -146,12 +219,11 @@ def compaction(
         for node in chosen:
             take += st.free.get(node, [])[: p - len(take)]
         need = p - len(take)
-        releases = sorted(
-            (loss, node, jid) for node, v in _releases(snap, st, donors, set(chosen)).items() for loss, jid in v
-        )[:need]
+        releases = rel.within(set(chosen))[:need]
         cost = sum(x[0] for x in releases)
-        if len(releases) < need or _speed(snap, w, p) <= cost:
+        if len(releases) < need or rel.speed(w, p) <= cost:
             continue
+        stale = True
         taken = set(take)
         for node in chosen:
             st.free[node] = [g for g in st.free.get(node, []) if g not in taken]
@@ -164,6 +236,7 @@ def compaction(
             gone = set(give)
             st.gpus[jid] = [g for g in st.gpus[jid] if g not in gone]
             plan.allocation[jid] = len(st.gpus[jid])
+        rel.changed({jid for jid, _ in picked})
         st.gpus[w.job_id] = sorted(take)
         plan.allocation[w.job_id] = p
         left -= 1

@@ -41,6 +41,8 @@ never looks at ``spec.iterations`` of such a job.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -215,6 +217,7 @@ class Predictor:
     def __init__(self, snap: Snapshot) -> None:
         self.snap = snap
         self._work: dict[str, float] = {}
+        self._memo: dict[tuple, float] = {}  # start / resize: pure within a round
 
     def work(self, job: JobView) -> float:
         w = self._work.get(job.job_id)
@@ -231,11 +234,25 @@ class Predictor:
         return self.work(job) / r if r > 0 else math.inf
 
     def start(self, job: JobView, n: int, delay: float = 0.0) -> float:
+        key = ("s", job.job_id, n, delay)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._start(job, n, delay)
+        return hit
+
+    def _start(self, job: JobView, n: int, delay: float) -> float:
         now = self.snap.now
         segs = self.snap.overheads.start(now + delay, self.rate(job, n), resumed=job.executed > 0)
         return delay + finish_in(segs, now + delay, self.work(job))
 
     def resize(self, job: JobView, n: int) -> float:
+        key = ("r", job.job_id, n)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._resize(job, n)
+        return hit
+
+    def _resize(self, job: JobView, n: int) -> float:
         now = self.snap.now
         segs = self.snap.overheads.resize(now, self.rate(job, job.size), self.rate(job, n), grow=n > job.size)
         return finish_in(segs, now, self.work(job))
@@ -272,6 +289,11 @@ class _Tentative:
     free: int
     touched: set[str] = field(default_factory=set)
     _options: dict[str, list[int]] = field(default_factory=dict)
+    _pairs: list[tuple[float, int, str]] = field(default_factory=list)  # (done_at, GPUs, job), sorted
+    _times: list[float] = field(default_factory=list)  # the pairs' columns
+    _ns: list[int] = field(default_factory=list)
+    _cum: list[int] | None = None  # GPUs freed by the jobs ending up to each time
+    _donors: dict[int, list[str]] | None = None  # GPUs a donor can give -> running jobs, in order
 
     @classmethod
     def of(cls, snap: Snapshot, jobs: list[JobView]) -> "_Tentative":
@@ -279,7 +301,11 @@ class _Tentative:
         running = {j.job_id: j for j in jobs if j.running}
         alloc = {jid: j.size for jid, j in running.items()}
         done_at = {jid: pred.keep(j) for jid, j in running.items()}
-        return cls(snap, pred, running, alloc, done_at, snap.cluster.num_gpus - sum(alloc.values()))
+        st = cls(snap, pred, running, alloc, done_at, snap.cluster.num_gpus - sum(alloc.values()))
+        st._pairs = sorted((t, alloc[jid], jid) for jid, t in done_at.items())
+        st._times = [p[0] for p in st._pairs]
+        st._ns = [p[1] for p in st._pairs]
+        return st
 
     def opts(self, j: JobView) -> list[int]:
         """:func:`options`, computed once per job (it is pure within a round)."""
@@ -288,7 +314,42 @@ class _Tentative:
             hit = self._options[j.job_id] = options(self.snap, j)
         return hit
 
+    def ends(self) -> tuple[list[float], list[int]]:
+        """Predicted completion times, ascending, and the GPUs held by the jobs
+        ending up to each (cumulative); recomputed after a change."""
+        if self._cum is None:
+            self._cum = list(itertools.accumulate(self._ns))
+        return self._times, self._cum
+
+    def top2(self) -> tuple[tuple[float, str], float]:
+        """:func:`_top2` of ``done_at``, from the sorted completion times."""
+        pairs = self._pairs
+        if len(pairs) >= 2 and pairs[-2][0] == pairs[-1][0]:
+            return _top2(self.done_at)  # a tie: the first in job order wins
+        if not pairs:
+            return (-math.inf, ""), -math.inf
+        return (pairs[-1][0], pairs[-1][2]), pairs[-2][0] if len(pairs) >= 2 else -math.inf
+
+    def donors(self, need: int) -> list[str]:
+        """Running jobs that can give ``need`` GPUs and keep one of their
+        options, in running order (touched ones included: callers skip them)."""
+        if self._donors is None:
+            self._donors = {}
+            for jid, d in self.running.items():
+                for o in self.opts(d):
+                    if 0 < o < self.alloc[jid]:
+                        self._donors.setdefault(self.alloc[jid] - o, []).append(jid)
+        return self._donors.get(need, [])
+
     def assign(self, jid: str, n: int, t: float) -> None:
+        self._cum = None
+        if jid in self.done_at:
+            i = bisect.bisect_left(self._pairs, (self.done_at[jid], self.alloc[jid], jid))
+            del self._pairs[i], self._times[i], self._ns[i]
+        i = bisect.bisect_left(self._pairs, (t, n, jid))
+        self._pairs.insert(i, (t, n, jid))
+        self._times.insert(i, t)
+        self._ns.insert(i, n)
         self.alloc[jid] = n
         self.done_at[jid] = t
         self.touched.add(jid)
@@ -301,20 +362,18 @@ def _reshape_down(
     """Candidates for waiting job ``w`` at ``g`` GPUs when not enough are idle:
     wait for idle GPUs (donor ``""``), or take the missing ones from one
     running job whose remaining count is still one of its options."""
-    avail, t_free = st.free, math.inf
-    for t, n in sorted((t, st.alloc[jid]) for jid, t in st.done_at.items()):
-        avail += n
-        if avail >= g + reserved:
-            t_free = t
-            break
+    times, cum = st.ends()
+    i = bisect.bisect_left(cum, g + reserved - st.free)  # first end after which enough are idle
+    t_free = times[i] if i < len(times) else math.inf
     t_w = t_free + st.pred.start(w, g)
     top_t, top_id = top
     cand = [(max(top_t, t_w), total + t_w, 0, g, "", 0, t_w, 0.0)]
     need = g - max(0, st.free - reserved)
-    for jid, d in st.running.items():
-        left = st.alloc[jid] - need
-        if jid in st.touched or left not in st.opts(d):
+    for jid in st.donors(need):
+        if jid in st.touched:
             continue
+        d = st.running[jid]
+        left = st.alloc[jid] - need
         delay = 0.0 if early_init else st.pred.downtime(d, left)
         t_w = st.pred.start(w, g, delay)
         t_d = st.pred.resize(d, left)
@@ -326,7 +385,7 @@ def _reshape_down(
 def _best_start(st: _Tentative, w: JobView, reserved: int, early_init: bool) -> tuple | None:
     """Algorithm 1 for one incoming job: the best (makespan, sum of completion
     times, GPUs taken, g, donor, donor count, t_w, t_d), or None."""
-    top, second = _top2(st.done_at)
+    top, second = st.top2()
     total = sum(st.done_at.values())
     best = None
     for g in st.opts(w):
@@ -344,7 +403,7 @@ def _best_start(st: _Tentative, w: JobView, reserved: int, early_init: bool) -> 
 def _best_growth(st: _Tentative) -> tuple | None:
     """Algorithm 2, one step: the running job whose growth lowers the
     predicted makespan most, as (makespan, gain, job, count, completion)."""
-    (top_t, top_id), second = _top2(st.done_at)
+    (top_t, top_id), second = st.top2()
     best = None
     for jid, j in st.running.items():
         if jid in st.touched:

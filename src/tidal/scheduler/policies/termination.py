@@ -34,30 +34,36 @@ def termination_allocation(snap: Snapshot, plan: Plan, interval: float = 600.0) 
         if n <= free:
             plan.allocation[j.job_id] = n
             free -= n
-    grown: set[str] = set()
-    while free > 0:
-        best = None
-        for j in running:
-            if j.job_id in grown:
-                continue
-            bigger = [c for c in options(snap, j) if c > j.size]
-            if not bigger:
-                continue
-            c = bigger[0]
-            if c - j.size > free:
-                continue
-            gain = (pred.keep(j) - pred.resize(j, c)) / (c - j.size)
-            if gain > 0 and (best is None or (gain, j.job_id) > best[:2]):
-                best = (gain, j.job_id, j, c)
-        if best is None:
+    opts = {j.job_id: options(snap, j) for j in running}
+    # each job grows at most once, by a gain fixed within the round, and free
+    # GPUs only shrink: take the candidates in order of (gain, id), best first,
+    # skipping those that no longer fit (the same picks as rescanning them all)
+    cands = []
+    for j in running:
+        bigger = [c for c in opts[j.job_id] if c > j.size]
+        if not bigger:
+            continue
+        c = bigger[0]
+        if c - j.size > free:
+            continue
+        gain = (pred.keep(j) - pred.resize(j, c)) / (c - j.size)
+        if gain > 0:
+            cands.append((gain, j.job_id, j, c))
+    cands.sort(key=lambda x: (x[0], x[1]), reverse=True)
+    for _, jid, j, c in cands:
+        if free <= 0:
             break
-        _, jid, j, c = best
-        free -= c - j.size
-        plan.allocation[jid] = c
-        grown.add(jid)
-    by_id = {j.job_id: j for j in queue + running}
-    if free > 0 and any(options(snap, by_id[jid])[-1] > n for jid, n in plan.allocation.items()):
+        if c - j.size <= free:
+            free -= c - j.size
+            plan.allocation[jid] = c
+    if free > 0 and any(_top(snap, opts, queue, jid) > n for jid, n in plan.allocation.items()):
         plan.wake_at = snap.now + interval  # a job could still grow: look again
+
+
+def _top(snap: Snapshot, opts: dict[str, list[int]], queue: list, jid: str) -> int:
+    if jid not in opts:
+        opts.update({j.job_id: options(snap, j) for j in queue if j.job_id not in opts})
+    return opts[jid][-1]
 
 
 class Termination(Policy):

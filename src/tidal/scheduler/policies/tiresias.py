@@ -35,9 +35,10 @@ def tiresias_allocation(
     jobs = schedulable(snap, plan)
     wake = math.inf
     order: list[tuple[int, float, str, JobView]] = []
+    bisect_right = bisect.bisect_right
     for j in jobs:
-        q = queue_of(j, thresholds)
-        if not j.running and j.executed > 0 and q > 0:
+        q = bisect_right(thresholds, j.attained - j.tags.get("tiresias_base", 0.0))  # queue_of
+        if q > 0 and j.executed > 0 and not j.running:
             promote_at = j.waiting_since + promote_knob * j.executed
             if now >= promote_at:
                 plan.tags[j.job_id] = {"tiresias_base": j.attained, "promotions": j.tags.get("promotions", 0) + 1}
@@ -46,10 +47,10 @@ def tiresias_allocation(
                 wake = min(wake, promote_at)
         order.append((q, j.spec.submit_time, j.job_id, j))
     order.sort(key=lambda x: x[:3])
-    free = snap.cluster.num_gpus
+    free = total = snap.cluster.num_gpus
     waiting = False
     for q, _, jid, j in order:
-        n = j.size if j.running else rigid_count(j.spec, snap.cluster.num_gpus)
+        n = len(j.gpus) if j.running else rigid_count(j.spec, total)
         if n <= free:
             plan.allocation[jid] = n
             free -= n
