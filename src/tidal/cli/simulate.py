@@ -187,5 +187,5 @@ def simulate(
         from tidal.cli.tables import wide_console
 
         (wide_console(con) if wide else con).print(
-            results_table(summaries, f"{tr.source} on {topo.name}", wide=wide, width=con.width))
+            results_table(summaries, f"{Path(tr.source).name} on {topo.name}", wide=wide, width=con.width))
     err.print(f"wrote {out_dir}/ (summary.json, *_jobs.csv, {paths['utilization'].name}, {paths['jct_cdf'].name})")
