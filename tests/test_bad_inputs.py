@@ -111,6 +111,7 @@ def bad_files(tmp_path_factory) -> Path:
     (d / "noiter.yaml").write_text("name: x\nscript: t.py\ngpus: 2\n")
     (d / "binary.yaml").write_bytes(bytes(range(256)))
     (d / "list.yaml").write_text("- a\n- b\n")
+    (d / "noscript.yaml").write_text("name: x\nscript: missing.py\ngpus: 2\niterations: 5\n")
     return d
 
 
@@ -147,7 +148,13 @@ def test_every_bad_cli_input_gets_one_clear_error(bad_files, tmp_path, monkeypat
 ONLINE = [
     (["user", "b;ob"], "user name"),
     (["submit", "--name", "a", "--script", "-c", "--gpus", "2", "--iterations", "5"], "interpreter option"),
-    (["submit", "--name", "a", "--script", "x.py", "--gpus", "64", "--iterations", "5"], "GPU"),
+    (["submit", "--name", "a", "--script", "{d}/ok.py", "--gpus", "64", "--iterations", "5"], "GPU"),
+    # the server is on this host: a script that is not here cannot be where its agents are
+    (["submit", "--name", "a", "--script", "{d}/nope.py", "--gpus", "2", "--iterations", "5"],
+     "field 'script': {d}/nope.py does not exist"),
+    (["submit", "{d}/noscript.yaml"], "field 'script': {d}/missing.py does not exist"),
+    (["submit", "--name", "a", "--script", "{d}", "--gpus", "2", "--iterations", "5"],
+     "field 'script': {d} is not a readable file"),
     (["scale", "nojob", "3"], "no job nojob"),
     (["logs", "nojob"], "no job nojob"),
     (["cancel", "nojob"], "no job nojob"),
@@ -198,10 +205,13 @@ def server(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-def test_bad_requests_to_a_running_server_get_a_clear_answer(server):
+def test_bad_requests_to_a_running_server_get_a_clear_answer(server, bad_files, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # long paths on one line
     token = runner.invoke(app, ["user", "zed", "--server", server.url, "--token", server.admin_token]).stdout.strip()
     bad = []
     for args, phrase in ONLINE:
+        args = _args(args, bad_files, bad_files)
+        phrase = phrase.replace("{d}", str(bad_files))
         argv = [*args, "--server", server.url] + ([] if "--token" in args else ["--token", token])
         if args[0] == "user":
             argv = [*args, "--server", server.url, "--token", server.admin_token]

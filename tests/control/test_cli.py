@@ -29,6 +29,7 @@ def test_submit_list_show_cancel(server, tmp_path):
     token = cli(server, "user", "carol").stdout.strip()
     spec = tmp_path / "job.yaml"
     spec.write_text("name: t\nscript: train.py\ngpus: 2-4\niterations: 50\n")
+    (tmp_path / "train.py").write_text("")  # resolved against the spec's folder
     res = cli(server, "submit", str(spec), token=token)
     assert res.exit_code == 0, res.output
     jid = res.stdout.split()[-1]
@@ -98,6 +99,7 @@ def test_tables_fit_80_columns_and_never_cut_an_id(server, tmp_path):
     for name in ("a-rather-long-resnet50-imagenet-job", "bert-large-finetune-squad-v2"):
         spec = tmp_path / f"{name}.yaml"
         spec.write_text(f"name: {name}\nscript: train.py\ngpus: 1-2\niterations: 50\n")
+        (tmp_path / "train.py").write_text("")
         ids.append(cli(server, "submit", str(spec), token=token).stdout.split()[-1])
 
     def tidal(*args: str, columns: str = "80") -> str:
@@ -137,6 +139,7 @@ def test_logs_follow_prints_every_line_once_while_the_logs_grow(server, tmp_path
     token = cli(server, "user", "fay").stdout.strip()
     spec = tmp_path / "job.yaml"
     spec.write_text("name: logs\nscript: train.py\ngpus: 100\niterations: 5\n")  # never fits: stays queued
+    (tmp_path / "train.py").write_text("")
     jid = cli(server, "submit", str(spec), token=token).stdout.split()[-1]
     store = Store(f"sqlite:///{server.home / 'tidal.db'}", run_migrations=False)
     names = ("master", "w0", "w1")

@@ -293,8 +293,30 @@ def submit(
         msg = str(first["msg"]).removeprefix("Value error, ")
         err.print("[red]error:[/] " + escape(f"field '{where}': {msg}" if where else f"{msg} (see `tidal submit --help`)"))
         raise typer.Exit(2)
+    # a spec's relative script is resolved against the spec's folder (as a manifest's paths are)
+    sub = _checked_script(sub, spec.resolve().parent if spec is not None and script is None else Path.cwd(),
+                          server_url)
     ans = _request(server_url, token, lambda api: api.submit(sub.model_dump()))
     console.print(f"submitted {ans['id']}")
+
+
+def _checked_script(sub: Any, base: Path, server_url: Optional[str]) -> Any:
+    """The submission with its script resolved where the user typed it
+    (tidal.cli.scriptpath); exit 2 if it is missing and the server is local."""
+    from tidal.cli.scriptpath import check_script
+    from tidal.control.client import find_server
+
+    try:
+        url = find_server(server_url)
+    except Exception:  # noqa: BLE001 - a bad server.json: the request reports it
+        url = ""
+    c = check_script(sub.script, sub.workdir, base, url)
+    if c.problem and c.fatal:
+        err.print("[red]error:[/] " + escape(f"field 'script': {c.problem}"))
+        raise typer.Exit(2)
+    if c.problem:
+        err.print("[yellow]warning:[/] " + escape(f"script: {c.problem}"))
+    return sub.model_copy(update={"script": c.script})
 
 
 def _fmt_t(t: Optional[float]) -> str:

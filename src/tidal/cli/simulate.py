@@ -69,6 +69,7 @@ def run_policies(
     slot: float = 60.0,
     show_progress: bool = True,
     console: Console | None = None,
+    on_result=None,
 ):
     from tidal.scheduler.registry import get_policy_for_slot
     from tidal.sim.engine import Simulator
@@ -102,7 +103,31 @@ def run_policies(
             result = sim.run()
             progress.update(task, completed=len(jobs))
             results.append(result)
+            if on_result is not None:
+                on_result(result)
     return results
+
+
+def _print_json(result) -> None:
+    """One policy's summary as a JSON line on stdout, as soon as it is done
+    (a run stopped later keeps the finished policies' lines)."""
+    from tidal.sim.metrics import SUMMARY_KEYS, summarize
+
+    s = summarize(result)
+    obj = {k: s[k] for k in SUMMARY_KEYS}
+    obj.update({k: v for k, v in s.items() if k not in obj})
+    print(json.dumps(obj), flush=True)
+
+
+def _on_result(err: Console, as_json: bool):
+    """Per finished policy: a plain progress line on stderr when it is not a
+    terminal (a terminal has the progress bar), and with --json its line."""
+    def done(result) -> None:
+        if not err.is_terminal:
+            err.print(f"{result.policy}: done")
+        if as_json:
+            _print_json(result)
+    return done
 
 
 @app.command()
@@ -146,26 +171,21 @@ def simulate(
         err.print("[red]error:[/] " + escape(f"{exc}"))
         raise typer.Exit(2)
     err.print(f"trace: {tr.describe()}")
-    err.print(f"cluster: {topo.name} ({topo.num_gpus} GPUs, {topo.num_nodes} nodes, {topo.num_switches} switches)")
+    err.print(f"cluster: {topo.name} ({topo.num_gpus} GPUs, {topo.num_nodes} nodes, "
+              f"{topo.num_switches} switch{'es' if topo.num_switches != 1 else ''})")
     results = run_policies(
         list(tr.jobs), topo, names, profiles=prof, overheads=overheads, slot=slot,
-        show_progress=sys.stderr.isatty() or not as_json, console=err,
+        show_progress=sys.stderr.isatty(), console=err,
+        on_result=_on_result(err, as_json),
     )
     summaries = [summarize(r) for r in results]
-    out_dir = out or Path("out") / f"{trace.stem}_{topo.name}"
+    out_dir = out or Path("out") / f"{Path(tr.source).stem}_{topo.name}"
     paths = write_outputs(results, out_dir)
-    if as_json:
-        from tidal.sim.metrics import SUMMARY_KEYS
-
-        for s in summaries:
-            obj = {k: s[k] for k in SUMMARY_KEYS}
-            obj.update({k: v for k, v in s.items() if k not in obj})
-            print(json.dumps(obj))
-    else:
+    if not as_json:
         # a pipe gets every column unless $COLUMNS says how wide to be
         con = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)
         from tidal.cli.tables import wide_console
 
         (wide_console(con) if wide else con).print(
-            results_table(summaries, f"{tr.source} on {topo.name}", wide=wide, width=con.width))
+            results_table(summaries, f"{Path(tr.source).name} on {topo.name}", wide=wide, width=con.width))
     err.print(f"wrote {out_dir}/ (summary.json, *_jobs.csv, {paths['utilization'].name}, {paths['jct_cdf'].name})")

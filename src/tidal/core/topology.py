@@ -77,7 +77,7 @@ def parse_cluster(spec: str | Path) -> Cluster:
     m = _SPEC.match(text)
     if m:
         nodes, gpus = int(m.group(1)), int(m.group(2))
-        switches = int(m.group(3)) if m.group(3) else _default_switches(nodes)
+        switches = int(m.group(3)) if m.group(3) else _default_switches(nodes, text)
         if nodes < 1 or gpus < 1:
             raise InputError("spec needs at least one node and one GPU", source=text)
         if nodes % switches:
@@ -91,8 +91,18 @@ def parse_cluster(spec: str | Path) -> Cluster:
     return _read_cluster_csv(path)
 
 
-def _default_switches(nodes: int) -> int:
-    # ElasticFlow's cluster files put 32 nodes under a switch.
+# Switch counts of the public ElasticFlow artifact's cluster files
+# (cluster_spec/nXgY.csv) where they differ from 32 nodes per switch: n128g8
+# and n48g8 are one switch there. Its n1g2.csv is 2 nodes x 1 GPU; here a name
+# always means what it says (n1g2: 1 node x 2 GPUs).
+ARTIFACT_SWITCHES = {"n128g8": 1, "n48g8": 1}
+
+
+def _default_switches(nodes: int, name: str = "") -> int:
+    """The artifact's switch count for its file names; otherwise 32 nodes per
+    switch, as most of its files have (one switch when 32 does not divide)."""
+    if name in ARTIFACT_SWITCHES:
+        return ARTIFACT_SWITCHES[name]
     return max(1, nodes // 32) if nodes % 32 == 0 else 1
 
 

@@ -156,7 +156,9 @@ def _open(path: Path):
     try:
         return path.open(newline="", encoding="utf-8-sig")
     except FileNotFoundError:
-        raise InputError("trace file does not exist", source=str(path)) from None
+        shipped = ", ".join(shipped_traces())
+        raise InputError(f"trace file does not exist (shipped traces, usable by name: {shipped})",
+                         source=str(path)) from None
     except IsADirectoryError:
         raise InputError("trace path is a directory, not a file", source=str(path)) from None
     except OSError as exc:
@@ -447,6 +449,23 @@ def _load_philly(path: Path, profiles: ThroughputProfile, seed: int, elastic: bo
 # -- public API -------------------------------------------------------------
 
 
+SHIPPED = Path(__file__).resolve().parent.parent / "data" / "traces"
+
+
+def shipped_traces() -> dict[str, Path]:
+    """The traces shipped in the package, by name (data/traces/PROVENANCE.md)."""
+    return {p.stem: p for p in sorted(SHIPPED.glob("*/*.csv"))}
+
+
+def resolve_trace(path: str | Path) -> Path:
+    """``path`` itself when it exists (or looks like a path), else the shipped
+    trace of that name (``cluster10`` or ``cluster10.csv``)."""
+    p = Path(path)
+    if p.exists() or len(p.parts) > 1:
+        return p
+    return shipped_traces().get(p.name.removesuffix(".csv"), p)
+
+
 def load_trace(
     path: str | Path,
     fmt: str = "auto",
@@ -458,8 +477,9 @@ def load_trace(
 ) -> Trace:
     """Load a trace file. ``fmt="auto"`` detects the format from the header;
     ``seed`` drives the Philly model assignment; ``limit`` keeps the first N
-    jobs by submit time (trace order is kept among them)."""
-    path = Path(path)
+    jobs by submit time (trace order is kept among them). ``path`` may also
+    name a trace shipped with Tidal (``cluster10``, ``195job``)."""
+    path = resolve_trace(path)
     if fmt not in ("auto", "itp", "philly-ef", "philly"):
         raise InputError(f"unknown trace format {fmt!r}; use auto, itp, philly-ef or philly", field="fmt")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
