@@ -260,6 +260,7 @@ def _finish(admin, user, a, census, rec, samples, epochs):
     check_exactly_once(rec / "a", samples, epochs)
 
 
+@pytest.mark.slow
 def test_agent_killed_for_3s_adopts_its_master_and_workers(tmp_path):
     """kill -9 of the agent of the job master's node, back after 3 s (before
     the node time-out): the new agent adopts the master and both workers,

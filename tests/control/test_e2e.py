@@ -91,6 +91,7 @@ def replay_gpu_holders(events) -> None:
             assert holder.pop(e["gpu"]) == e["job"]
 
 
+@pytest.mark.slow
 def test_live_cluster_reshapes_real_jobs_and_survives_server_restart(tmp_path):
     rec = tmp_path / "records"
     with LocalCluster(tmp_path / "home", nodes=2, gpus_per_node=4, policy="edf", tick_s=1.0) as c:

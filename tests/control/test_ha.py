@@ -15,6 +15,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "failover.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_killing_the_leader_mid_burst_loses_nothing(tmp_path, pg_url):
     # pg_url: skip with the reason where PostgreSQL is not installed (the scenario starts its own server)

@@ -41,6 +41,7 @@ def test_tidal_port_changes_no_more_lines_than_ddp() -> None:
     assert tidal[0] >= 5  # the count is real: the port does change lines
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_three_scripts_run(tmp_path: Path) -> None:
     e = env(tmp_path / "home")

@@ -43,6 +43,7 @@ def _run(tmp_path: Path, tag: str, ck: Path, faults: str | None) -> tuple[int, s
     return proc.returncode, text, out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(130)
 def test_all_workers_killed_then_resume_from_checkpoint(tmp_path: Path) -> None:
     ck = tmp_path / "ckpt"
@@ -112,6 +113,7 @@ def train_ref(x: torch.Tensor, y: torch.Tensor) -> list[list[int]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_suspend_then_resume_loses_and_repeats_nothing(tmp_path: Path) -> None:
     """A scheduler preempts the job (``suspend``): at an agreed step rank 0

@@ -16,6 +16,7 @@ from tidal.runtime.client import MasterClient
 TIDAL = [sys.executable, "-c", "from tidal.cli.main import app; app()"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_tidal_run_and_scale_example(tmp_path: Path) -> None:
     e = env(tmp_path)

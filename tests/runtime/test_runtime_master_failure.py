@@ -62,6 +62,7 @@ def finish_all(out: Path, workers: list[subprocess.Popen[str]], master: subproce
     assert master.returncode == 0 and "finished" in mtext, mtext
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_master_killed_and_restarted_from_saved_state(tmp_path: Path) -> None:
     out = tmp_path / "out"

@@ -23,6 +23,7 @@ def test_write_profile_csv_loads(tmp_path: Path) -> None:
     assert prof.models == ["mlp"] and prof.batch_sizes("mlp") == [24]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_profile_3_to_1_writes_loadable_curve(tmp_path: Path) -> None:
     out, home, prof_dir = tmp_path / "out", tmp_path / "home", tmp_path / "profiles"

@@ -288,6 +288,7 @@ def test_scale_out_with_concurrent_replication_then_migration_including_rank_0(t
     assert _params_equal(out, n, batch, epochs) == sorted(f"final-{w}.pt" for w in (*stay, "w4", "w5"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_straggler_gets_a_smaller_batch_share(tmp_path: Path) -> None:
     out, home = tmp_path / "out", tmp_path / "home"
@@ -307,6 +308,7 @@ def test_a_straggler_gets_a_smaller_batch_share(tmp_path: Path) -> None:
     assert _params_equal(out, n, batch, epochs) == ["final-w0.pt", "final-w1.pt", "final-w2.pt"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_hung_worker_is_killed_and_the_others_recover(tmp_path: Path) -> None:
     """w1 is stopped (SIGSTOP) for two minutes at step 6; with a 3 s hang

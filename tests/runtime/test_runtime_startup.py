@@ -209,7 +209,7 @@ def test_initial_worker_lost_after_its_group_formed(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kill_at", ["import", "gate"])
+@pytest.mark.parametrize("kill_at", ["gate", pytest.param("import", marks=pytest.mark.slow)])
 def test_newcomer_lost_before_joining_a_scale_out(tmp_path: Path, kill_at: str) -> None:
     """(c) the newcomer w2 of a scale-out 2->3 dies; the change ends without
     it, the two others lose no step, and a second scale-out (w3) then works."""
