@@ -3,6 +3,7 @@
 A fenced ``bash`` block is preceded by a marker saying how it is tested::
 
     <!-- docs-test: run -->          each line runs, in a scratch directory outside the checkout
+    <!-- docs-test: run slow -->     the same, in the slow set (-m slow)
     <!-- docs-test: cluster -->      the first line is `tidal up ...`; the others run against it
     <!-- docs-test: hosts -->        lines run on the hosts their `# host NAME (ADDR)` comment names
     <!-- docs-test: ci -->           .ci/run runs these very commands

@@ -160,7 +160,14 @@ def scratch(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     return work, env
 
 
-@pytest.mark.parametrize("block", _by_kind("run"), ids=lambda b: b.where)
+def _run_params() -> list:
+    """`run` blocks; `<!-- docs-test: run slow -->` ones only with -m slow."""
+    return [pytest.param(b, id=b.where, marks=[pytest.mark.slow] if b.arg == "slow" else [])
+            for b in _by_kind("run")]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("block", _run_params())
 def test_run_blocks_work_from_outside_the_checkout(block: Block, scratch):
     work, env = scratch
     assert not str(work).startswith(str(REPO))
