@@ -5,7 +5,9 @@ A fenced ``bash`` block is preceded by a marker saying how it is tested::
     <!-- docs-test: run -->          each line runs, in a scratch directory outside the checkout
     <!-- docs-test: run slow -->     the same, in the slow set (-m slow)
     <!-- docs-test: cluster -->      the first line is `tidal up ...`; the others run against it
-    <!-- docs-test: hosts -->        lines run on the hosts their `# host NAME (ADDR)` comment names
+    <!-- docs-test: hosts -->        lines run on the hosts their comments name (`# host A (10.0.0.1)`,
+                                     `# every GPU host`, `# anywhere ...`), network namespaces
+                                     at those addresses (tests/multihost/test_docs_hosts.py)
     <!-- docs-test: ci -->           .ci/run runs these very commands
     <!-- docs-test: covered TEST --> a test (tests/PATH.py::NAME) runs this scenario
 
@@ -43,14 +45,16 @@ class Block:
     def commands(self) -> list[tuple[str, str]]:
         """(command, the comment before it) per non-blank line; a line's own
         trailing comment is dropped, a comment line is kept as context."""
-        out, context = [], ""
+        out, context, comment_run = [], "", False
         for raw in self.text.replace("\\\n", " ").splitlines():
             line = raw.strip()
             if not line:
                 continue
             if line.startswith("#"):
-                context = line
+                context = line if not comment_run else context  # a run of comment lines: its first
+                comment_run = True
                 continue
+            comment_run = False
             out.append((strip_comment(line), context))
         return out
 

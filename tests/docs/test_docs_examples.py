@@ -23,8 +23,7 @@ import pytest
 
 from docblocks import REPO, Block, blocks, inline_commands, split_commands
 
-KINDS = {"run", "cluster", "hosts", "ci", "covered"}
-SLOW_KINDS = {"cluster", "hosts"}
+KINDS = {"run", "cluster", "hosts", "ci", "covered"}  # hosts: tests/multihost/test_docs_hosts.py
 
 
 def _by_kind(kind: str) -> list[Block]:
