@@ -217,3 +217,111 @@ def test_random_workload_respects_ranges_and_rigid_jobs(policy, hybrid_profiles,
         else:
             assert j.rescales == 0 and j.max_gpus == j.spec.requested_gpus
     assert sum(j.rescales for j in r.jobs) > 0
+
+
+# -- the step order reproduces the rule's heap exactly -----------------------------
+
+
+def _heap_rule(rates, jobs, total, lookahead):
+    """The allocation rule as a plain heap, re-run from scratch (the reference)."""
+    import heapq
+
+    from tidal.scheduler.elan_order import next_step
+
+    alloc, pos, heap = {}, {}, []
+    free = total - sum(rates.counts(j)[0] for j in jobs)
+
+    def push(j, cap):
+        cs, rs = rates.table(j)
+        g, k = next_step(cs, rs, pos[j.job_id], rates.one(j), cap, lookahead)
+        if k:
+            heapq.heappush(heap, (-g, j.spec.submit_time, j.job_id, k, j))
+
+    for j in jobs:
+        alloc[j.job_id], pos[j.job_id] = rates.counts(j)[0], 0
+    for j in jobs:
+        push(j, alloc[j.job_id] + free)
+    while heap and free > 0:
+        _, _, jid, k, j = heapq.heappop(heap)
+        need = rates.table(j)[0][k] - alloc[jid]
+        if need <= free:
+            alloc[jid], pos[jid] = rates.table(j)[0][k], k
+            free -= need
+        push(j, alloc[jid] + free)
+    return alloc
+
+
+def _loop_fluid(rates, jobs, total, late, cost):
+    """The fluid estimate as a plain loop over completions (the reference)."""
+    import math
+
+    rem = {j.job_id: j.remaining for j in jobs}
+    present, t, acc, first = list(jobs), 0.0, 0.0, True
+    lows = sum(rates.counts(j)[0] for j in present)
+    while present:
+        alloc = _heap_rule(rates, present, total, 8)
+        speed = {j.job_id: rates.rate(j, alloc[j.job_id]) for j in present}
+        if first:
+            for j in present:
+                if j.running and alloc[j.job_id] < j.size:
+                    rem[j.job_id] += cost * speed[j.job_id]
+            first = False
+        dt = min(rem[x] / r if r > 0 else math.inf for x, r in speed.items())
+        if dt == math.inf:
+            return math.inf
+        t += dt
+        left = []
+        for j in present:
+            rem[j.job_id] -= speed[j.job_id] * dt
+            if rem[j.job_id] <= 1e-9 * max(1.0, j.remaining):
+                acc += t
+                lows -= rates.counts(j)[0]
+            else:
+                left.append(j)
+        present = left
+        if late is not None and lows + rates.counts(late)[0] <= total:
+            present.append(late)
+            rem[late.job_id] = late.remaining
+            lows += rates.counts(late)[0]
+            late = None
+    return acc if late is None else math.inf
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_step_order_matches_the_heap_rule_and_the_fluid_loop(seed):
+    """Random job sets (power-of-two ``allowed_gpus`` make steps of several
+    GPUs; a small lookahead makes the cap cut them): the step order gives the
+    heap's allocation, and the fluid estimate the plain loop's sums, bit for bit."""
+    import random
+
+    from tidal.scheduler.elan_order import fluid_sum
+
+    rng = random.Random(seed)
+    profiles = load_profiles()
+    models = [m for m in profiles.models if m != "resnet50_cifar10"]
+    views = []
+    for i in range(40):
+        m = rng.choice(models)
+        p = rng.choice([1, 2, 4, 8])
+        allowed = (1, 2, 4, 8, 16) if rng.random() < 0.4 else None
+        spec = JobSpec(f"j{i}", submit_time=float(rng.randint(0, 5)), model=m, batch_size=rng.choice(profiles.batch_sizes(m)),
+                       iterations=float(rng.randint(100, 50_000)), requested_gpus=p, elastic=rng.random() < 0.85,
+                       allowed_gpus=allowed)
+        running = rng.random() < 0.5
+        views.append(JobView(spec, JobState.RUNNING if running else JobState.PENDING,
+                             gpus=tuple(range(p)) if running else (), done=rng.uniform(0, 50), admitted=True))
+    snap = Snapshot(now=0.0, cluster=parse_cluster("n8g8"), jobs=tuple(views), profiles=profiles)
+    rates = Rates(snap, hybrid_all=seed % 2 == 1)
+    for _ in range(25):
+        sub = [v for v in views if rng.random() < 0.5]
+        total = rng.choice([16, 32, 64, 100])
+        if sum(rates.counts(v)[0] for v in sub) > total:
+            continue
+        look = rng.choice([8, 8, 3, 5])
+        assert elan_allocation(rates, sub, total, look) == _heap_rule(rates, sub, total, look)
+        if sub:
+            order = rates.order(views)
+            late = sub.pop() if rng.random() < 0.5 else None
+            xs = [order.index[v.job_id] for v in sub]
+            got = fluid_sum(order, xs, total, None if late is None else order.index[late.job_id], 50.0)
+            assert got == _loop_fluid(rates, sub, total, late, 50.0)

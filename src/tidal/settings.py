@@ -176,6 +176,11 @@ RAY_ADDRESS: Setting[str | None] = Setting("TIDAL_RAY_ADDRESS", _opt_str, None,
                                            "$RAY_ADDRESS, else the local one", "server")
 
 
+LIMITS: Setting[str] = Setting("TIDAL_LIMITS", _str, "auto",
+                               "how an agent enforces a job's per-worker `resources`: `auto` (cgroup v2, else v1, "
+                               "else the RSS watchdog), `cgroup2`, `cgroup1`, `watchdog` or `off`", "agent")
+
+
 def home() -> Path:
     """``$TIDAL_HOME`` or ``~/.tidal`` (not created here)."""
     return Path(HOME.get() or Path.home() / ".tidal")

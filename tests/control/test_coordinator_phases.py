@@ -177,3 +177,12 @@ def test_intents_of_a_running_job_need_a_formed_master_and_no_change_in_flight()
     assert intent(obs("running", master="running"), "grow", "free") is None  # no URL yet
     for phase in ("starting", "joining", "shrinking", "warming", "suspending", "ending"):
         assert intent(obs(phase, **up), "shrink", "") is None
+
+
+@pytest.mark.parametrize("phase", [P.STARTING, P.RUNNING, P.JOINING, P.SHRINKING, P.WARMING])
+def test_a_job_giving_up_on_memory_ends(phase):
+    o = obs(phase, master="running", master_url="http://m", progress=FORMED, oom_failed="out of memory 3 times")
+    assert judge(o, NOW, T) == "out_of_memory" and advance(phase, "out_of_memory") == P.ENDING
+    assert judge(obs(phase, master="running", master_url="http://m", progress=FORMED), NOW, T) != "out_of_memory"
+    # a master already gone ends the job by its own edge
+    assert judge(obs(phase, master="failed", oom_failed="x"), NOW, T) == "master_exit"

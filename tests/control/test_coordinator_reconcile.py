@@ -74,8 +74,8 @@ def env(tmp_path, monkeypatch):
     return store, policy, masters, coord
 
 
-def submit(store, name, gpus="1-4", env=None):
-    sub = JobSubmission(name=name, script="train.py", gpus=gpus, iterations=100, env=env or {})
+def submit(store, name, gpus="1-4", env=None, resources=None):
+    sub = JobSubmission(name=name, script="train.py", gpus=gpus, iterations=100, env=env or {}, resources=resources)
     with store.session() as s:
         s.add(Job(id=name, user="alice", name=name, state="submitted", submit_time=1.0, waiting_since=1.0,
                   spec={"submission": sub.model_dump(), "jobspec": asdict(sub.to_jobspec(name, 1.0, "alice"))}))
@@ -513,3 +513,92 @@ def test_attained_service_counts_gpu_seconds_of_running_jobs(env):
     ja = job(store, a)
     assert 20.0 <= ja.attained - before[0] < 20.5 and 10.0 <= ja.executed - before[1] < 10.3
     assert job(store, b).attained == 0.0
+
+
+MiB = 2**20
+
+
+def out_of_memory(store, jid, name):
+    """Worker ``name``'s agent reports it killed for running out of its limit (what the heartbeat API records)."""
+    with store.session() as s:
+        p = s.scalar(select(Process).where(Process.job_id == jid, Process.name == name))
+        limit = int(p.resources["memory"])
+        p.state, p.exit_code = "failed", -9
+        p.resources = {**p.resources, "oom": {"limit": limit, "peak": limit, "backend": "cgroup1"}}
+
+
+def memory_of(store, jid):
+    return {w.name: (w.resources or {}).get("memory") for w in procs(store, jid)}
+
+
+def regrow(store, policy, coord, jid, place):
+    """The policy gives the freed GPU back: the job grows onto it (new worker id)."""
+    policy.place[jid] = place
+    coord.round()
+    coord.round()
+    agent(store, jid, "running")
+    report(store, jid, state="running", world_size=len(place))
+    coord.round()
+    assert job(store, jid).phase == "running"
+
+
+def test_a_worker_out_of_memory_comes_back_with_more_until_the_job_gives_up(env):
+    """OOM at 256 MiB: the freed GPU's next worker gets 384 MiB, then 576;
+    kills of several workers at one limit count once; the third OOM fails
+    the job with the reason."""
+    store, policy, masters, coord = env
+    with store.session() as s:
+        for n in s.scalars(select(Node)):
+            n.memory = 4096 * MiB
+    a = submit(store, "a", resources={"memory": "256Mi", "cpus": 1})
+    run(store, policy, coord, a, (0, 1))
+    assert memory_of(store, a) == {"w0": 256 * MiB, "w1": 256 * MiB}
+    assert procs(store, a)[0].resources["cpus"] == 1.0
+    out_of_memory(store, a, "w1")
+    coord.round()
+    assert gpus(store, a) == [0] and job(store, a).phase == "running"
+    with store.session() as s:
+        ev = {e.kind: e.detail for e in s.scalars(select(Event).where(Event.job_id == a))}
+    assert ev["job.memory_raised"]["memory_from"] == 256 * MiB and ev["job.memory_raised"]["memory_to"] == 384 * MiB
+    assert "w1 ran out of 256 MiB" in ev["job.memory_raised"]["reason"] and ev["job.worker_lost"]["reason"]
+    regrow(store, policy, coord, a, (0, 1))
+    assert memory_of(store, a)["w2"] == 384 * MiB
+    out_of_memory(store, a, "w0")  # at the old limit, raised already: no second raise
+    coord.round()
+    assert kinds(store, a).count("job.memory_raised") == 1 and job(store, a).tags["_ooms"] == 1
+    regrow(store, policy, coord, a, (0, 1))
+    assert memory_of(store, a)["w3"] == 384 * MiB
+    out_of_memory(store, a, "w2")
+    coord.round()
+    assert kinds(store, a).count("job.memory_raised") == 2
+    assert job(store, a).tags["_memory"] == 576 * MiB and job(store, a).tags["_ooms"] == 2
+    regrow(store, policy, coord, a, (0, 1))
+    out_of_memory(store, a, "w3")  # 384 MiB < 576: counted with w2's kill
+    coord.round()
+    regrow(store, policy, coord, a, (0, 1))
+    assert memory_of(store, a)["w4"] == memory_of(store, a)["w5"] == 576 * MiB
+    assert job(store, a).tags["_ooms"] == 2 and kinds(store, a).count("job.memory_raised") == 2
+    out_of_memory(store, a, "w4")
+    coord.round()
+    j = job(store, a)
+    assert j.phase == "ending" and "out of memory 3 times" in j.exit_info and "w4 at 576 MiB" in j.exit_info
+    assert {p.desired for p in procs(store, a) + procs(store, a, "master") if p.state == "running"} == {"stop"}
+    agent(store, a, "failed", exit_code=-15)
+    coord.round()
+    j = job(store, a)
+    assert (j.state, gpus(store, a)) == ("failed", []) and "out of memory 3 times" in j.exit_info
+    check_gpus_never_held_twice(store)
+
+
+def test_a_raise_beyond_the_largest_node_fails_the_job_at_once(env):
+    store, policy, masters, coord = env
+    with store.session() as s:
+        for n in s.scalars(select(Node)):
+            n.memory = 300 * MiB
+    a = submit(store, "a", resources={"memory": "256Mi"})
+    run(store, policy, coord, a, (0, 1))
+    out_of_memory(store, a, "w0")
+    coord.round()
+    j = job(store, a)
+    assert j.phase == "ending" and "384 MiB would exceed the largest node's 300 MiB" in j.exit_info
+    assert "job.memory_raised" not in kinds(store, a) and "job.oom_failed" in kinds(store, a)

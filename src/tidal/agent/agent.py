@@ -13,6 +13,7 @@ from typing import Any, Callable
 from urllib.parse import urlparse
 
 from tidal import settings
+from tidal.agent.limits import Limiter, Limits, Placement, node_memory
 from tidal.agent.proctable import EXIT_UNKNOWN, Child, Handle, Proc, ProcTable
 from tidal.net import LOOPBACK, advertise_addr
 from tidal.control.jobproc import EXIT_REPLACED
@@ -35,6 +36,33 @@ def popen_launcher(w: dict[str, Any], argv: list[str], env: dict[str, str], cwd:
     with log_path.open("ab") as fh:
         return Child(subprocess.Popen(argv, env=env, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
                                       start_new_session=True))
+
+
+popen_launcher.local = True  # type: ignore[attr-defined]  # its processes run on this machine: limits apply
+
+
+def limiter_for(launcher: Launcher) -> Limiter:
+    """Limits (``$TIDAL_LIMITS``) for a launcher whose processes run here
+    (``launcher.local``); none for others (e.g. Ray actors)."""
+    if getattr(launcher, "local", False):
+        return Limiter.detect(settings.LIMITS.get())
+    log.warning("per-worker resource limits are not enforced for processes of this launcher")
+    return Limiter(None)
+
+
+def start_limited(limiter: Limiter, launcher: Launcher, w: dict[str, Any], argv: list[str], env: dict[str, str],
+                  cwd: str | None, log_path: Path) -> tuple[Handle, Placement | None]:
+    """Launch a process row inside its limits (a worker row's ``resources``);
+    its handle and placement. A failed launch leaves no cgroup behind."""
+    limits = Limits.of(w.get("resources")) if str(w.get("kind") or "worker") == "worker" else Limits()
+    pl = limiter.place(f"{os.getpid()}-{w['id']}-{w['job']}-{w['name']}", limits)
+    try:
+        handle = launcher(w, limiter.wrap(pl, argv), env, cwd, log_path)
+    except BaseException:
+        limiter.release(pl)
+        raise
+    limiter.started(pl, handle)
+    return handle, pl
 
 
 def detect_gpus() -> int:
@@ -73,6 +101,7 @@ class Agent:
         address: str | None = None,
         labels: dict[str, str] | None = None,
         launcher: Launcher = popen_launcher,
+        limiter: Limiter | None = None,
     ) -> None:
         self.server = server.rstrip("/")
         self.name = name
@@ -90,6 +119,9 @@ class Agent:
         self.procs: dict[int, Proc]
         self.finished: dict[int, dict[str, Any]]  # exit reports not yet acknowledged by the server
         self.procs, self.finished = self.table.load()
+        self.limiter = limiter or limiter_for(launcher)  # per-worker memory and CPU limits
+        for p in self.procs.values():
+            self.limiter.watch(p.limits, p.handle)
         self.acked: set[int] = set()  # exited processes the server knows about (never relaunched)
         self._stop = threading.Event()
         self.registered = False
@@ -117,7 +149,7 @@ class Agent:
                 if not self.registered:
                     ans = self._post("/internal/agents/register", {"name": self.name, "num_gpus": self.num_gpus,
                                                                    "virtual": self.virtual, "address": self.address,
-                                                                   "labels": self.labels})
+                                                                   "labels": self.labels, "memory": node_memory()})
                     # from now on the node's own credential (its heartbeats only), not the join token
                     self.http.token = str(ans.get("token") or self.join_token)
                     self.registered = True
@@ -165,7 +197,8 @@ class Agent:
             state = "running" if code is None else ("exited" if code == 0 else "failed")
             rep = {"id": p.id, "state": state, "pid": p.handle.pid,
                    "exit_code": None if code == EXIT_UNKNOWN else code, "log": text}
-            if code is not None:
+            if code is not None:  # out of memory: the server raises the job's limit (docs/resources.md)
+                rep["oom"] = self.limiter.finished(p.limits, None if code == EXIT_UNKNOWN else code)
                 del self.procs[p.id]
                 self.finished[p.id] = rep
             else:
@@ -265,11 +298,11 @@ class Agent:
             gates.mkdir(exist_ok=True)
             gate = str(gates / f"{w['id']}")
             argv = [argv[0], "-u", "-m", "tidal.agent.prewarm", gate, "--", *argv]
-        handle = self.launcher(w, argv, env, cwd, log_path)
+        handle, pl = start_limited(self.limiter, self.launcher, w, argv, env, cwd, log_path)
         self.procs[int(w["id"])] = Proc(int(w["id"]), w["job"], w["name"], str(w.get("kind") or "worker"),
                                         handle, log_path, offset=start,
                                         gpu=env.get("CUDA_VISIBLE_DEVICES", "-1"), gate=gate, restarts=restarts,
-                                        spec=w)
+                                        spec=w, limits=pl)
         self._save()
         log.info("launched %s/%s pid %d (CUDA_VISIBLE_DEVICES=%s)", w["job"], w["name"], handle.pid,
                  env.get("CUDA_VISIBLE_DEVICES", ""))
@@ -292,3 +325,4 @@ class Agent:
                     log.error("%s/%s (pid %d) survived SIGKILL", p.job, p.name, p.handle.pid)
         self._collect()
         self._save()
+        self.limiter.close()

@@ -6,8 +6,9 @@ temporary file, then ``os.replace``) whenever it changes: after a launch,
 after an exit is seen, and after each heartbeat (the log offsets). It holds,
 per process row, the job, name and kind, the pid, the process's start time
 (field 22 of ``/proc/PID/stat``, in clock ticks since boot), the log file and
-how much of it was shipped, the master restarts so far, the gate file and
-the GPU; plus the exit reports the server has not acknowledged yet, and the
+how much of it was shipped, the master restarts so far, the gate file,
+the GPU and its limits (the cgroups made for it, so that a restarted agent
+still watches them and removes them); plus the exit reports the server has not acknowledged yet, and the
 machine's boot id. Neither the argv nor the environment is written (a job
 master's environment holds its credential).
 
@@ -34,6 +35,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tidal.agent.limits import Placement
 
 log = logging.getLogger("tidal.agent")
 
@@ -157,13 +160,15 @@ class Proc:
     gate: str | None = None
     restarts: int = 0  # of a job master, here
     spec: dict[str, Any] = field(default_factory=dict)  # the server's row it was launched from (not kept on disk)
+    limits: Placement | None = None  # its memory and CPU limits (tidal.agent.limits)
     reported: str = ""
     stop_sent: float = 0.0
 
     def record(self) -> dict[str, Any]:
         return {"id": self.id, "job": self.job, "name": self.name, "kind": self.kind, "pid": self.handle.pid,
                 "start_time": self.handle.started, "log": str(self.log_path), "offset": self.offset,
-                "gpu": self.gpu, "gate": self.gate, "restarts": self.restarts}
+                "gpu": self.gpu, "gate": self.gate, "restarts": self.restarts,
+                "limits": self.limits.record() if self.limits is not None else None}
 
     @classmethod
     def adopt(cls, r: dict[str, Any], same_boot: bool) -> "Proc":
@@ -174,7 +179,7 @@ class Proc:
         return cls(int(r["id"]), str(r["job"]), str(r["name"]), str(r.get("kind", "worker")),
                    Adopted(pid, None if started is None else int(started), alive), Path(r["log"]),
                    offset=int(r.get("offset", 0)), gpu=str(r.get("gpu", "-1")), gate=r.get("gate"),
-                   restarts=int(r.get("restarts", 0)))
+                   restarts=int(r.get("restarts", 0)), limits=Placement.from_record(r.get("limits")))
 
 
 class ProcTable:

@@ -27,6 +27,8 @@ class RunAs:
     """A launcher (see :data:`tidal.agent.agent.Launcher`) that starts each
     process as ``user``; refused unless the agent runs as root."""
 
+    local = True  # its processes run on this machine: the agent's limits apply to them
+
     def __init__(self, user: str) -> None:
         try:
             pw = pwd.getpwnam(user)

@@ -31,6 +31,7 @@ from typing import Any, Iterator
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     Float,
     ForeignKey,
@@ -74,6 +75,7 @@ class Node(Base):
     last_heartbeat: Mapped[float] = mapped_column(Float, default=0.0)
     # the agent's --label KEY=VALUE pairs; ``switch`` places the node in the topology
     labels: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True, default=dict)
+    memory: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # bytes (0: unknown)
 
 
 class GPU(Base):
@@ -144,6 +146,9 @@ class Process(Base):
     # a master started on another host of the job after its own host died: it
     # continues the incarnation (the workers before it are still the job's)
     relocated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # a worker's limits ({"memory": bytes, "cpus": n}) and, once it ran out of memory, "oom":
+    # {"limit", "peak", "backend"} as its agent reported it (docs/resources.md)
+    resources: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True, default=dict)
 
 
 class Event(Base):

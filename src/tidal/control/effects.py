@@ -18,16 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from tidal import settings
 from tidal.control.credentials import Credentials
-from tidal.control.db import GPU, Event, Job, Process, Store
+from tidal.control.db import GPU, Event, Job, Node, Process, Store
 from tidal.control.phases import CANCELLING, STATE_OF, TERMINAL, JobObs
-from tidal.control.spawner import AgentSpawner, launches_on
+from tidal.control.spawner import AgentSpawner, launches_on, worker_resources
 
 LIVE = ("pending", "running")
+MAX_OOMS = 3  # out-of-memory kills, at growing limits, before the job fails
+OOM_GROWTH = 1.5  # a worker killed for memory comes back with this much more
 
 
 @dataclass
@@ -139,8 +141,49 @@ def release_dead_workers(cx: Context, s: Session, j: Job, procs: list[Process]) 
     for p in dead:
         if p.name in done or p.gpu in busy or p.gpu not in held:
             continue  # handled once; or the GPU already runs another process of the job
+        oom = (p.resources or {}).get("oom")
+        if oom:
+            raise_memory(cx, s, j, p.name, oom)
         cx.store.release_gpus(s, j.id, [p.gpu])
-        cx.store.log(s, "job.worker_lost", j.id, gpu=p.gpu, worker=p.name, state=p.state, exit_code=p.exit_code)
+        cx.store.log(s, "job.worker_lost", j.id, gpu=p.gpu, worker=p.name, state=p.state, exit_code=p.exit_code,
+                     **({"reason": "out of memory"} if oom else {}))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def raise_memory(cx: Context, s: Session, j: Job, worker: str, oom: dict[str, Any]) -> None:
+    """Worker ``worker`` ran out of its memory limit (``oom``: its agent's
+    report). The job's workers from now on get :data:`OOM_GROWTH` times that
+    limit (the worker comes back when the policy grows the job onto the freed
+    GPU, like after any worker loss); after :data:`MAX_OOMS` such kills, or
+    when the raised limit exceeds the largest node, the job is to fail
+    (``tags["_oom_failed"]``, the reason). Kills at a limit already raised
+    (several workers at once) count once."""
+    tags = dict(j.tags or {})
+    limit, peak = int(oom.get("limit") or 0), int(oom.get("peak") or 0)
+    if not limit or limit < int(worker_resources(j).get("memory") or 0) or tags.get("_oom_failed"):
+        return
+    ooms, new = int(tags.get("_ooms", 0)) + 1, int(limit * OOM_GROWTH)
+    largest = int(s.scalar(select(func.max(Node.memory)).where(Node.state == "up")) or 0)
+    why = ""
+    if ooms >= MAX_OOMS:
+        why = (f"out of memory {ooms} times at growing limits; the last: worker {worker} at {_mib(limit)} "
+               f"(peak {_mib(peak)})")
+    elif largest and new > largest:
+        why = (f"worker {worker} ran out of {_mib(limit)} (peak {_mib(peak)}); {_mib(new)} would exceed the "
+               f"largest node's {_mib(largest)}")
+    tags["_ooms"] = ooms
+    if why:
+        tags["_oom_failed"] = why
+        cx.store.log(s, "job.oom_failed", j.id, worker=worker, limit=limit, peak=peak, ooms=ooms, reason=why)
+    else:
+        tags["_memory"] = new
+        cx.store.log(s, "job.memory_raised", j.id, worker=worker, memory_from=limit, memory_to=new, ooms=ooms,
+                     reason=f"worker {worker} ran out of {_mib(limit)} (peak {_mib(peak)}): x{OOM_GROWTH} "
+                            f"= {_mib(new)} per worker")
+    j.tags = tags
 
 
 # -- effects of observed events -------------------------------------------------------
@@ -177,6 +220,15 @@ def _workers_failed(cx: Context, s: Session, j: Job, obs: JobObs, now: float) ->
     unreserve_all(s, j.id)
     j.change = {}
     cx.store.log(s, "job.workers_failed", j.id, workers=[p.name for p in failed], reason=why)
+
+
+def _out_of_memory(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
+    """Workers kept running out of memory (see :func:`raise_memory`): the
+    job fails with that reason; its processes stop."""
+    j.exit_info = obs.oom_failed
+    stop(live_procs(s, j.id))
+    unreserve_all(s, j.id)
+    j.change = {}
 
 
 def last_error(logs: Path, names: Sequence[str]) -> str:
@@ -303,7 +355,7 @@ def _suspended(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None
 #: (phase, event) first, then event
 OBSERVED: dict[Any, Effect] = {
     "cancel": _cancel, "gone": _gone, "master_exit": _master_exit, "master_lost": _master_lost,
-    "workers_failed": _workers_failed,
+    "workers_failed": _workers_failed, "out_of_memory": _out_of_memory,
     ("ending", "finished"): _ended, ("ending", "failed"): _ended, ("suspending", "finished"): _ended,
     ("starting", "master_up"): _master_up_starting, ("prestarting", "master_up"): _master_up_prestarting,
     "taken": _taken, ("prestarting", "gate_open"): _gate_open_start, ("warming", "gate_open"): _gate_open_grow,

@@ -24,6 +24,9 @@ Phases (the job's ``state`` as users and policies see it in brackets)::
     running --suspend_accepted--> suspending [suspending] --suspended--> pending
     running --workers_failed--> ending           every worker exited with an error (a bug in
                                                  the script, a stale checkpoint): nothing to re-form
+    starting, running, warming, joining, shrinking --out_of_memory--> ending: workers ran out of
+                                                 memory too often, or the raised limit exceeds
+                                                 every node (docs/resources.md)
     running, warming, joining, shrinking --master_lost--> the same phase: the master's host
                                                  died, the master restarts on another host of
                                                  the job from the store's copy of its state
@@ -56,6 +59,9 @@ WITH_MASTER = frozenset({PRESTARTING, STARTING, RUNNING, WARMING, JOINING, SHRIN
 #: phases whose master is restarted on another host of the job when its own host dies
 RELOCATABLE = frozenset({RUNNING, WARMING, JOINING, SHRINKING})
 
+#: phases in which a job whose workers keep running out of memory is failed
+OOM_FAILS = RELOCATABLE | {STARTING}
+
 #: phases that wait for a remote change to finish (the loop ticks faster meanwhile)
 IN_FLIGHT = frozenset({PRESTARTING, STARTING, WARMING, JOINING, SHRINKING, SUSPENDING, ENDING, CANCELLING})
 
@@ -82,6 +88,7 @@ TRANSITIONS: Mapping[tuple[str, str], str] = {
     (PRESTARTING, "gate_open"): RUNNING,
     (PRESTARTING, "lapsed"): PENDING,
     (RUNNING, "workers_failed"): ENDING,
+    **{(p, "out_of_memory"): ENDING for p in OOM_FAILS},
     (RUNNING, "grow_accepted"): JOINING,
     (RUNNING, "grow_early_accepted"): WARMING,
     (RUNNING, "shrink_accepted"): SHRINKING,
@@ -148,6 +155,7 @@ class JobObs:
     unsuspendable: bool = False  # its master refused a suspension once
     relocate_to: str = ""  # an up node running the job's workers, where a lost master can restart
     workers_erred: bool = False  # every worker of this incarnation ended, the failed ones with an error
+    oom_failed: str = ""  # why the job gives up after out-of-memory kills ("": it does not)
 
     @property
     def since(self) -> float:
@@ -194,6 +202,8 @@ def judge(obs: JobObs, now: float, timeout_s: float) -> str | None:
         return "master_lost"
     if p in WITH_MASTER and obs.master_gone:
         return "master_exit"
+    if p in OOM_FAILS and obs.oom_failed:
+        return "out_of_memory"
     if p == ENDING:
         return None if obs.live_workers else ("finished" if obs.finished_ok else "failed")
     if p == RUNNING and obs.workers_erred and obs.progress.get("state") != "finished":

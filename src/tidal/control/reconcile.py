@@ -56,9 +56,11 @@ class Reconciler:
         """Step every live job; the number left with a change in flight."""
         self.sweep()
         with self.store.session(write=False) as s:
-            jobs = s.execute(select(Job.id, Job.phase).where(Job.state.notin_(TERMINAL))
+            jobs = s.execute(select(Job.id, Job.phase, Job.tags).where(Job.state.notin_(TERMINAL))
                              .order_by(Job.submit_time, Job.id)).all()
-            quiet = quiet_jobs(s, deltas, now, self.change_timeout_s)
+            # a job to fail for running out of memory is never quiet (observe() does not see that)
+            quiet = quiet_jobs(s, deltas, now, self.change_timeout_s) - {
+                r.id for r in jobs if (r.tags or {}).get("_oom_failed")}
 
         def rank(row) -> int:
             d = deltas.get(row.id)
@@ -102,7 +104,8 @@ class Reconciler:
                 return j.phase
             obs, current = observe(s, j)
             if j.phase in _RELEASES_DEAD and not obs.master_gone:
-                release_dead_workers(self.cx, s, j, current)
+                release_dead_workers(self.cx, s, j, current)  # may raise the memory limit, or give up on it
+            obs = dataclasses.replace(obs, oom_failed=str((j.tags or {}).get("_oom_failed", "")))
             ev = judge(obs, now, self.change_timeout_s)
             if ev is not None:
                 effects.observed_effect(j.phase, ev)(self.cx, s, j, obs, now)

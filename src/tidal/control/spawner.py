@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from tidal import settings
 from tidal.control.db import GPU, Job, Process, Store
+from tidal.control.spec import Resources
 from tidal.runtime.spawner import WorkerLaunch, register_spawner
 
 LIVE = ("pending", "running")
@@ -39,6 +40,18 @@ def worker_env(job: Job, worker_id: str, home: Path) -> dict[str, str]:
         **({settings.RESUME_STEP.name: str(int(resume))} if resume is not None else {}),
         **sub.get("env", {}),
     }
+
+
+def worker_resources(job: Job) -> dict[str, Any]:
+    """A new worker's limits (``{"memory": bytes, "cpus": n}``): the spec's
+    ``resources``, with the memory limit as raised after out-of-memory kills
+    (``tags["_memory"]``, docs/resources.md)."""
+    res = (job.spec.get("submission") or {}).get("resources") or {}
+    out = Resources(**res).limits() if res else {}
+    raised = (job.tags or {}).get("_memory")
+    if raised:
+        out["memory"] = int(raised)
+    return out
 
 
 @register_spawner("agents")
@@ -64,12 +77,14 @@ class AgentSpawner:
         placed = [(x, self._gpu(x)) for x in launches]
         sub: dict[str, Any] = self.job.spec.get("submission", {})
         argv = [sys.executable, "-u", sub["script"], *sub.get("args", [])]
+        resources = worker_resources(self.job)
         for x, g in placed:
             gated = g.job_id != self.job.id  # reserved: warm up now, train once the GPU is the job's
             self.s.add(Process(job_id=self.job.id, name=x.worker_id, kind="worker", node=g.node, gpu=g.gid,
                                env=worker_env(self.job, x.worker_id, self.home), argv=argv,
-                               cwd=sub.get("workdir", ""), gated=gated))
-            Store.log(self.s, "worker.spawn", self.job.id, node=g.node, gpu=g.gid, worker=x.worker_id, gated=gated)
+                               cwd=sub.get("workdir", ""), gated=gated, resources=dict(resources)))
+            Store.log(self.s, "worker.spawn", self.job.id, node=g.node, gpu=g.gid, worker=x.worker_id, gated=gated,
+                      **({"resources": resources} if resources else {}))
 
     def kill(self, worker_id: str) -> None:
         """Its agent stops it (SIGTERM, then SIGKILL after 10 s)."""

@@ -7,10 +7,14 @@ serverless jobs), read by :func:`parse_gpu_request` alone:
   gpus: "2-8"        an elastic range
   gpus: [1, 2, 4]    an allowed set (as text, e.g. on the command line: "1,2,4")
   (none) + deadline  serverless: the scheduler picks the count
+
+Per-worker limits (docs/resources.md), enforced by the agents:
+  resources: {memory: 2Gi, cpus: 1.5}
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,6 +94,57 @@ def _parse_range(text: str) -> GpuRequest:
     return GpuRequest(lo=lo, hi=hi, requested=hi)
 
 
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_MEMORY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]i?)?[bB]?\s*$")
+MIN_MEMORY = 32 * 2**20  # below this not even the interpreter starts
+MAX_MEMORY = 2**50
+
+
+def parse_memory(value: Any) -> int:
+    """Bytes from a memory size: a count of bytes, or text like ``2Gi``,
+    ``512Mi``, ``1.5G`` (binary ``Ki Mi Gi Ti``, decimal ``k M G T``).
+    Raises ``ValueError`` saying what is wrong."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError("give a size like 2Gi, 512Mi or 4G (or a number of bytes)")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _MEMORY.match(value)
+        if m is None:
+            raise ValueError(f"{value[:40]!r} is not a size like 2Gi, 512Mi or 4G")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if not MIN_MEMORY <= n <= MAX_MEMORY:
+        raise ValueError(f"must be between 32Mi and 1Pi per worker, not {n} bytes")
+    return n
+
+
+class Resources(BaseModel):
+    """What each worker of the job may use (the agents enforce it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    memory: int | str | None = Field(default=None, description="per worker: 2Gi, 512Mi, 4G or bytes")
+    cpus: float | None = Field(default=None, gt=0, le=1024, allow_inf_nan=False,
+                               description="per worker, fractions allowed (1.5)")
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, v: Any) -> int | str | None:
+        if v is not None:
+            parse_memory(v)
+        return v
+
+    def limits(self) -> dict[str, Any]:
+        """``{"memory": bytes, "cpus": n}``, only what is set."""
+        out: dict[str, Any] = {}
+        if self.memory is not None:
+            out["memory"] = parse_memory(self.memory)
+        if self.cpus is not None:
+            out["cpus"] = float(self.cpus)
+        return out
+
+
 class JobSubmission(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -110,6 +165,7 @@ class JobSubmission(BaseModel):
                                    description="seconds after submission (at most ten years)")
     priority: int = Field(default=0, ge=-10**6, le=10**6)
     model: str = Field(default="generic", description="throughput profile to schedule with")
+    resources: Resources | None = Field(default=None, description="per-worker memory and CPU limits")
 
     @field_validator("gpus")
     @classmethod

@@ -34,6 +34,7 @@ class RegisterRequest(BaseModel):
     virtual: bool = False
     address: str = Field(LOOPBACK, max_length=256)
     labels: dict[str, str] = Field(default_factory=dict, max_length=32)
+    memory: int = Field(0, ge=0, le=2**62, description="the node's memory in bytes (0: unknown)")
 
     @field_validator("labels")
     @classmethod
@@ -44,12 +45,21 @@ class RegisterRequest(BaseModel):
         return v
 
 
+class OomReport(BaseModel):
+    """A process the agent saw end because it ran out of its memory limit."""
+
+    limit: int = Field(0, ge=0, le=2**62)  # bytes
+    peak: int = Field(0, ge=0, le=2**62)  # the highest use seen, bytes
+    backend: str = Field("", max_length=16)  # cgroup2 | cgroup1 | watchdog
+
+
 class ProcReport(BaseModel):
     id: int
     state: str
     pid: int = 0
     exit_code: int | None = None
     log: str = ""
+    oom: OomReport | None = None
 
 
 class HeartbeatRequest(BaseModel):
@@ -85,6 +95,7 @@ def register(req: RegisterRequest, request: Request, store: StoreDep, coord: Coo
             if n.num_gpus != req.num_gpus:
                 raise HTTPException(409, f"node {req.name} registered before with {n.num_gpus} GPUs")
             n.state, n.last_heartbeat, n.address, n.labels = "up", now, req.address, dict(req.labels)
+            n.memory = req.memory
             store.log(s, "node.rejoin", node=req.name)
     coord.wake()
     # the node's own credential: its heartbeats, nothing else
@@ -94,7 +105,7 @@ def register(req: RegisterRequest, request: Request, store: StoreDep, coord: Coo
 def _add_node(s: Session, store: Store, req: RegisterRequest, now: float) -> None:
     ordinal = (s.scalar(select(func.max(Node.ordinal))) or 0) + 1
     s.add(Node(name=req.name, ordinal=ordinal, address=req.address, num_gpus=req.num_gpus,
-               virtual=req.virtual, state="up", last_heartbeat=now, labels=dict(req.labels)))
+               virtual=req.virtual, state="up", last_heartbeat=now, labels=dict(req.labels), memory=req.memory))
     base = (s.scalar(select(func.max(GPU.gid))) or -1) + 1
     for i in range(req.num_gpus):
         s.add(GPU(gid=base + i, node=req.name, index=i))
@@ -143,9 +154,20 @@ def _apply_reports(s: Session, store: Store, node: str, reports: list[ProcReport
             state, code = _unknown_exit(s, w)
         if w.state != state:
             store.log(s, f"proc.{state}", w.job_id, node=node, gpu=w.gpu, proc=w.name, pid=rep.pid, exit_code=code)
+            if state == "failed" and rep.oom is not None and w.kind == "worker":
+                _record_oom(s, store, w, rep.oom)
             finished |= state in ("exited", "failed", "lost")
         w.state, w.pid, w.exit_code = state, rep.pid, code
     return finished
+
+
+def _record_oom(s: Session, store: Store, w: Process, oom: OomReport) -> None:
+    """The worker ran out of memory: a ``worker.oom`` event, and the report
+    on its row, where the coordinator finds it (its limit is then raised,
+    docs/resources.md)."""
+    w.resources = {**(w.resources or {}), "oom": oom.model_dump()}
+    store.log(s, "worker.oom", w.job_id, node=w.node, gpu=w.gpu, worker=w.name, limit=oom.limit, peak=oom.peak,
+              backend=oom.backend, limit_mib=oom.limit >> 20, peak_mib=oom.peak >> 20)
 
 
 def _unknown_exit(s: Session, w: Process) -> tuple[str, int | None]:
@@ -243,7 +265,7 @@ def _wanted_processes(s: Session, node: str, creds: Credentials) -> list[dict[st
     return [{"id": w.id, "job": w.job_id, "name": w.name, "kind": w.kind, "argv": w.argv, "cwd": w.cwd,
              "env": {**(w.env or {}), settings.JOB_TOKEN.name: creds.job_token(w.job_id),
                      **({"CUDA_VISIBLE_DEVICES": str(gpu_index[w.gpu])} if w.gpu is not None else {})},
-             "desired": w.desired, "gated": w.gated} for w in procs]
+             "desired": w.desired, "gated": w.gated, "resources": dict(w.resources or {})} for w in procs]
 
 
 def _master_urls(s: Session, jobs: set[str]) -> dict[str, str]:

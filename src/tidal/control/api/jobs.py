@@ -29,6 +29,7 @@ from tidal.control.api.deps import CoordinatorDep, JobId, LogsDirDep, StoreDep, 
 from tidal.control.db import GPU, Event, Job, Process, Store
 from tidal.control.jobrules import check_env, check_paths
 from tidal.control.snapshot import job_spec
+from tidal.control.spawner import worker_resources
 from tidal.control.spec import JobSubmission
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -224,6 +225,12 @@ def _total_gpus(store: Store) -> int:
         return int(s.scalar(select(func.count()).select_from(GPU)) or 0)
 
 
+def _resources(j: Job) -> dict[str, Any]:
+    """The job's per-worker limits now (memory in bytes, as raised after
+    out-of-memory kills) and how many such kills raised it."""
+    return {**worker_resources(j), "ooms": int((j.tags or {}).get("_ooms", 0))}
+
+
 def job_json(s: Session, store: Store, j: Job, detail: bool = False) -> dict[str, Any]:
     """A job as the API shows it; ``detail`` adds its spec, progress and processes."""
     progress = j.progress or {}
@@ -238,10 +245,10 @@ def job_json(s: Session, store: Store, j: Job, detail: bool = False) -> dict[str
     }
     if detail:
         out.update(spec=j.spec.get("submission", {}), progress=j.progress, master_url=j.master_url,
-                   exit_info=j.exit_info)
+                   exit_info=j.exit_info, resources=_resources(j))
         out["processes"] = [
             {"name": w.name, "kind": w.kind, "node": w.node, "gpu": w.gpu, "state": w.state, "pid": w.pid,
-             "exit_code": w.exit_code}
+             "exit_code": w.exit_code, "resources": dict(w.resources or {})}
             for w in s.scalars(select(Process).where(Process.job_id == j.id).order_by(Process.id))
         ]
     return out

@@ -34,15 +34,12 @@ their requested count.
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field
 
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
+from tidal.scheduler.elan_order import OrderJob, StepOrder, fluid_sum
 from tidal.scheduler.estimate import rigid_count
-
-_EPS = 1e-12
-
 
 def hybrid_enabled(job: JobView) -> bool:
     """Per-job opt-in to hybrid scaling: ``meta`` entry ``hybrid`` = 1/true/yes."""
@@ -62,27 +59,21 @@ class Rates:
     _counts: dict[str, list[int]] = field(default_factory=dict)
     _one: dict[str, float] = field(default_factory=dict)
     _table: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
-    _alloc: dict[tuple[int, int], tuple[dict[str, int], dict[str, float]]] = field(default_factory=dict)
-    _bit: dict[str, int] = field(default_factory=dict)
-    steps: dict[tuple[str, int, int], tuple[float, int]] = field(default_factory=dict)  # see elan_allocation
+    _order: StepOrder | None = None
+    steps: dict[tuple[str, int, int], tuple[float, int]] = field(default_factory=dict)  # uncapped steps
 
-    def allocation(self, jobs: list[JobView], total: int) -> tuple[dict[str, int], dict[str, float]]:
-        """:func:`elan_allocation` and each job's rate under it, memoised by the
-        set of jobs: the fluid estimates of one round re-run it on many of the
-        same sets (a job's estimate "without w" shares its start with the
-        previous one's "with")."""
-        bits = 0  # the set of jobs as a bitmask (compact, quick to hash)
-        for j in jobs:
-            b = self._bit.get(j.job_id)
-            if b is None:
-                b = self._bit[j.job_id] = 1 << len(self._bit)
-            bits |= b
-        key = (bits, total)
-        hit = self._alloc.get(key)
-        if hit is None:
-            alloc = elan_allocation(self, jobs, total)
-            hit = self._alloc[key] = (alloc, {j.job_id: self.rate(j, alloc[j.job_id]) for j in jobs})
-        return hit
+    def order(self, jobs: list[JobView], lookahead: int = 8) -> StepOrder:
+        """The round's step order (:mod:`tidal.scheduler.elan_order`) over
+        ``jobs``; reused while it covers the jobs asked for (it depends only
+        on each job's table, fixed for the round)."""
+        o = self._order
+        if o is None or o.lookahead != lookahead or any(j.job_id not in o.index for j in jobs):
+            o = self._order = StepOrder([self._order_job(j) for j in jobs], lookahead, self.steps)
+        return o
+
+    def _order_job(self, j: JobView) -> OrderJob:
+        counts, rs = self.table(j)
+        return OrderJob(j.job_id, j.spec.submit_time, counts, rs, self.one(j), j.remaining, j.running, j.size)
 
     def counts(self, job: JobView) -> list[int]:
         """The counts a job may run at within [min_res, max_res], ascending."""
@@ -156,72 +147,18 @@ def total_batch(snap: Snapshot, job: JobView, n: int, saturation: float = 0.2) -
     return b
 
 
-def _step(
-    counts: tuple[int, ...], rs: tuple[float, ...], i: int, one: float, cap: int, lookahead: int
-) -> tuple[float, int]:
-    """The allocation rule's next step from count index ``i``: the best gain
-    per GPU and the target index (0: none), at most ``cap`` GPUs."""
-    n, r0 = counts[i], rs[i]
-    best, target = 0.0, 0
-    for k in range(i + 1, len(counts)):
-        c = counts[k]
-        if c > cap or c - n > lookahead:
-            break
-        g = (rs[k] - r0) / one / (c - n)
-        if g > best + _EPS:
-            best, target = g, k
-    return best, target
-
-
 def elan_allocation(rates: Rates, jobs: list[JobView], total: int, lookahead: int = 8) -> dict[str, int]:
     """Allocation rule: min_res to each job, then one GPU at a time to the job
     with the largest marginal gain (progress rate gained, over the job's
     one-GPU rate) until max_res, no gain, or no GPU. Where a job's curve is
     flat before hybrid scaling pays, the step spans to the next count that
-    gains (at most ``lookahead`` GPUs): on concave curves it is one GPU."""
-    alloc: dict[str, int] = {}
-    pos: dict[str, int] = {}  # index of the job's count in its table
-    tables = {}
-    free = total
-    for j in jobs:
-        tables[j.job_id] = rates.table(j)
-        alloc[j.job_id] = tables[j.job_id][0][0]
-        pos[j.job_id] = 0
-        free -= alloc[j.job_id]
-    if free < 0:
-        raise ValueError("min_res of the started jobs exceed the cluster")
-    by_id = {j.job_id: j for j in jobs}
-    heap: list[tuple[float, int, str, int]] = []
-    steps = rates.steps
-
-    def push(j: JobView, cap: int) -> None:
-        jid = j.job_id
-        counts, rs = tables[jid]
-        i = pos[jid]
-        n = counts[i]
-        if cap >= n + lookahead:  # the cap cannot cut the step: the same for every round of the rule
-            key = (jid, i, lookahead)
-            hit = steps.get(key)
-            if hit is None:
-                hit = steps[key] = _step(counts, rs, i, rates.one(j), n + lookahead, lookahead)
-        else:
-            hit = _step(counts, rs, i, rates.one(j), cap, lookahead)
-        if hit[1]:
-            heapq.heappush(heap, (-hit[0], j.spec.submit_time, jid, hit[1]))
-
-    for j in jobs:
-        push(j, alloc[j.job_id] + free)
-    while heap and free > 0:
-        _, _, jid, k = heapq.heappop(heap)
-        target = tables[jid][0][k]
-        need = target - alloc[jid]
-        if need > free:
-            push(by_id[jid], alloc[jid] + free)
-            continue
-        alloc[jid], pos[jid] = target, k
-        free -= need
-        push(by_id[jid], alloc[jid] + free)
-    return alloc
+    gains (at most ``lookahead`` GPUs): on concave curves it is one GPU. Ties
+    go to the earlier submission, then the smaller job id. Evaluated on the
+    round's step order (:class:`~tidal.scheduler.elan_order.StepOrder`)."""
+    order = rates.order(jobs, lookahead)
+    xs = [order.index[j.job_id] for j in jobs]
+    pos = order.allocation(xs, total)
+    return {j.job_id: order.counts[x][pos[x]] for j, x in zip(jobs, xs)}
 
 
 def _finish_times(rates: Rates, jobs: list[JobView], alloc: dict[str, int], shrink_cost: float) -> dict[str, float]:
@@ -238,47 +175,6 @@ def _finish_times(rates: Rates, jobs: list[JobView], alloc: dict[str, int], shri
     return out
 
 
-def _fluid_sum(
-    rates: Rates, jobs: list[JobView], total: int, late: JobView | None, shrink_cost: float
-) -> float:
-    """Sum of the jobs' completion times (seconds from now) when the allocation
-    rule is applied again at every completion. ``late`` joins at the first
-    completion after which its min_res fits beside the others' (it is waiting).
-    A running job that starts with fewer GPUs than it holds pays ``shrink_cost``."""
-    rem = {j.job_id: j.remaining for j in jobs}
-    present = list(jobs)
-    t = acc = 0.0
-    first = True
-    lows = sum(rates.counts(j)[0] for j in present)  # the present jobs' min_res
-    while present:
-        alloc, speed = rates.allocation(present, total)
-        if first:
-            for j in present:
-                if j.running and alloc[j.job_id] < j.size:
-                    rem[j.job_id] += shrink_cost * speed[j.job_id]
-            first = False
-        dt = min(rem[jid] / r if r > 0 else math.inf for jid, r in speed.items())
-        if dt == math.inf:
-            return math.inf
-        t += dt
-        left = []
-        for j in present:
-            jid = j.job_id
-            rem[jid] -= speed[jid] * dt
-            if rem[jid] <= 1e-9 * max(1.0, j.remaining):
-                acc += t
-                lows -= rates.counts(j)[0]
-            else:
-                left.append(j)
-        present = left
-        if late is not None and lows + rates.counts(late)[0] <= total:
-            present.append(late)
-            rem[late.job_id] = late.remaining
-            lows += rates.counts(late)[0]
-            late = None
-    return acc if late is None else math.inf
-
-
 def adds_no_jct(rates: Rates, active: list[JobView], w: JobView, total: int) -> bool:
     """Elan's admission test: does starting ``w`` now (squeezing the others
     towards their min_res) keep the average JCT of ``active`` + ``w`` at or
@@ -290,8 +186,10 @@ def adds_no_jct(rates: Rates, active: list[JobView], w: JobView, total: int) -> 
         return False
     ov = rates.snap.overheads
     cost = ov.stop_resume_s if ov.mode == "stop-resume" else ov.pause_s
-    with_w = _fluid_sum(rates, active + [w], total, None, cost)
-    without = _fluid_sum(rates, active, total, w, cost)
+    order = rates.order(active + [w])
+    xs = [order.index[j.job_id] for j in active]
+    with_w = fluid_sum(order, xs + [order.index[w.job_id]], total, None, cost)
+    without = fluid_sum(order, xs, total, order.index[w.job_id], cost)
     return with_w <= without * (1 + 1e-9)
 
 
@@ -302,6 +200,7 @@ def elastic_admission(
     blocked head job. Returns the jobs to run (running ones first)."""
     total = snap.cluster.num_gpus
     jobs = schedulable(snap, plan)
+    rates.order(jobs)  # one step order for every estimate of the round
     active = [j for j in jobs if j.running]
     queue = sorted((j for j in jobs if not j.running), key=lambda j: (j.spec.submit_time, j.job_id))
     idle = total - sum(j.size for j in active)

@@ -1,0 +1,270 @@
+"""Elan's allocation rule evaluated for many job sets of one round, exactly.
+
+Used only by :mod:`tidal.scheduler.policies.elan`. Elan's admission test
+(§VI-C) re-applies the allocation rule (min_res to each job, then one step at
+a time to the largest marginal gain) at every completion of a fluid estimate.
+Here the rule's result for any set S of the round's jobs is read off one
+order computed once per round:
+
+* While at least ``lookahead`` GPUs are free, a job's next step does not
+  depend on the other jobs, so each job has a fixed sequence of steps. The
+  rule's heap merges these sequences: it takes them in the order of
+  (-prefix minimum of the job's gains, submit time, job id, step), the
+  round's *step order*. For S the rule applies the order restricted to S
+  while the free GPUs are at least ``lookahead`` (the *prefix*).
+* Below ``lookahead`` free GPUs a step can be cut by the cap: the rest (the
+  *tail*) re-runs the rule's heap, fed lazily from the step order (each job's
+  next step there is an upper bound of its capped step, so the first of the
+  remaining order bounds every job not yet fed).
+* Removing a finished job from S only moves the prefix forward, so a fluid
+  estimate advances a pointer instead of re-running the rule.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+EPS = 1e-12
+
+
+def next_step(
+    counts: Sequence[int], rs: Sequence[float], i: int, one: float, cap: int, lookahead: int
+) -> tuple[float, int]:
+    """The allocation rule's next step from count index ``i``: the best gain
+    per GPU and the target index (0: none), at most ``cap`` GPUs."""
+    n, r0 = counts[i], rs[i]
+    best, target = 0.0, 0
+    for k in range(i + 1, len(counts)):
+        c = counts[k]
+        if c > cap or c - n > lookahead:
+            break
+        g = (rs[k] - r0) / one / (c - n)
+        if g > best + EPS:
+            best, target = g, k
+    return best, target
+
+
+class OrderJob(NamedTuple):
+    """What the step order needs of one job (from the policy's per-round rates)."""
+
+    job_id: str
+    submit: float
+    counts: tuple[int, ...]
+    rates: tuple[float, ...]  # progress rate at each count
+    one: float  # one-GPU rate: gains are in its units
+    remaining: float
+    running: bool
+    size: int  # GPUs held now
+
+
+class StepOrder:
+    """The round's step order (module docstring) and the rule evaluated on it."""
+
+    def __init__(self, jobs: Sequence[OrderJob], lookahead: int = 8, memo: dict | None = None) -> None:
+        self.jobs = list(jobs)
+        self.lookahead = lookahead
+        self.index = {j.job_id: x for x, j in enumerate(self.jobs)}
+        self.counts = [j.counts for j in self.jobs]
+        self.rs = [j.rates for j in self.jobs]
+        self.lows = [j.counts[0] for j in self.jobs]
+        self.tie = [(j.submit, j.job_id) for j in self.jobs]
+        self.positive = all(r > 0 for j in self.jobs for r in j.rates)
+        steps: list[tuple[float, float, str, int, int, int, float, int]] = []
+        memo = {} if memo is None else memo
+        for x, j in enumerate(self.jobs):
+            i, eff, s = 0, math.inf, 0
+            while True:
+                key = (j.job_id, i, lookahead)
+                hit = memo.get(key)
+                if hit is None:
+                    hit = memo[key] = next_step(j.counts, j.rates, i, j.one, j.counts[i] + lookahead, lookahead)
+                g, k = hit
+                if not k:
+                    break
+                eff = min(eff, g)
+                steps.append((-eff, j.submit, j.job_id, s, x, k, g, j.counts[k] - j.counts[i]))
+                i, s = k, s + 1
+        steps.sort()
+        self.oj = [st[4] for st in steps]  # job of each step
+        self.ot = [st[5] for st in steps]  # count index after the step
+        self.og = [st[6] for st in steps]  # the step's gain
+        self.on = [st[7] for st in steps]  # GPUs the step adds
+        self.oj_np = np.array(self.oj, dtype=np.int64)
+        self.ot_np = np.array(self.ot, dtype=np.int64)
+        self.on_np = np.array(self.on, dtype=np.int64)
+        width = max((len(c) for c in self.counts), default=1)
+        self.rate2d = np.ones((len(self.jobs), width))
+        for x, r in enumerate(self.rs):
+            self.rate2d[x, : len(r)] = r
+        self.capped: dict[tuple[int, int, int], tuple[float, int]] = {}  # (job, count index, free) -> step
+        self.thr = np.array([1e-9 * max(1.0, j.remaining) for j in self.jobs])
+
+    def prefix(self, present: np.ndarray, free: int) -> tuple[list[int], int, int]:
+        """The prefix for the jobs marked in ``present`` with ``free`` GPUs
+        beyond their min_res: each job's count index, the pointer, the GPUs
+        still free."""
+        pos = np.zeros(len(self.jobs), dtype=np.int64)
+        if free < self.lookahead or not self.oj:
+            return pos.tolist(), 0, free
+        m = present[self.oj_np]
+        need = np.where(m, self.on_np, 0)
+        before = np.cumsum(need) - need  # GPUs the earlier steps take
+        ptr = int(np.searchsorted(before, free - self.lookahead, side="right"))
+        jobs, targets = self.oj_np[:ptr][m[:ptr]], self.ot_np[:ptr][m[:ptr]]
+        np.maximum.at(pos, jobs, targets)  # a job's steps raise its count index
+        return pos.tolist(), ptr, free - int(need[:ptr].sum())
+
+    def advance(self, pos: list[int], present: list[bool], ptr: int, free: int, changed: list[int]) -> tuple[int, int]:
+        """Move the prefix forward after jobs left ``present`` (their GPUs
+        added to ``free``); the jobs that got steps go to ``changed``."""
+        oj, ot, on, look = self.oj, self.ot, self.on, self.lookahead
+        end = len(oj)
+        while free >= look and ptr < end:
+            x = oj[ptr]
+            if present[x]:
+                pos[x] = ot[ptr]
+                free -= on[ptr]
+                changed.append(x)
+            ptr += 1
+        return ptr, free
+
+    def tail(self, pos: list[int], present: list[bool], ptr: int, free: int) -> dict[int, int]:
+        """The rule's last steps, with fewer than ``lookahead`` GPUs free: the
+        jobs whose count index differs from the prefix, and the new one. While
+        every step of the order fits, the heap takes them in order (a capped
+        step differs only when its uncapped one does not fit); otherwise the
+        heap is re-run (:meth:`_tail_heap`)."""
+        out: dict[int, int] = {}
+        if free <= 0 or free >= self.lookahead:
+            return out
+        oj, ot, on = self.oj, self.ot, self.on
+        c, end, left = ptr, len(oj), free
+        while left > 0 and c < end:
+            x = oj[c]
+            if present[x]:
+                if on[c] > left:
+                    return self._tail_heap(pos, present, ptr, free)
+                out[x] = ot[c]
+                left -= on[c]
+            c += 1
+        return out
+
+    def _tail_heap(self, pos: list[int], present: list[bool], ptr: int, free: int) -> dict[int, int]:
+        """:meth:`tail` by the rule's heap, fed lazily from the step order."""
+        out: dict[int, int] = {}
+        look = self.lookahead
+        oj, ot, og, tie, counts, rs, capped = self.oj, self.ot, self.og, self.tie, self.counts, self.rs, self.capped
+        heap: list[tuple[float, float, str, int, int]] = []
+        fed: set[int] = set()
+        c, end = ptr, len(oj)
+        while free > 0:
+            while c < end and (not present[oj[c]] or oj[c] in fed):
+                c += 1
+            if c < end:
+                x = oj[c]
+                s, jid = tie[x]
+                if not heap or (-og[c], s, jid) < heap[0][:3]:
+                    fed.add(x)
+                    heapq.heappush(heap, (-og[c], s, jid, x, ot[c]))
+                    c += 1
+                    continue
+            if not heap:
+                break
+            _, s, jid, x, k = heapq.heappop(heap)
+            cur = out.get(x, pos[x])
+            cs = counts[x]
+            need = cs[k] - cs[cur]
+            if need <= free:
+                out[x], cur = k, k
+                free -= need
+            key = (x, cur, free)
+            hit = capped.get(key)
+            if hit is None:
+                hit = capped[key] = next_step(cs, rs[x], cur, self.jobs[x].one, cs[cur] + free, look)
+            g, k = hit
+            if k:
+                heapq.heappush(heap, (-g, s, jid, x, k))
+        return out
+
+    def allocation(self, members: Sequence[int], total: int) -> list[int]:
+        """Count index of each job under the rule for ``members`` (others: 0)."""
+        present = np.zeros(len(self.jobs), dtype=bool)
+        present[list(members)] = True
+        free = total - sum(self.lows[x] for x in members)
+        if free < 0:
+            raise ValueError("min_res of the started jobs exceed the cluster")
+        pos, ptr, free = self.prefix(present, free)
+        for x, k in self.tail(pos, present.tolist(), ptr, free).items():
+            pos[x] = k
+        return pos
+
+
+def fluid_sum(order: StepOrder, members: Sequence[int], total: int, late: int | None, shrink_cost: float) -> float:
+    """Sum of the completion times (s from now) of ``members`` when the rule is
+    re-applied at every completion; ``late`` joins at the first completion
+    after which its min_res fits beside the others'. A running job that starts
+    below the GPUs it holds pays ``shrink_cost``. The per-job arithmetic is
+    the original loop's, element by element (numpy), so the sums are identical."""
+    n = len(order.jobs)
+    present = [False] * n
+    rem = np.full(n, math.inf)
+    spd = np.ones(n)
+    for x in members:
+        present[x] = True
+        rem[x] = order.jobs[x].remaining
+    live = len(members)
+    lows = sum(order.lows[x] for x in members)
+    pos, ptr, free = order.prefix(np.array(present), total - lows)
+    idx = np.flatnonzero(np.array(present))
+    spd[idx] = order.rate2d[idx, np.array(pos)[idx]]
+    t = acc = 0.0
+    first = True
+    rs, counts, thr = order.rs, order.counts, order.thr
+    q, done = np.empty(n), np.empty(n, dtype=bool)
+    while live:
+        extra = order.tail(pos, present, ptr, free)
+        for x, k in extra.items():
+            spd[x] = rs[x][k]
+        if first:
+            first = False
+            for x in members:
+                j = order.jobs[x]
+                if j.running and counts[x][extra.get(x, pos[x])] < j.size:
+                    rem[x] += shrink_cost * spd[x]
+        if order.positive:
+            dt = float(np.minimum.reduce(np.divide(rem, spd, out=q)))
+        else:  # a count that does not run: its job never ends at it (the original's inf)
+            q.fill(math.inf)
+            dt = float(np.divide(rem, spd, out=q, where=spd > 0).min())
+        if dt == math.inf:
+            return math.inf
+        t += dt
+        np.subtract(rem, np.multiply(spd, dt, out=q), out=rem)
+        for x in extra:
+            spd[x] = rs[x][pos[x]]
+        for x in np.less_equal(rem, thr, out=done).nonzero()[0].tolist():
+            acc += t
+            present[x] = False
+            live -= 1
+            rem[x], spd[x] = math.inf, 1.0
+            free += counts[x][pos[x]]
+            lows -= order.lows[x]
+        if late is not None and lows + order.lows[late] <= total:
+            x, late = late, None
+            present[x] = True
+            live += 1
+            rem[x] = order.jobs[x].remaining
+            lows += order.lows[x]
+            pos, ptr, free = order.prefix(np.array(present), total - lows)
+            idx = np.flatnonzero(np.array(present))
+            spd[idx] = order.rate2d[idx, np.array(pos)[idx]]
+            continue
+        changed: list[int] = []
+        ptr, free = order.advance(pos, present, ptr, free, changed)
+        for x in changed:
+            spd[x] = rs[x][pos[x]]
+    return acc if late is None else math.inf

@@ -1,0 +1,104 @@
+"""``--fidelity artifact`` (issue 15, item 3): the public ElasticFlow
+artifact's deadline-satisfactory ratios (its simulator, 60 s slots, A100
+profiles) reproduced within ±0.01 by :func:`tidal.sim.artifact.run_artifact`.
+
+Cells the artifact semantics do not reach yet are strict xfails that carry
+the measured value and the reason (docs/fidelity.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tidal.core.topology import parse_cluster
+from tidal.scheduler.policies.edf import EDF
+from tidal.sim.artifact import ALIASES, ArtifactSemantics, artifact_setup, run_artifact, simulate_fidelity
+from tidal.sim.metrics import summarize
+from tidal.sim.traces import load_trace
+
+DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+TRACES = {
+    "cluster10": ("traces/itp/cluster10.csv", "clusters/n32g8.csv"),
+    "philly_103959": ("traces/philly_103959.csv", "clusters/n32g8.csv"),
+    "195job": ("traces/itp/195job.csv", "clusters/n16g8.csv"),
+}
+TOL = 0.01
+
+_EF = ("ef-accessctrl: our ElasticFlow admits and finishes more jobs than the artifact's (its "
+       "ALAP progressive filling over every profiled count up to models.get_max_gpu, slot-aligned "
+       "plans and marginal-GPU-time allocation are not reproduced); measured {m}, artifact {a}")
+_GANDIVA = ("gandiva: the artifact time-slices jobs over per-size node sets (capacity 8/n jobs a node "
+            "set, rotation only when the round time is a multiple of 60 s); a Plan gives a GPU to one "
+            "job at a time, so this is not modelled; measured {m}, artifact {a}")
+
+# (trace, policy, artifact ratio, measured here or None when reproduced, xfail reason)
+CELLS = [
+    ("cluster10", "ef-accessctrl", 0.962, 0.9923, _EF),
+    ("cluster10", "edf", 0.777, None, ""),
+    ("cluster10", "dlas-gpu", 0.477, None, ""),
+    ("cluster10", "themis", 0.473, None, ""),
+    ("cluster10", "gandiva", 0.331, 0.4769, _GANDIVA),
+    ("philly_103959", "ef-accessctrl", 0.910, 0.9304, _EF),
+    ("philly_103959", "edf", 0.436, None, ""),
+    ("philly_103959", "dlas-gpu", 0.466, None, ""),
+    ("philly_103959", "themis", 0.455, None, ""),
+    ("philly_103959", "gandiva", 0.413, 0.4658, _GANDIVA),
+    ("195job", "ef-accessctrl", 0.877, 0.9128, _EF),
+    ("195job", "edf", 0.097, None, ""),
+    ("195job", "dlas-gpu", 0.492, None, ""),
+    ("195job", "gandiva", 0.241, 0.4769, _GANDIVA),
+]
+
+
+def _param(trace: str, policy: str, want: float, measured: float | None, why: str):
+    marks = [pytest.mark.xfail(reason=why.format(m=measured, a=want), strict=True)] if measured is not None else []
+    return pytest.param(trace, policy, want, id=f"{trace}-{policy}", marks=marks)
+
+
+_cache: dict[str, tuple] = {}
+
+
+def _setup(trace: str) -> tuple:
+    if trace not in _cache:
+        tpath, cpath = TRACES[trace]
+        _cache[trace] = (load_trace(DATA / tpath).jobs, parse_cluster(DATA / cpath))
+    return _cache[trace]
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data (public traces) is not present")
+@pytest.mark.parametrize(("trace", "policy", "want"), [_param(*c) for c in CELLS])
+def test_artifact_ratio(trace: str, policy: str, want: float) -> None:
+    jobs, cluster = _setup(trace)
+    got = summarize(run_artifact(jobs, cluster, policy, slot=60.0))["deadline_ratio"]
+    assert abs(got - want) <= TOL, f"{trace} {policy}: {got:.4f} vs artifact {want:.3f}"
+
+
+def test_aliases_and_options() -> None:
+    assert ALIASES["ef-accessctrl"] == "elasticflow" and ALIASES["dlas-gpu"] == "tiresias"
+    policy, sem = artifact_setup("edf", slot=30.0)
+    assert policy.count_rule == "largest" and sem.charge == "none" and sem.slot == 30.0
+    assert EDF().count_rule == "best"  # the default stays Tidal's own EDF
+    with pytest.raises(ValueError):
+        EDF(count_rule="most")
+
+
+def test_overhead_formula() -> None:
+    sem = ArtifactSemantics()
+    assert sem.overhead(8, new_set=False, restart=True) == 2.0
+    assert sem.overhead(8, new_set=True, restart=False) == 2.0 + 2.0 * 4
+    assert sem.overhead(1, new_set=True, restart=True) == 2.0 + 27.0 + 2.0
+
+
+def test_fidelity_switch(toy_profiles) -> None:
+    from tidal.core.job import JobSpec
+
+    jobs = [JobSpec(f"j{i}", submit_time=100.0 * i, model="lin", batch_size=32, iterations=600.0,
+                    requested_gpus=2, deadline=100.0 * i + 1000.0) for i in range(4)]
+    cluster = parse_cluster("n1g4")
+    art = simulate_fidelity(jobs, cluster, "tiresias", toy_profiles, 60.0, fidelity="artifact")
+    own = simulate_fidelity(jobs, cluster, "tiresias", toy_profiles, 60.0)
+    assert summarize(art)["deadline_ratio"] == summarize(own)["deadline_ratio"] == 1.0
+    with pytest.raises(ValueError):
+        simulate_fidelity(jobs, cluster, "tiresias", toy_profiles, fidelity="exact")
