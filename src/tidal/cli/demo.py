@@ -3,7 +3,8 @@
 By default it starts an embedded cluster (a server and two agents with four
 virtual GPUs each, all on this machine), submits a small mixed workload of
 real elastic training jobs (PyTorch on CPU, gloo), shows the scheduler
-reshaping them live, and ends with a summary. ``--sim`` instead compares every
+reshaping them live (also in the web dashboard, whose URL it prints), and
+ends with a summary; ``--keep`` keeps the cluster up afterwards until Ctrl-C. ``--sim`` instead compares every
 built-in policy in the simulator on a synthetic workload.
 """
 
@@ -67,7 +68,25 @@ def _jobs_table(jobs: list[dict], colors: dict[str, str], t0: float) -> Table:
     return t
 
 
-def live_demo(con: Console, home: Optional[Path], policy: str, timeout_s: float) -> int:
+def _dashboard_banner(con: Console, url: str, home: Path, tenant_token: str) -> None:
+    """Where the web dashboard is and how to log in (docs/dashboard.md)."""
+    con.print(f"[bold]Dashboard:[/] {url}/dashboard/  (open it in a browser on this machine)\n"
+              f"  log in with the admin token in {home / 'admin.token'} (every job),\n"
+              f"  or as the demo's tenant with: [bold]{tenant_token}[/]")
+
+
+def _keep_up(con: Console, url: str) -> None:
+    """Keep the cluster (and its dashboard) up until Ctrl-C."""
+    con.print(f"the cluster stays up (--keep): dashboard at {url}/dashboard/, API at {url}; Ctrl-C stops it")
+    try:
+        while True:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        con.print("stopping the cluster")
+
+
+def live_demo(con: Console, home: Optional[Path], policy: str, timeout_s: float, keep: bool = False) -> int:
+    """The live demo; ``keep``: the cluster stays up after the jobs until Ctrl-C."""
     import tidal.control.demo_job as demo_job
     from tidal.control.local import LocalCluster
 
@@ -89,7 +108,9 @@ def live_demo(con: Console, home: Optional[Path], policy: str, timeout_s: float)
     try:
         with con.status("starting server and agents…"):
             cluster.start()
-        api = cluster.api(cluster.api().add_user("demo", rotate=True))
+        token = cluster.api().add_user("demo", rotate=True)
+        api = cluster.api(token)
+        _dashboard_banner(con, cluster.url, cluster.home, token)
         plan = _workload(demo_job.__file__, root / "records")
         next_at = time.time()
         with Live(console=con, refresh_per_second=4, transient=False) as live:
@@ -128,6 +149,8 @@ def live_demo(con: Console, home: Optional[Path], policy: str, timeout_s: float)
         where = (f"; its state and logs stay in {root / 'home'}" if tmp is None
                  else " (run it with --home DIR to keep the cluster's state and logs)")
         con.print(f"demo finished in {time.time() - t0:.0f} s{where}")
+        if keep:
+            _keep_up(con, cluster.url)
     finally:
         cluster.stop()
         if tmp:
@@ -163,10 +186,12 @@ def demo(
     cluster: str = typer.Option("n4g8", "--cluster", help="Sim mode: cluster spec."),
     seed: int = typer.Option(1, "--seed", help="Seed of the demo's workload (--sim)."),
     out: Path = typer.Option(Path("out/demo"), "--out", help="Sim mode: output directory."),
+    keep: bool = typer.Option(False, "--keep", help="Live mode: keep the cluster and its dashboard up after the "
+                                                    "jobs finish, until Ctrl-C."),
 ) -> None:
     """Run real elastic jobs on an embedded cluster and watch them reshape (or --sim)."""
     con = Console(width=None if sys.stdout.isatty() else 160)
     if sim:
         sim_demo(con, jobs, cluster, seed, out)
         return
-    raise typer.Exit(live_demo(con, home, policy, timeout))
+    raise typer.Exit(live_demo(con, home, policy, timeout, keep))

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import select
 
 from tidal import settings
+from tidal.control import dashboard, promstats
 from tidal.control.api import cluster, internal, jobs, users
 from tidal.control.coordinator import Coordinator
 from tidal.control.credentials import Credentials
@@ -66,11 +67,13 @@ def create_app(
     app.state.register_lock = threading.Lock()
     app.state.heartbeat_clock = internal.HeartbeatClock(time.time())
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    promstats.install(app)  # API latency histogram (outermost: it times 413s too) and the decision log
     app.add_exception_handler(Exception, _any_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(InputError, _bad_input)
     for module in (users, jobs, cluster, internal):
         app.include_router(module.router)
+    dashboard.mount(app)  # the web dashboard at /dashboard/ (docs/dashboard.md)
     _reset_after_restart(store)
     return app
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import PlainTextResponse
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from tidal.control.api.deps import AdminDep, CoordinatorDep, Principal, StoreDep, UserDep
+from tidal.control import promstats
+from tidal.control.api.deps import AdminDep, CoordinatorDep, Principal, StoreDep, UserDep, principal, require_user
 from tidal.control.db import GPU, Event, Job, Node
 
 router = APIRouter(tags=["cluster"])
@@ -58,16 +58,22 @@ def healthz(request: Request) -> dict[str, Any]:
     return {"status": "ok", "leader": request.app.state.elector.is_leading}
 
 
+def optional_user(request: Request, store: StoreDep) -> Principal | None:
+    """The caller of ``/metrics``: None without a token (a plain Prometheus
+    scrape); otherwise a tenant's or the admin's token, checked as on the
+    public API (401 unknown, 403 an agent's, node's or job's credential)."""
+    if "authorization" not in request.headers:
+        return None
+    return require_user(principal(request, store))
+
+
 @router.get("/metrics", response_class=PlainTextResponse)
-def metrics(store: StoreDep, coord: CoordinatorDep) -> str:
-    """Prometheus gauges: jobs and GPUs by state, scheduling rounds."""
-    reg = CollectorRegistry()
-    g_jobs = Gauge("tidal_jobs", "jobs by state", ["state"], registry=reg)
-    g_gpus = Gauge("tidal_gpus", "GPUs by state", ["state"], registry=reg)
-    with store.session(write=False) as s:
-        for state, n in s.execute(select(Job.state, func.count()).group_by(Job.state)).all():
-            g_jobs.labels(state).set(n)
-        for state, n in s.execute(select(GPU.state, func.count()).group_by(GPU.state)).all():
-            g_gpus.labels(state).set(n)
-    Gauge("tidal_scheduler_rounds", "scheduling rounds", registry=reg).set(coord.rounds)
-    return generate_latest(reg).decode()
+def metrics(request: Request, store: StoreDep, coord: CoordinatorDep,
+            p: Annotated[Principal | None, Depends(optional_user)]) -> str:
+    """Prometheus metrics (docs/dashboard.md): jobs, GPUs, nodes, events,
+    rescale pauses, scheduler decision and API latency; per-job series
+    (``job``, ``tenant``) for the jobs the caller's token may see (none
+    without a token)."""
+    state = request.app.state
+    extra = [c for c in (getattr(state, "decisions", None), getattr(state, "request_stats", None)) if c is not None]
+    return promstats.render(store, coord.rounds, p, extra)

@@ -1,0 +1,47 @@
+"""Headless Chromium (Debian's ``chromium`` package, driven by Playwright)
+for the dashboard tests; skipped with the reason when either is missing.
+Chromium runs without network access beyond loopback: background
+networking, component updates, sync and QUIC are off."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def chromium_path() -> str | None:
+    for name in ("/usr/bin/chromium", "/usr/bin/chromium-browser"):
+        if Path(name).exists():
+            return name
+    return shutil.which("chromium")
+
+
+@pytest.fixture(scope="session")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed (pip install playwright)")
+    exe = chromium_path()
+    if exe is None:
+        pytest.skip("chromium not installed (apt-get install -y chromium)")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh tab (its own session storage) of 1280 x 900."""
+    ctx = browser.new_context(viewport={"width": 1280, "height": 900})
+    pg = ctx.new_page()
+    pg.set_default_timeout(20_000)
+    try:
+        yield pg
+    finally:
+        ctx.close()
