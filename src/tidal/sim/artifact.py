@@ -22,11 +22,13 @@ artifact's schedulers (its ``--schedule`` names, accepted as aliases):
 
 | artifact name    | registry policy | options                                  |
 |------------------|-----------------|------------------------------------------|
-| ``ef-accessctrl``| ``elasticflow`` | planned without overheads, no slack       |
+| ``ef-accessctrl``| ``elasticflow`` | planned without overheads, no slack;      |
+|                  |                 | merged arrivals admitted as one batch     |
 | ``edf``          | ``edf``         | ``count_rule="largest"``                   |
 | ``dlas-gpu``     | ``tiresias``    | queues at 3,250 and 7,200 GPU-s, no promotion |
 | ``themis``       | ``themis``      | 60 s leases                               |
-| ``gandiva``      | ``gandiva``     | (defaults)                                |
+| ``gandiva``      | ``gandiva``     | node-set time-slicing executor            |
+|                  |                 | (:mod:`tidal.sim.artifact_gandiva`)        |
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from tidal.core.profile import ThroughputProfile, load_profiles
 from tidal.core.topology import Cluster
 from tidal.scheduler.api import Plan, Policy, Snapshot
 from tidal.scheduler.registry import get_policy_for_slot
+from tidal.sim.artifact_gandiva import GandivaNodeSetSimulator
 from tidal.sim.engine import SimResult
 from tidal.sim.progress import SimJob
 
@@ -61,6 +64,9 @@ class ArtifactSemantics:
     trigger a round (Gandiva only notices them at the next arrival).
     ``lease_grid``: rounds only on the grid ``first arrival + k * slot``
     (Themis' leases: a job arriving between two leases waits for the next).
+    ``batch_admission``: the arrivals merged into one round are admitted
+    or declined together (ElasticFlow: ``estimate_all_jobs`` over all of
+    them; if any cannot meet its deadline, all of them are declined).
     ``last_overhead_counts``: the overhead charged in a job's last round
     delays the completion that decides its deadline (ElasticFlow checks its
     estimate made before charging it)."""
@@ -76,6 +82,7 @@ class ArtifactSemantics:
     last_overhead_counts: bool = True
     merge_rounds: bool = True
     lease_grid: bool = False
+    batch_admission: bool = False
 
     def overhead(self, n: int, new_set: bool, restart: bool) -> float:
         """Seconds of no progress for a job of ``n`` GPUs in one round."""
@@ -158,13 +165,13 @@ class ArtifactSimulator:
                 break
             self._advance(t)
             self.now = t
-            arrived = False
+            arrived: list[str] = []
             while self.next_arrival < len(self.arrivals) and \
                     self.jobs[self.arrivals[self.next_arrival]].spec.submit_time <= t + _EPS:
                 jid = self.arrivals[self.next_arrival]
                 self.active[jid] = self.jobs[jid]
                 self.next_arrival += 1
-                arrived = True
+                arrived.append(jid)
             self._round(t, arrived)
         return SimResult(
             policy=self.policy.name, cluster=self.cluster, jobs=list(self.jobs.values()),
@@ -195,20 +202,27 @@ class ArtifactSimulator:
             t = self.now + self.sem.slot
         return max(t, self.now)
 
-    def _round(self, now: float, arrived: bool) -> None:
+    def _round(self, now: float, arrived: list[str]) -> None:
         restart = self.rounds > 0 and self.rounds % self.sem.restart_every == 0
         self.rounds += 1
-        snap = Snapshot(now=now, cluster=self.cluster, jobs=tuple(j.view() for j in self.active.values()),
-                        profiles=self.profiles)
-        plan = self.policy.schedule(snap)
+        plan = self.policy.schedule(self._snapshot(now))
+        if self.sem.batch_admission and len(arrived) > 1 and any(j in plan.drop for j in arrived):
+            for jid in arrived:  # the whole merged batch is declined
+                job = self.active.pop(jid)
+                job.state, job.drop_reason, job.end_time = JobState.DROPPED, "batch declined", now
+            plan = self.policy.schedule(self._snapshot(now))
         started = self._apply(plan, now)
         if restart:
             self.cache.clear()
-        self._charge(now, started, restart, arrived)
+        self._charge(now, started, restart, bool(arrived))
         self._wake = plan.wake_at if plan.wake_at is not None and plan.wake_at > now else None
         used = sum(len(j.gpus) for j in self.active.values())
         if not self.timeline or self.timeline[-1][1] != used:
             self.timeline.append((now, used))
+
+    def _snapshot(self, now: float) -> Snapshot:
+        return Snapshot(now=now, cluster=self.cluster, jobs=tuple(j.view() for j in self.active.values()),
+                        profiles=self.profiles)
 
     def _apply(self, plan: Plan, now: float) -> set[str]:
         """Drops, admissions, tags, preemptions and new GPU sets; returns the
@@ -277,8 +291,17 @@ def run_artifact(
 ) -> SimResult:
     """Simulate ``policy_name`` (a registry name or an artifact alias such as
     ``ef-accessctrl``) with the artifact's semantics and its policy options."""
+    profiles = profiles or load_profiles()
+    if ALIASES.get(policy_name, policy_name) in NODE_SET_EXECUTORS:
+        # the artifact's Gandiva is a cluster mechanism (node sets, time-slicing), not a Plan
+        result = GandivaNodeSetSimulator(cluster, jobs, profiles, slot=slot).run()
+        result.policy = policy_name
+        return result
     policy, semantics = artifact_setup(policy_name, slot)
-    return ArtifactSimulator(cluster, policy, jobs, profiles or load_profiles(), semantics).run()
+    return ArtifactSimulator(cluster, policy, jobs, profiles, semantics).run()
+
+#: registry names whose artifact version runs on :mod:`tidal.sim.artifact_gandiva`.
+NODE_SET_EXECUTORS = frozenset({"gandiva"})
 
 #: The artifact's ``--schedule`` names -> registry names.
 ALIASES: dict[str, str] = {
@@ -295,7 +318,7 @@ _NO_OVERHEAD = OverheadModel(mode="stop-free", pause_s=0.0, warmup_s=0.0, stop_r
 #: registry name -> (policy options, semantics) of the artifact's version.
 SETUPS: dict[str, tuple[dict[str, Any], ArtifactSemantics]] = {
     "elasticflow": ({"assumed_overheads": _NO_OVERHEAD, "reserve_rescales": 0.0},
-                    ArtifactSemantics(charge="all", last_overhead_counts=False)),
+                    ArtifactSemantics(charge="all", last_overhead_counts=False, batch_admission=True)),
     "edf": ({"count_rule": "largest"}, ArtifactSemantics(charge="none")),
     "tiresias": ({"thresholds": (3250.0, 7200.0), "promote_knob": math.inf},
                  ArtifactSemantics(charge="started", cache=False)),
