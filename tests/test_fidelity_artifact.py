@@ -14,7 +14,8 @@ import pytest
 
 from tidal.core.topology import parse_cluster
 from tidal.scheduler.policies.edf import EDF
-from tidal.sim.artifact import ALIASES, ArtifactSemantics, artifact_setup, run_artifact, simulate_fidelity
+from tidal.scheduler.registry import ALIASES
+from tidal.sim.artifact import ArtifactSemantics, artifact_setup, run_artifact, simulate_fidelity
 from tidal.sim.metrics import summarize
 from tidal.sim.traces import load_trace
 

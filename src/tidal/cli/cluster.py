@@ -92,9 +92,9 @@ def server(
 ) -> None:
     """Run the control plane (REST API + scheduler loop)."""
     from tidal.control.server import serve
-    from tidal.scheduler.registry import policy_names
+    from tidal.scheduler.registry import is_policy, policy_names
 
-    if policy not in policy_names():
+    if not is_policy(policy):
         err.print("[red]error:[/] " + escape(f"unknown policy {policy!r}; known: {', '.join(policy_names())}"))
         raise typer.Exit(2)
     for f in (tls_cert, tls_key):

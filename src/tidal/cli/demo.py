@@ -186,7 +186,7 @@ def demo(
     cluster: str = typer.Option("n4g8", "--cluster", help="Sim mode: cluster spec."),
     seed: int = typer.Option(1, "--seed", help="Seed of the demo's workload (--sim)."),
     out: Path = typer.Option(Path("out/demo"), "--out", help="Sim mode: output directory."),
-    keep: bool = typer.Option(False, "--keep", help="Live mode: keep the cluster and its dashboard up after the "
+    keep: bool = typer.Option(False, "--keep", metavar="", help="Live mode: keep the cluster and its dashboard up after the "
                                                     "jobs finish, until Ctrl-C."),
 ) -> None:
     """Run real elastic jobs on an embedded cluster and watch them reshape (or --sim)."""

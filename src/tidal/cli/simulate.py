@@ -70,6 +70,7 @@ def run_policies(
     show_progress: bool = True,
     console: Console | None = None,
     on_result=None,
+    fidelity: str = "tidal",
 ):
     from tidal.scheduler.registry import get_policy_for_slot
     from tidal.sim.engine import Simulator
@@ -91,16 +92,13 @@ def run_policies(
             def on_progress(done: int, total: int, _task=task) -> None:
                 progress.update(_task, completed=done)
 
-            sim = Simulator(
-                cluster,
-                get_policy_for_slot(name, slot),
-                jobs,
-                profiles=profiles,
-                overheads=overheads,
-                slot=slot,
-                on_progress=on_progress,
-            )
-            result = sim.run()
+            if fidelity == "artifact":  # the ElasticFlow artifact's executor (docs/fidelity.md)
+                from tidal.sim.artifact import run_artifact
+
+                result = run_artifact(jobs, cluster, name, profiles, slot)
+            else:
+                result = Simulator(cluster, get_policy_for_slot(name, slot), jobs, profiles=profiles,
+                                   overheads=overheads, slot=slot, on_progress=on_progress).run()
             progress.update(task, completed=len(jobs))
             results.append(result)
             if on_result is not None:
@@ -145,22 +143,27 @@ def simulate(
     profiles_dir: Optional[Path] = typer.Option(None, "--profiles", help="Throughput profile directory (default: shipped A100)."),
     rigid: bool = typer.Option(False, "--rigid", metavar="", help="Treat every job as rigid (not elastic)."),
     wide: bool = typer.Option(False, "--wide", metavar="", help="Every column of the table, however wide the terminal."),
+    fidelity: str = typer.Option("tidal", "--fidelity", help="tidal (Tidal's own model) | artifact (the public "
+                                 "ElasticFlow simulator's semantics: docs/fidelity.md)."),
 ) -> None:
     """Simulate one or more policies on a trace; print a table (or JSON) and
     write per-job CSVs, summary.json and plots."""
     from tidal.core.overhead import OverheadModel
     from tidal.core.profile import load_profiles
     from tidal.core.topology import parse_cluster
-    from tidal.scheduler.registry import policy_names
+    from tidal.scheduler.registry import ALIASES, is_policy, policy_names
     from tidal.sim.metrics import summarize, write_outputs
     from tidal.sim.traces import load_trace
 
     err = Console(stderr=True)
     names = [p.strip() for p in policy.split(",") if p.strip()]
-    known = policy_names()
-    bad = [n for n in names if n not in known]
+    bad = [n for n in names if not is_policy(n)]
     if not names or bad:
-        err.print("[red]error:[/] " + escape(f"unknown policy {', '.join(bad) or '(none)'}; known: {', '.join(known)}"))
+        err.print("[red]error:[/] " + escape(f"unknown policy {', '.join(bad) or '(none)'}; known: "
+                                              f"{', '.join(policy_names())} (aliases: {', '.join(sorted(ALIASES))})"))
+        raise typer.Exit(2)
+    if fidelity not in ("tidal", "artifact"):
+        err.print("[red]error:[/] " + escape(f"--fidelity: choose tidal or artifact, not {fidelity!r}"))
         raise typer.Exit(2)
     try:
         prof = load_profiles(profiles_dir)
@@ -176,7 +179,7 @@ def simulate(
     results = run_policies(
         list(tr.jobs), topo, names, profiles=prof, overheads=overheads, slot=slot,
         show_progress=sys.stderr.isatty(), console=err,
-        on_result=_on_result(err, as_json),
+        on_result=_on_result(err, as_json), fidelity=fidelity,
     )
     summaries = [summarize(r) for r in results]
     out_dir = out or Path("out") / f"{Path(tr.source).stem}_{topo.name}"

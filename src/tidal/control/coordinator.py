@@ -33,6 +33,7 @@ from sqlalchemy import func, select, update
 from tidal.control.db import GPU, Job, Store
 from tidal.control.effects import Context, set_phase
 from tidal.control.phases import PENDING, SUBMITTED, advance
+from tidal.control.promstats import DecisionLog
 from tidal.control.reconcile import Reconciler
 from tidal.control.snapshot import GpuMap, build_snapshot
 from tidal.core.overhead import OverheadModel
@@ -93,6 +94,7 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         self._watch_thread: threading.Thread | None = None
         self.rounds = 0
+        self.decisions = DecisionLog()  # recent decisions and their latency (dashboard, /metrics)
         # whether this server replica schedules now (the leader among replicas; tidal.control.leader)
         self.leading: Callable[[], bool] = leading or (lambda: True)
         self.in_flight = 0  # jobs with a change in flight after the last round
@@ -179,7 +181,9 @@ class Coordinator:
             snap = apply_pins(snap, jobs)
         if not snap.jobs or not gmap.to_gid:
             return None, {}  # no node is up (yet): jobs wait, none is judged against a cluster of nothing
+        t0 = time.perf_counter()
         plan = self.policy.schedule(snap)
+        self.decisions.record(self.policy.name, snap, plan, time.perf_counter() - t0, now)
         try:
             validate_plan(snap, plan)
         except PlanError as e:
@@ -203,7 +207,8 @@ class Coordinator:
                 if j is not None and j.phase == SUBMITTED and j.state == "submitted":
                     set_phase(j, advance(j.phase, "admit"))
                     j.admitted, j.waiting_since = True, now
-                    self.store.log(s, "job.admitted", jid)
+                    why = {k: v for k, v in plan.tags.get(jid, {}).items() if k in ("ef_class", "ef_share")}
+                    self.store.log(s, "job.admitted", jid, policy=self.policy.name, **why)
             for jid, tags in plan.tags.items():
                 j = s.get(Job, jid)
                 if j is not None:

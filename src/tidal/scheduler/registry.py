@@ -40,12 +40,32 @@ _POLICIES: dict[str, Callable[..., Policy]] = {
 }
 
 
+#: The public ElasticFlow artifact's ``--schedule`` names for the same policies.
+ALIASES: dict[str, str] = {
+    "ef-accessctrl": "elasticflow",
+    "ef": "elasticflow",
+    "dlas-gpu": "tiresias",
+}
+
+
+def canonical(name: str) -> str:
+    """The registry name for ``name`` or its alias (``dlas-gpu`` -> ``tiresias``)."""
+    return ALIASES.get(name, name)
+
+
+def is_policy(name: str) -> bool:
+    """``name`` is a policy or an alias of one."""
+    return canonical(name) in _POLICIES
+
+
 def get_policy(name: str, **options: Any) -> Policy:
-    """A new policy object; ``options`` go to its constructor."""
+    """A new policy object; ``options`` go to its constructor. ``name`` may be
+    an alias; the policy keeps the name it was asked by."""
     try:
-        factory = _POLICIES[name]
+        factory = _POLICIES[canonical(name)]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(_POLICIES))}") from None
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(_POLICIES))} "
+                         f"(aliases: {', '.join(sorted(ALIASES))})") from None
     policy = factory(**options)
     policy.name = name
     return policy
@@ -54,7 +74,7 @@ def get_policy(name: str, **options: Any) -> Policy:
 def get_policy_for_slot(name: str, slot: float, **options: Any) -> Policy:
     """A policy that plans in time slots (ElasticFlow, Chronus, ...) is told
     the executor's scheduling slot; others ignore it."""
-    factory = _POLICIES.get(name)
+    factory = _POLICIES.get(canonical(name))
     if factory is not None and slot > 0 and "slot" in inspect.signature(factory).parameters:
         options.setdefault("slot", slot)
     return get_policy(name, **options)

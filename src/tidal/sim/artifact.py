@@ -43,7 +43,7 @@ from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ThroughputProfile, load_profiles
 from tidal.core.topology import Cluster
 from tidal.scheduler.api import Plan, Policy, Snapshot
-from tidal.scheduler.registry import get_policy_for_slot
+from tidal.scheduler.registry import canonical, get_policy_for_slot
 from tidal.sim.artifact_gandiva import GandivaNodeSetSimulator
 from tidal.sim.engine import SimResult
 from tidal.sim.progress import SimJob
@@ -292,7 +292,7 @@ def run_artifact(
     """Simulate ``policy_name`` (a registry name or an artifact alias such as
     ``ef-accessctrl``) with the artifact's semantics and its policy options."""
     profiles = profiles or load_profiles()
-    if ALIASES.get(policy_name, policy_name) in NODE_SET_EXECUTORS:
+    if canonical(policy_name) in NODE_SET_EXECUTORS:
         # the artifact's Gandiva is a cluster mechanism (node sets, time-slicing), not a Plan
         result = GandivaNodeSetSimulator(cluster, jobs, profiles, slot=slot).run()
         result.policy = policy_name
@@ -303,15 +303,6 @@ def run_artifact(
 #: registry names whose artifact version runs on :mod:`tidal.sim.artifact_gandiva`.
 NODE_SET_EXECUTORS = frozenset({"gandiva"})
 
-#: The artifact's ``--schedule`` names -> registry names.
-ALIASES: dict[str, str] = {
-    "ef-accessctrl": "elasticflow",
-    "ef": "elasticflow",
-    "edf": "edf",
-    "dlas-gpu": "tiresias",
-    "themis": "themis",
-    "gandiva": "gandiva",
-}
 
 _NO_OVERHEAD = OverheadModel(mode="stop-free", pause_s=0.0, warmup_s=0.0, stop_resume_s=0.0, launch_s=0.0)
 
@@ -329,7 +320,7 @@ SETUPS: dict[str, tuple[dict[str, Any], ArtifactSemantics]] = {
 
 def artifact_setup(name: str, slot: float = 60.0) -> tuple[Policy, ArtifactSemantics]:
     """The policy object and executor semantics for an artifact or registry name."""
-    reg = ALIASES.get(name, name)
+    reg = canonical(name)
     options, sem = SETUPS.get(reg, ({}, ArtifactSemantics()))
     policy = get_policy_for_slot(reg, slot, **options) if options else get_policy_for_slot(reg, slot)
     policy.name = name
@@ -353,6 +344,6 @@ def simulate_fidelity(
         raise ValueError(f"fidelity must be 'tidal' or 'artifact', got {fidelity!r}")
     from tidal.sim.engine import Simulator
 
-    policy = get_policy_for_slot(ALIASES.get(policy_name, policy_name), slot)
+    policy = get_policy_for_slot(canonical(policy_name), slot)
     return Simulator(cluster, policy, jobs, profiles=profiles, slot=slot, **engine_options).run()
 

@@ -84,7 +84,9 @@ def submit(sub: JobSubmission, p: UserDep, store: StoreDep, coord: CoordinatorDe
     now = time.time()
     spec = sub.to_jobspec(sub.name, now, p.name)
     total = _total_gpus(store)
-    need = max(spec.lo, spec.requested_gpus or 0)
+    # a count must fit as asked; a range or a set needs only its smallest size (it runs at what fits)
+    ranged = spec.max_gpus is not None or spec.allowed_gpus is not None
+    need = spec.lo if ranged else max(spec.lo, spec.requested_gpus or 0)
     if total and need > total:
         raise HTTPException(422, detail=[{"loc": ["body", "gpus"], "msg": f"asks for {need} GPUs, cluster has {total}",
                                           "type": "value_error"}])
