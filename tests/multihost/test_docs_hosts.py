@@ -83,7 +83,12 @@ def _setup(tmp_path: Path, block: Block) -> tuple[Path, dict[str, str]]:
     for d in (work, home, bin_dir):
         d.mkdir()
     shutil.copytree(REPO / "examples", work / "examples")
-    shutil.copy(REPO / "examples" / "cnn.py", work / "train.py")
+    # the docs' train.py: the CNN example with 4x its default data, so a job lives long
+    # enough (about a minute on two workers here) for another host's workers to join it
+    cnn = (REPO / "examples" / "cnn.py").read_text()
+    assert '"--samples", type=int, default=4096' in cnn
+    (work / "train.py").write_text(cnn.replace('"--samples", type=int, default=4096',
+                                               '"--samples", type=int, default=16384'))
     spec = re.search(r"```yaml\n(.*?)```", block.file.read_text(), re.S)
     if spec:
         (work / "job.yaml").write_text(spec.group(1))
@@ -106,6 +111,7 @@ def _wait_job(h: Any, job_id: str, env: dict[str, str], work: Path, timeout_s: f
     while time.time() < end:
         res = h.run(["tidal", "job", job_id, "-o", "json"], timeout=30, env=env, cwd=work,
                     capture_output=True, text=True)
+        assert res.returncode == 0 or "cannot reach" not in res.stderr, res.stderr
         m = re.search(r'"state":\s*"(\w+)"', res.stdout)
         state = m.group(1) if m else state
         if state in ("completed", "failed", "cancelled"):
@@ -143,10 +149,12 @@ def test_the_several_host_examples_work_as_written(block: Block, hosts: Any, tmp
             continue
         res = h.run(["bash", "-c", cmd], timeout=120, env=env, cwd=work, capture_output=True, text=True)
         assert res.returncode == 0, f"{block.where}: {cmd}\n{res.stdout}\n{res.stderr}"
-        submitted += re.findall(r"^submitted (\S+)", res.stdout, re.M)
+        ids = re.findall(r"^submitted (\S+)", res.stdout, re.M)
+        prefix = dict(re.findall(r"(?:^|\s)([A-Z_]+)=(\S+)(?=\s+tidal\b)", cmd))  # VAR=... tidal submit
+        submitted += [(job_id, key, {**env, **prefix}) for job_id in ids]
     try:
-        for job_id in submitted:
-            _wait_job(hs[index["client"]], job_id, env, work)
+        for job_id, key, job_env in submitted:  # asked from where it was submitted, as it was
+            _wait_job(hs[index[key]], job_id, job_env, work)
         for cmd, p in background:
             if cmd.startswith("tidal run"):
                 assert p.wait(timeout=300) == 0, f"{block.where}: {cmd} exited {p.returncode}"
