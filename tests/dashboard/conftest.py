@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from dash_helpers import hdr
+
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
@@ -45,3 +47,27 @@ def page(browser):
         yield pg
     finally:
         ctx.close()
+
+
+@pytest.fixture
+def tenants(tmp_path):
+    """An in-process server (no loop, no agent) with a 4-GPU node and two
+    tenants, alice and bob, with a job each; one scheduling round ran.
+    Returns (client, app, alice's job, bob's job)."""
+    from fastapi.testclient import TestClient
+
+    from tidal.control.db import Store
+    from tidal.control.server import create_app
+
+    store = Store(f"sqlite:///{tmp_path / 't.db'}")
+    app = create_app(store, admin_token="admin-tok", home=tmp_path, start_loop=False)
+    client = TestClient(app)
+    store.add_user("alice", token="alice-tok")
+    store.add_user("bob", token="bob-tok")
+    client.post("/internal/agents/register", json={"name": "n0", "num_gpus": 4, "virtual": True},
+                headers=hdr("admin-tok"))
+    job = {"script": "train.py", "gpus": "1-2", "iterations": 100, "deadline": 600}
+    a = client.post("/v1/jobs", json={**job, "name": "a"}, headers=hdr("alice-tok")).json()["id"]
+    b = client.post("/v1/jobs", json={**job, "name": "b"}, headers=hdr("bob-tok")).json()["id"]
+    app.state.coordinator.round()
+    return client, app, a, b

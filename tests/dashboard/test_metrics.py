@@ -10,11 +10,10 @@ import re
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tidal.control.db import Store
-from tidal.control.server import create_app
+
+from dash_helpers import hdr  # noqa: E402
 
 GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tidal-dashboard.json"
 NAME = re.compile(r"^tidal_[a-z][a-z0-9_]*$")
@@ -23,26 +22,11 @@ TIME_WORDS = ("duration", "latency", "pause", "timestamp", "time")
 BAD_UNITS = ("_ms", "_milliseconds", "_microseconds", "_minutes", "_hours", "_kb", "_mb", "_gb", "_percent")
 
 
-def hdr(tok: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {tok}"}
-
-
 @pytest.fixture
-def env(tmp_path):
-    """Two tenants with a job each on a 4-GPU node; alice's job reported a
-    step time and two rescales (one pause of 20 ms, one of 2 s); a scheduling
-    round ran."""
-    store = Store(f"sqlite:///{tmp_path / 't.db'}")
-    app = create_app(store, admin_token="admin-tok", home=tmp_path, start_loop=False)
-    client = TestClient(app)
-    store.add_user("alice", token="alice-tok")
-    store.add_user("bob", token="bob-tok")
-    client.post("/internal/agents/register", json={"name": "n0", "num_gpus": 4, "virtual": True},
-                headers=hdr("admin-tok"))
-    job = {"script": "train.py", "gpus": "1-2", "iterations": 100, "deadline": 600}
-    a = client.post("/v1/jobs", json={**job, "name": "a"}, headers=hdr("alice-tok")).json()["id"]
-    b = client.post("/v1/jobs", json={**job, "name": "b"}, headers=hdr("bob-tok")).json()["id"]
-    app.state.coordinator.round()
+def env(tenants):
+    """The two tenants' server; alice's job reported a step time and two
+    rescales (one pause of 20 ms, one of 2 s)."""
+    client, app, a, b = tenants
     changes = [{"kind": "scale_out", "from_size": 1, "to_size": 2, "pause_s": 0.02, "switch_step": 5,
                 "switched_at": 1.0}, {"kind": "scale_in", "from_size": 2, "to_size": 1, "pause_s": 2.0,
                                       "switch_step": 9, "switched_at": 2.0}]

@@ -10,35 +10,19 @@ import threading
 import time
 
 import pytest
-from fastapi.testclient import TestClient
 
 from tidal.control.dashboard.jobpage import change_reason, segments
-from tidal.control.db import Store
 from tidal.control.local import free_port
 from tidal.control.promstats import DecisionLog
-from tidal.control.server import create_app
+
+from dash_helpers import hdr  # noqa: E402
 from tidal.control.snapshot import build_snapshot
 from tidal.scheduler.api import Plan
 
 
-def hdr(tok: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {tok}"}
-
-
 @pytest.fixture
-def env(tmp_path):
-    store = Store(f"sqlite:///{tmp_path / 't.db'}")
-    app = create_app(store, admin_token="admin-tok", home=tmp_path, start_loop=False)
-    client = TestClient(app)
-    store.add_user("alice", token="alice-tok")
-    store.add_user("bob", token="bob-tok")
-    client.post("/internal/agents/register", json={"name": "n0", "num_gpus": 4, "virtual": True},
-                headers=hdr("admin-tok"))
-    job = {"script": "train.py", "gpus": "1-2", "iterations": 100, "deadline": 600}
-    a = client.post("/v1/jobs", json={**job, "name": "a"}, headers=hdr("alice-tok")).json()["id"]
-    b = client.post("/v1/jobs", json={**job, "name": "b"}, headers=hdr("bob-tok")).json()["id"]
-    app.state.coordinator.round()
-    return client, app, a, b
+def env(tenants):
+    return tenants
 
 
 def test_data_needs_a_tenant_or_admin_token(env):
