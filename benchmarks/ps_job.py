@@ -3,13 +3,15 @@
 For each server count, a PS job with one embedding table of ``--rows`` x
 ``--dim`` float32 (default 10^7 x 16 = 640 MB, split over the servers, each a
 process of this host) and ``--workers`` worker threads of this process; each
-worker pushes ``--batch`` random rows (a gradient per row) and pulls the same
-number, as fast as it can, for ``--seconds``. Then, on the 2-server job, a
-scale-out to 3 and a scale-in back to 2: the pause is the time from freezing
-the servers to the last commit (rows moved and each server's checkpoint
-written), as the master measures it.
+worker pulls ``--batch`` random rows and pushes a gradient for each, as fast
+as it can (staleness 4), for ``--seconds``. Throughput is counted over that
+window only. Then, on the 2-server job, with the workers still running, a
+scale-out to 3 servers and a scale-in back to 2: the pause is the time from
+freezing the servers to the last commit (rows moved and each server's
+checkpoint written), as the master measures it. Every server process must
+exit with code 0.
 
-Prints ONE JSON line with ``--json`` (else a table).
+Prints ONE JSON line with ``--json`` (else one line per server count).
 """
 
 from __future__ import annotations
@@ -26,49 +28,69 @@ import torch
 from tidal.ps import ProcessLauncher, PSClient, PSMaster, TableSpec
 
 
-def _drive(addr: str, wid: str, rows: int, dim: int, batch: int, stop: threading.Event,
-           counts: dict[str, int]) -> None:
-    c = PSClient(addr, wid, staleness=4)
-    g = torch.Generator().manual_seed(hash(wid) & 0xFFFF)
-    grad = torch.full((batch, dim), 1e-3)
-    n = 0
-    while not stop.is_set():
-        ids = torch.randint(0, rows, (batch,), generator=g)
-        c.pull({"emb": ids})
-        c.push({"emb": (ids, grad)}, lr=0.1)
-        n += 1
-    c.flush()
-    counts[wid] = n
-    c.close()
+class _Driver:
+    """One worker thread pulling and pushing random rows until stopped."""
+
+    def __init__(self, addr: str, index: int, a: argparse.Namespace) -> None:
+        self.addr, self.index, self.a = addr, index, a
+        self.steps, self.error = 0, None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"bench-w{index}")
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            c = PSClient(self.addr, f"w{self.index}", staleness=4)
+        except BaseException as e:  # noqa: BLE001 - reported by main
+            self.error = e
+            return
+        try:
+            g = torch.Generator().manual_seed(self.index)
+            grad = torch.full((self.a.batch, self.a.dim), 1e-3)
+            while not self.stop.is_set():
+                ids = torch.randint(0, self.a.rows, (self.a.batch,), generator=g)
+                c.pull({"emb": ids})
+                c.push({"emb": (ids, grad)}, lr=0.1)
+                self.steps += 1
+            c.flush()
+        except BaseException as e:  # noqa: BLE001 - reported by main
+            self.error = e
+        finally:
+            c.close(leave=self.error is None)
 
 
-def measure(n_ps: int, a: argparse.Namespace, scale: bool) -> dict[str, float]:
-    """Pushes/s and samples/s with ``n_ps`` servers; with ``scale``, the pauses of 2->3->2."""
+def measure(n_ps: int, a: argparse.Namespace, scale: bool) -> dict[str, object]:
+    """Pushes/s and rows/s with ``n_ps`` servers; with ``scale``, the pauses of 2->3->2."""
     with tempfile.TemporaryDirectory(prefix="ps-bench-") as ckpt:
         t0 = time.perf_counter()
-        m = PSMaster([TableSpec("emb", a.rows, a.dim)], ckpt, ProcessLauncher(), ps=n_ps,
-                     threads=a.threads, auto=False)
+        launcher = ProcessLauncher()
+        m = PSMaster([TableSpec("emb", a.rows, a.dim)], ckpt, launcher, servers=n_ps, threads=a.threads, auto=False)
         addr = m.start()
-        out: dict[str, float] = {"start_s": time.perf_counter() - t0}
+        out: dict[str, object] = {"start_s": round(time.perf_counter() - t0, 2)}
+        drivers: list[_Driver] = []
+        procs = []
         try:
-            stop, counts = threading.Event(), {}
-            ts = [threading.Thread(target=_drive, args=(addr, f"w{i}", a.rows, a.dim, a.batch, stop, counts))
-                  for i in range(a.workers)]
-            for t in ts:
-                t.start()
+            drivers = [_Driver(addr, i, a) for i in range(a.workers)]
+            time.sleep(min(2.0, a.seconds / 2))  # warm-up: every worker registered and pushing
+            s0, w0 = sum(d.steps for d in drivers), time.perf_counter()
             time.sleep(a.seconds)
+            steps, wall = sum(d.steps for d in drivers) - s0, time.perf_counter() - w0
+            out.update(pushes_per_s=round(steps / wall, 1), rows_per_s=round(steps * a.batch / wall))
             if scale:
-                out["scale_out_2_3"] = m.scale_ps(3)
+                out["scale_out_2_3"] = {k: round(v, 1) for k, v in m.scale_servers(3).items()}
                 time.sleep(a.seconds / 2)
-                out["scale_in_3_2"] = m.scale_ps(2)
-            stop.set()
-            for t in ts:
-                t.join()
-            wall = a.seconds * (2 if scale else 1)
-            pushes = sum(counts.values())
-            out.update(pushes_per_s=pushes / wall, samples_per_s=pushes * a.batch / wall)
+                out["scale_in_3_2"] = {k: round(v, 1) for k, v in m.scale_servers(2).items()}
         finally:
+            for d in drivers:
+                d.stop.set()
+            for d in drivers:
+                d.thread.join()
+            procs = [h.proc for h in launcher.started]
             m.close()
+        errors = [repr(d.error) for d in drivers if d.error is not None]
+        if errors:
+            raise RuntimeError(f"workers failed: {errors}")
+        out["server_exit_codes"] = sorted({p.returncode for p in procs})
     return out
 
 
@@ -84,7 +106,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    result: dict[str, object] = {"rows": a.rows, "dim": a.dim, "table_mb": a.rows * a.dim * 4 / 2**20,
+    result: dict[str, object] = {"rows": a.rows, "dim": a.dim, "table_mb": round(a.rows * a.dim * 4 / 1e6, 1),
                                  "workers": a.workers, "batch": a.batch, "threads": a.threads}
     for n in [int(x) for x in a.servers.split(",")]:
         result[f"ps{n}"] = measure(n, a, scale=(n == 2))

@@ -6,10 +6,10 @@ the embeddings and the bottom output feed a top MLP that predicts a click.
 The MLPs' weights live on the servers too, as one flat table. Synthetic data:
 the click depends on hidden per-id scores, so the model can learn it.
 
-    python examples/dlrm_ps.py --workers 2 --ps 2 --samples 40000
+    python examples/dlrm_ps.py --workers 2 --servers 2 --samples 40000
     python examples/dlrm_ps.py --processes --rows 3333334   # 10^7 rows x 16 over the servers
 
-Halfway, the job scales its servers from ``--ps`` to ``--ps + 1``.
+Halfway, the job scales its parameter servers from ``--servers`` to ``--servers + 1``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import logging
 import tempfile
 import threading
+import time
 
 import torch
 from torch import nn
@@ -55,6 +56,13 @@ def batch(start: int, end: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, 
 
 def train_worker(addr: str, wid: str, dim: int, rows: int, batch_size: int, lr: float, out: dict) -> None:
     ps = PSClient(addr, wid, staleness=2)
+    try:
+        out[wid] = _train(ps, dim, rows, batch_size, lr)
+    finally:
+        ps.close()
+
+
+def _train(ps: PSClient, dim: int, rows: int, batch_size: int, lr: float) -> list[float]:
     model = Dlrm(dim)
     params = list(model.parameters())
     losses = []
@@ -74,15 +82,14 @@ def train_worker(addr: str, wid: str, dim: int, rows: int, batch_size: int, lr: 
             flat = torch.cat([p.grad.flatten() for p in params]).unsqueeze(1)
             grads["mlp"] = (torch.arange(flat.shape[0]), flat)
             ps.push(grads, lr=lr)
-            losses.append(float(loss))
-    ps.close()
-    out[wid] = losses
+            losses.append(float(loss.detach()))
+    return losses
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--ps", type=int, default=2)
+    p.add_argument("--servers", type=int, default=2, help="parameter servers at the start")
     p.add_argument("--rows", type=int, default=20_000, help="rows of each of the 3 embedding tables")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--samples", type=int, default=40_000)
@@ -97,21 +104,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dlrm-ps-") as ckpt:
         shards = ShardQueue(a.samples, shard_size=a.batch * 8)
         launcher = ProcessLauncher() if a.processes else ThreadLauncher()
-        master = PSMaster(tables, ckpt, launcher, ps=a.ps, shards=shards)
+        master = PSMaster(tables, ckpt, launcher, servers=a.servers, shards=shards)
         addr = master.start()
         try:
             init = PSClient(addr, "init")   # the MLP starts from torch's default init, not zeros
-            vec = torch.nn.utils.parameters_to_vector(Dlrm(a.dim).parameters()).unsqueeze(1)
-            init.push({"mlp": (torch.arange(mlp_size), -vec)})
-            init.close()
+            try:
+                vec = torch.nn.utils.parameters_to_vector(Dlrm(a.dim).parameters()).unsqueeze(1)
+                init.push({"mlp": (torch.arange(mlp_size), -vec.detach())})
+            finally:
+                init.close()
             losses: dict[str, list[float]] = {}
             threads = [threading.Thread(target=train_worker, args=(addr, f"w{i}", a.dim, a.rows, a.batch,
                                                                      a.lr, losses)) for i in range(a.workers)]
             for t in threads:
                 t.start()
             while len(shards.done) < shards.total // 2 and any(t.is_alive() for t in threads):
-                threading.Event().wait(0.1)
-            master.scale_ps(a.ps + 1)
+                time.sleep(0.1)
+            master.scale_servers(a.servers + 1)
             for t in threads:
                 t.join()
         finally:
@@ -120,7 +129,7 @@ def main() -> None:
     k = max(1, len(every) // 10)
     log.info("batches %d; loss first 10%% %.3f, last 10%% %.3f; repartition pause %.0f ms", len(every),
              sum(every[:k]) / k, sum(every[-k:]) / k,
-             next(e for e in master.events if e["kind"] == "scale_ps")["pause_ms"])
+             next(e for e in master.events if e["kind"] == "scale_servers")["pause_ms"])
 
 
 if __name__ == "__main__":

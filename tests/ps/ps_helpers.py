@@ -6,10 +6,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any, Iterator
 
+import pytest
 import torch
 
 from tidal.ps import PSClient, PSMaster, TableSpec
+from tidal.ps.wire import Conn, ConnectionLost
 
 ROWS, DIM, DENSE = 3000, 4, 6
 TABLES = [TableSpec("emb", ROWS, DIM, "float64"), TableSpec("dense", DENSE, 2, "float64")]
@@ -44,6 +47,10 @@ class Worker:
     def _run(self) -> None:
         try:
             self.client = c = PSClient(self.master_addr, self.wid, staleness=self.staleness)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            self.error = e
+            return
+        try:
             for shard in c.shards():
                 for i in range(shard.start, shard.end):
                     if self.crash_after is not None and len(self.samples) >= self.crash_after:
@@ -59,6 +66,7 @@ class Worker:
             c.close()
         except BaseException as e:  # noqa: BLE001 - the test reads it
             self.error = e
+            c.close(leave=False)
 
     def join(self, timeout_s: float = 60.0) -> None:
         self.thread.join(timeout_s)
@@ -88,3 +96,37 @@ def assert_no_lost_update(master: PSMaster, workers: list[Worker]) -> None:
         expected = -sum(w.pushed[name] for w in workers)
         assert torch.equal(got[name], expected), f"{name}: parameters differ from the pushed sum " \
             f"by {float((got[name] - expected).abs().max())}"
+
+
+def lose_push_answers(monkeypatch: pytest.MonkeyPatch, every: int = 5) -> list[int]:
+    """On every connection, every ``every``-th push is delivered (and applied) but
+    its answer is lost; returns a counter of pushes sent."""
+    real, calls, per_conn = Conn.call, [0], {}
+
+    def lossy(self: Conn, op: str, header: dict[str, Any] | None = None, tensors: Any = None) -> Any:
+        answer = real(self, op, header, tensors)
+        if op == "push":
+            calls[0] += 1
+            per_conn[id(self)] = n = per_conn.get(id(self), 0) + 1
+            if n % every == 0:
+                self.close()
+                raise ConnectionLost(f"{self.addr}: push: answer lost (test)")
+        return answer
+
+    monkeypatch.setattr(Conn, "call", lossy)
+    return calls
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left() -> Iterator[None]:
+    """Every PS thread (servers, master, clients) a test started has ended when it returns."""
+    before = set(threading.enumerate())
+
+    def left() -> list[str]:
+        return [t.name for t in threading.enumerate() if t not in before and t.name.startswith("ps-")]
+
+    yield
+    end = time.monotonic() + 5
+    while left() and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not left(), f"threads still running: {left()}"

@@ -87,6 +87,9 @@ class PSClient:
 
     def _beat_loop(self) -> None:
         while not self._stop.wait(self.beat_s):
+            if self.pusher.error is not None:
+                log.warning("push thread of %s failed; no more beats, the master will drop it", self.worker)
+                return
             try:
                 self._beat()
             except (ConnectionLost, RuntimeError) as e:
@@ -103,8 +106,18 @@ class PSClient:
             self.refresh_layout()
 
     # -- the training API ----------------------------------------------------------------
+    def _check_ids(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        spec = self.layout.tables.get(name)
+        if spec is None:
+            raise KeyError(f"no table {name!r} in this job")
+        ids = ids.to(torch.int64).flatten()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= spec.rows):
+            raise IndexError(f"table {name!r} has rows [0, {spec.rows}); asked {int(ids.min())}..{int(ids.max())}")
+        return ids
+
     def pull(self, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rows ``ids[table]`` of each table, in the order asked."""
+        ids = {n: self._check_ids(n, i) for n, i in ids.items()}
         self._wait_staleness()
         tables = self.layout.tables
         out = {n: torch.empty(i.numel(), tables[n].dim, dtype=tables[n].torch_dtype) for n, i in ids.items()}
@@ -117,6 +130,8 @@ class PSClient:
                         "pull", {"tables": list(part)}, {f"{n}/ids": i for n, (i, _) in part.items()})
                 except (ConnectionLost, KeyError):
                     ans, rows = {"status": "retry"}, {}
+                if ans["status"] == "error":
+                    raise RuntimeError(f"{ps} failed a pull: {ans.get('error')}")
                 for name, (i, pos) in part.items():
                     if ans["status"] == "ok":
                         out[name][pos] = rows[name]
@@ -135,9 +150,14 @@ class PSClient:
     def push(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]], lr: float = 1.0) -> int:
         """Queues ``rows[ids] -= lr * grad`` for each table; returns the push's sequence number.
         One push is one step of this worker's clock."""
+        part = {}
+        for n, (i, g) in grads.items():
+            i = self._check_ids(n, i)
+            g = g.detach().reshape(i.numel(), self.layout.tables[n].dim)
+            part[n] = (i, g)
         self.pusher.wait_below(self.max_pending - 1)
         seq = self.clock
-        self.pusher.submit(seq, {n: (i.to(torch.int64), g) for n, (i, g) in grads.items()}, lr)
+        self.pusher.submit(seq, part, lr)
         self.clock += 1
         return seq
 
@@ -178,11 +198,19 @@ class PSClient:
         finally:
             self._stop.set()
             self.pusher.stop()
-            self._beats.join(5)
-            for c in list(self._conns.values()) + [self._master]:
-                c.close()
+            self._shut()
 
     def crash(self) -> None:
-        """Stops beating and pushing without a word to the master (tests: a dead worker)."""
+        """Stops beating and pushing at once, without a word to the master, as a dead
+        process would (tests: a dead worker)."""
         self._stop.set()
-        self.pusher.aborted = True
+        self.pusher.abort()
+        self._shut()
+
+    def _shut(self) -> None:
+        if self._beats is not threading.current_thread():
+            self._beats.join(10)
+        with self._lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for c in conns + [self._master]:
+            c.close()

@@ -5,7 +5,6 @@ handler threads and the job's checkpoint directory, and can kill it."""
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -24,6 +23,9 @@ class PSHandle(Protocol):
     def kill(self) -> None:
         """Ends the server at once, losing its memory (a crash)."""
 
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Waits for a server told to ``shutdown`` to end (killing it after ``timeout_s``)."""
+
     def alive(self) -> bool:
         """False once the server is gone."""
 
@@ -41,6 +43,9 @@ class _ThreadPS:
         self.srv, self.id, self.addr, self.threads = srv, srv.id, srv.addr, srv.threads
 
     def kill(self) -> None:
+        self.srv.close(abort=True)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
         self.srv.close()
 
     def alive(self) -> bool:
@@ -62,7 +67,8 @@ class ThreadLauncher:
 
     def close(self) -> None:
         for h in self.started:
-            h.kill()
+            h.stop()
+        self.started = []
 
 
 class _ProcessPS:
@@ -73,6 +79,15 @@ class _ProcessPS:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("parameter server %s did not stop within %.0f s; killing it", self.id, timeout_s)
+        self.kill()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -88,7 +103,7 @@ class ProcessLauncher:
     def start(self, ps_id: str, threads: int, ckpt_dir: str) -> PSHandle:
         cmd = [sys.executable, "-m", "tidal.ps", "--id", ps_id, "--threads", str(threads),
                "--ckpt", ckpt_dir]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         line: list[str] = []
         reader = threading.Thread(target=lambda: line.append(proc.stdout.readline() if proc.stdout else ""),
                                   daemon=True)
@@ -97,11 +112,16 @@ class ProcessLauncher:
         if not line or not line[0].startswith("PS_ADDR "):
             proc.kill()
             proc.wait()
+            reader.join(5)
+            if proc.stdout:
+                proc.stdout.close()
             raise RuntimeError(f"parameter server {ps_id} did not start (exit {proc.poll()})")
         h = _ProcessPS(ps_id, threads, proc, line[0].split()[1])
         self.started.append(h)
         return h
 
     def close(self) -> None:
+        """Kills the servers still running (the master asked them to shut down first)."""
         for h in self.started:
-            h.kill()
+            h.stop(timeout_s=5.0)
+        self.started = []

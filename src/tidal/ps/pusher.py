@@ -4,7 +4,9 @@ A push is cut by the layout into one part per server; each part is sent as
 ``(worker, seq, k)``, ``k`` the routing round (a part refused with ``retry`` or
 ``moved`` is routed again under the new layout with ``k+1``). A part whose
 connection broke keeps its ``(seq, k)`` and goes to the same server until it
-gets an answer, so the server's deduplication sees a resend as one. Each
+gets an answer, so the server's deduplication sees a resend as one (if that
+server has left the layout meanwhile, the master answers from the marks it
+returned when it retired). Each
 acknowledged part is logged with the server's ``ckpt`` stamp (the first
 checkpoint that will hold it) until the server reports that checkpoint
 written; after a restore the log's newer parts are replayed (docs/ps.md).
@@ -27,6 +29,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Part = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (ids, grads)
+
+
+class Aborted(RuntimeError):
+    """The worker stopped (``PSClient.crash`` or a stop that timed out) with pushes unsent."""
 
 
 def part_tensors(part: Part) -> dict[str, torch.Tensor]:
@@ -70,7 +76,7 @@ class Pusher:
         self.pending = 0
         self.acked_rounds = 0
         self.error: BaseException | None = None
-        self.aborted = False
+        self._abort = threading.Event()
         self.replayed = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"ps-push-{client.worker}")
         self._thread.start()
@@ -88,33 +94,61 @@ class Pusher:
         if self.error is not None:
             raise RuntimeError("the push thread failed") from self.error
 
-    def stop(self) -> None:
+    @property
+    def aborted(self) -> bool:
+        return self._abort.is_set()
+
+    def abort(self) -> None:
+        """Stops sending at once (what is unsent is dropped) and joins the thread."""
+        self._abort.set()
         self._queue.put(None)
-        self._thread.join(30)
+        if self._thread is not threading.current_thread():
+            self._thread.join(10)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Sends what is queued, then ends the thread (aborting after ``timeout_s``)."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("push thread of %s still sending after %.0f s; aborting", self.client.worker, timeout_s)
+            self.abort()
 
     def _run(self) -> None:
-        while True:
-            try:
-                item = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                self._idle_replay()
-                continue
-            if item is None or self.aborted:
-                return
-            try:
-                self._push(*item)
-            except BaseException as e:  # noqa: BLE001 - reported to the training thread
-                log.exception("push failed")
-                self.error = e
-            with self._cond:
-                self.pending -= 1
+        try:
+            while not self.aborted:
+                try:
+                    item = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    self._idle_replay()
+                    continue
+                if item is None:
+                    return
+                self._push_one(item)
+                if self.error is not None:
+                    return
+        finally:
+            with self._cond:  # nobody waits forever on a push that will not be sent
+                if self.error is None and self.pending:
+                    self.error = Aborted(f"{self.pending} pushes of {self.client.worker} were not sent")
                 self._cond.notify_all()
-            if self.error is not None:
-                return
+
+    def _push_one(self, item: tuple[int, Part, float]) -> None:
+        try:
+            self._push(*item)
+        except Aborted:
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported to the training thread
+            log.exception("push failed")
+            self.error = e
+        with self._cond:
+            self.pending -= 1
+            self._cond.notify_all()
 
     def _idle_replay(self) -> None:
         try:
             self.replay_if_asked()
+        except Aborted:
+            pass
         except BaseException as e:  # noqa: BLE001 - reported to the training thread
             log.exception("replay failed")
             self.error = e
@@ -127,10 +161,11 @@ class Pusher:
             refused: Part = {}
             for ps, sub in routed.items():
                 ans = self._send(ps, seq, k, sub, lr)
-                if ans["status"] == "ok":
-                    self.log.add(ps, int(ans["ckpt"]), seq, k, lr, sub)
-                    self.log.trim(ps, int(ans["durable"]))
-                elif ans["status"] != "dup":
+                if ans["status"] in ("ok", "dup"):  # dup: applied before, its answer was lost
+                    if int(ans.get("ckpt", 0)) > 0:
+                        self.log.add(ps, int(ans["ckpt"]), seq, k, lr, sub)
+                    self.log.trim(ps, int(ans.get("durable", 0)))
+                else:
                     refused = self._merge(refused, sub)
             remaining, k = refused, k + 1
             if remaining:
@@ -149,13 +184,22 @@ class Pusher:
         return out
 
     def _send(self, ps: str, seq: int, k: int, part: Part, lr: float) -> dict[str, Any]:
-        """One part to ``ps``; after a broken connection, the same ``(seq, k)`` to the same server."""
+        """One part to ``ps``; after a broken connection, the same ``(seq, k)`` to the same
+        server, or, once it has left the layout, the master's word on whether it applied it."""
         header = {"worker": self.client.worker, "seq": seq, "k": k, "lr": lr, "tables": list(part)}
         sticky, delay = False, 0.01
         while True:
+            if self.aborted:
+                raise Aborted(f"push {seq} of {self.client.worker} not sent")
             try:
                 ans = self.client.conn(ps, "push").call("push", header, part_tensors(part))[0]
-            except (ConnectionLost, KeyError) as e:
+            except KeyError:  # ps has left the layout
+                if not sticky:
+                    return {"status": "moved"}
+                known = self.client.master("applied", {"ps": ps, "seq": seq, "k": k})
+                if known["status"] == "ok":  # its rows moved (and were checkpointed) with the update, or not
+                    return {"status": "dup"} if known["applied"] else {"status": "moved"}
+            except ConnectionLost as e:
                 sticky = True
                 log.info("push to %s lost (%s); resending after a layout refresh", ps, e)
             else:

@@ -10,10 +10,14 @@ A repartition from layout ``old`` to ``new`` (docs/ps.md, "Repartition"):
    servers not in ``new`` retire. Workers then resend what was refused,
    routed by ``new``. Every update is applied once: before the freeze (and
    moved with its rows) or after the commit (by the new holder).
+
+If a step before 4 fails, the old servers are unfrozen (``ready``) and keep
+serving the old layout; the error is raised.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,6 +26,7 @@ from typing import Any, Callable
 from tidal.ps.layout import Layout
 
 Call = Callable[[str, str, dict[str, Any]], dict[str, Any]]
+log = logging.getLogger(__name__)
 
 
 def _each(call: Call, servers: list[str], op: str, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -33,22 +38,38 @@ def _each(call: Call, servers: list[str], op: str, body: dict[str, Any]) -> list
     return answers
 
 
-def repartition(old: Layout, new: Layout, call: Call) -> dict[str, float]:
+def repartition(old: Layout, new: Layout, call: Call) -> tuple[dict[str, float], dict[str, dict[str, list[int]]]]:
     """Runs the four steps; ``call(ps, op, body)`` reaches a server of either
-    layout. Returns the pause (freeze to last commit) and its parts, in ms."""
+    layout. Returns the pause (freeze to last commit) and its parts in ms, and
+    each retired server's deduplication marks (``worker -> [seq, k]``)."""
     t0 = time.perf_counter()
     body = {"layout": new.to_json()}
-    _each(call, old.servers, "freeze", {})
-    _each(call, new.servers, "prepare", body)
-    t1 = time.perf_counter()
-    _each(call, old.servers, "send_rows", body)
+    try:
+        _each(call, old.servers, "freeze", {})
+        _each(call, new.servers, "prepare", body)
+        t1 = time.perf_counter()
+        _each(call, old.servers, "send_rows", body)
+    except Exception:
+        _unfreeze(call, old.servers)
+        raise
     t2 = time.perf_counter()
     _each(call, new.servers, "commit", body)
     t3 = time.perf_counter()
-    _each(call, [ps for ps in old.servers if ps not in new.servers], "commit", body)
+    gone = [ps for ps in old.servers if ps not in new.servers]
+    answers = _each(call, gone, "commit", body) if gone else []
     t4 = time.perf_counter()
-    return {"pause_ms": (t3 - t0) * 1e3, "prepare_ms": (t1 - t0) * 1e3, "move_ms": (t2 - t1) * 1e3,
-            "commit_checkpoint_ms": (t3 - t2) * 1e3, "retire_ms": (t4 - t3) * 1e3}
+    timing = {"pause_ms": (t3 - t0) * 1e3, "prepare_ms": (t1 - t0) * 1e3, "move_ms": (t2 - t1) * 1e3,
+              "commit_checkpoint_ms": (t3 - t2) * 1e3, "retire_ms": (t4 - t3) * 1e3}
+    return timing, {ps: a.get("last", {}) for ps, a in zip(gone, answers)}
+
+
+def _unfreeze(call: Call, servers: list[str]) -> None:
+    """After a failed step 1-3: the old layout serves again (best effort per server)."""
+    for ps in servers:
+        try:
+            call(ps, "ready", {})
+        except Exception:  # noqa: BLE001 - the first error is the one raised
+            log.exception("repartition rollback: %s could not be unfrozen", ps)
 
 
 @dataclass

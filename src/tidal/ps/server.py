@@ -66,9 +66,10 @@ class PSServer:
             return {"status": "error", "error": f"unknown op {op!r}"}, {}
         return fn(h, t)
 
-    def close(self) -> None:
-        self.server.close()
+    def close(self, abort: bool = False) -> None:
+        """Stops serving and joins the server's threads (``abort``: queued requests are dropped)."""
         self.stopped.set()
+        self.server.close(abort=abort)
 
     # -- data path ---------------------------------------------------------------------
     def _unavailable(self, tables: list[str], t: Tensors, allowed: tuple[str, ...] = ("ready",)) -> Answer | None:
@@ -93,14 +94,20 @@ class PSServer:
         if self.work_s:
             time.sleep(self.work_s)
         with self._lock:
+            # Deduplicate first: a resend whose first answer was lost must be
+            # acknowledged even if its rows have left this server since (they
+            # carried the update with them) or the server is frozen or retired.
+            mark, prev = [int(h["seq"]), int(h["k"])], self.last.get(h["worker"])
+            if prev is not None and mark <= prev[:2]:
+                if mark != prev[:2]:
+                    log.warning("ps %s: %s resent %s, older than its last part %s", self.id, h["worker"], mark, prev)
+                # the stamp the part got when it was applied, so the worker can log it
+                return {"status": "dup", "ckpt": prev[2] if mark == prev[:2] else 0, "durable": self.durable}, {}
             bad = self._unavailable(h["tables"], t)
             if bad:
                 return bad
-            mark = [int(h["seq"]), int(h["k"])]
-            if mark <= self.last.get(h["worker"], [-1, -1]):
-                return {"status": "dup", "durable": self.durable}, {}
             self._apply(h, t)
-            self.last[h["worker"]] = mark
+            self.last[h["worker"]] = [*mark, self.next_ckpt]
             return {"status": "ok", "ckpt": self.next_ckpt, "durable": self.durable}, {}
 
     def _replay(self, h: dict[str, Any], t: Tensors) -> Answer:
@@ -111,7 +118,8 @@ class PSServer:
                 return bad
             self._apply(h, t)
             mark = [int(h["seq"]), int(h["k"])]
-            self.last[h["worker"]] = max(mark, self.last.get(h["worker"], [-1, -1]))
+            if mark > self.last.get(h["worker"], [-1, -1, 0])[:2]:
+                self.last[h["worker"]] = [*mark, self.next_ckpt]
             return {"status": "ok", "ckpt": self.next_ckpt, "durable": self.durable}, {}
 
     def _apply(self, h: dict[str, Any], t: Tensors) -> None:
@@ -130,9 +138,10 @@ class PSServer:
 
     def _freeze(self, h: dict[str, Any], t: Tensors) -> Answer:
         with self._lock:
-            if self.status == "ready":
+            was = self.status
+            if was == "ready":
                 self.status = "frozen"
-            return {"status": "ok", "was": self.status}, {}
+            return {"status": "ok", "was": was}, {}
 
     def _prepare(self, h: dict[str, Any], t: Tensors) -> Answer:
         with self._lock:
@@ -150,7 +159,8 @@ class PSServer:
                 if src != self.id:
                     continue
                 conn = conns.setdefault(dst, Conn(new.addrs[dst]))
-                step = max(1, (64 << 20) // max(1, new.tables[table].dim * 4))
+                spec = new.tables[table]
+                step = max(1, (64 << 20) // max(1, spec.dim * spec.torch_dtype.itemsize))
                 for a in range(lo, hi, step):
                     with self._lock:
                         rows = self.store.read_range(table, a, min(hi, a + step))
@@ -174,8 +184,9 @@ class PSServer:
         with self._lock:
             self.layout = new
             if self.id not in new.servers:
+                # a retired server applies nothing more; its marks answer "was it applied?"
                 self.status, self.store = "retired", ShardStore()
-                return {"status": "ok"}, {}
+                return {"status": "ok", "last": {w: m[:2] for w, m in self.last.items()}}, {}
             self.store.commit()
         self._write_checkpoint()
         with self._lock:
@@ -250,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     srv = PSServer(a.id, a.ckpt, threads=a.threads, host=a.host, port=a.port, work_s=a.work_s)
     print(f"PS_ADDR {srv.addr}", flush=True)
     srv.stopped.wait()
+    # Join every thread before the interpreter exits: a daemon thread still in a
+    # torch call at exit is killed inside C++ and aborts the process
+    # ("terminate called without an active exception").
     srv.close()
     return 0
 

@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 Handler = Callable[[str, dict[str, Any], Tensors], tuple[dict[str, Any], Tensors]]
 _LEN = struct.Struct("!Q")
-_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.int64, torch.int32, torch.float16,
-                                torch.bfloat16, torch.uint8)}
+_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.int64, torch.int32, torch.int16,
+                                torch.int8, torch.float16, torch.bfloat16, torch.uint8, torch.bool)}
+_MAX_HEADER = 64 << 20
 
 
 class ConnectionLost(RuntimeError):
@@ -62,6 +63,8 @@ def send_frame(sock: socket.socket, header: dict[str, Any], tensors: Tensors | N
 def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], Tensors]:
     """Reads one frame written by :func:`send_frame`."""
     (n,) = _LEN.unpack(_read_exact(sock, _LEN.size))
+    if n > _MAX_HEADER:
+        raise ValueError(f"frame header of {n} bytes: not a PS peer")
     header = json.loads(bytes(_read_exact(sock, n)))
     tensors: Tensors = {}
     for name, dtype, shape in header.pop("_t", []):
@@ -119,15 +122,16 @@ class Server:
         self._listen = socket.create_server((host, port))
         self.addr = f"{host}:{self._listen.getsockname()[1]}"
         self._queue: queue.Queue[tuple[float, socket.socket, threading.Lock, dict, Tensors] | None] = queue.Queue()
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
-        self._closed = False
+        self._closed = self._aborted = False
         self.delay_sum, self.busy_s, self.served = 0.0, 0.0, 0
         self._pool = [threading.Thread(target=self._work, daemon=True, name=f"ps-handler-{i}")
                       for i in range(threads)]
         for t in self._pool:
             t.start()
-        threading.Thread(target=self._accept, daemon=True, name="ps-accept").start()
+        self._acceptor = threading.Thread(target=self._accept, daemon=True, name="ps-accept")
+        self._acceptor.start()
 
     def stats(self) -> dict[str, float]:
         """Totals since start: requests served, summed queue delay and handler time (s)."""
@@ -136,15 +140,19 @@ class Server:
                     "queued": self._queue.qsize()}
 
     def _accept(self) -> None:
-        while not self._closed:
+        while True:
             try:
                 sock, _ = self._listen.accept()
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            reader = threading.Thread(target=self._read, args=(sock,), daemon=True, name="ps-conn")
             with self._lock:
-                self._conns.add(sock)
-            threading.Thread(target=self._read, args=(sock,), daemon=True, name="ps-conn").start()
+                if self._closed:
+                    sock.close()
+                    return
+                self._conns[sock] = reader
+            reader.start()
 
     def _read(self, sock: socket.socket) -> None:
         send_lock = threading.Lock()
@@ -152,18 +160,21 @@ class Server:
             while not self._closed:
                 header, tensors = recv_frame(sock)
                 self._queue.put((time.monotonic(), sock, send_lock, header, tensors))
-        except (OSError, ConnectionLost, ValueError):
+        except (OSError, ConnectionLost, ValueError, KeyError):
             pass
         finally:
             with self._lock:
-                self._conns.discard(sock)
-            sock.close()
+                mine = not self._closed and self._conns.pop(sock, None) is not None
+            if mine:  # the client left; close() handles the sockets it finds
+                sock.close()
 
     def _work(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
+            if self._aborted:
+                continue  # a crash: what was queued is never handled
             t_in, sock, send_lock, header, tensors = item
             t0 = time.monotonic()
             op = header.pop("op", "")
@@ -182,20 +193,34 @@ class Server:
             except OSError:
                 pass
 
-    def close(self) -> None:
-        """Stops listening and drops every connection (a crash looks the same to clients)."""
-        self._closed = True
+    def close(self, abort: bool = False, timeout_s: float = 10.0) -> None:
+        """Stops listening, answers what is queued (``abort``: drops it, as a crash
+        would), drops every connection and joins every thread of this server."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed, self._aborted = True, abort
         try:
             self._listen.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._listen.close()
+        self._acceptor.join(timeout_s)
+        for _ in self._pool:
+            self._queue.put(None)
+        end = time.monotonic() + timeout_s
+        for t in self._pool:
+            t.join(max(0.0, end - time.monotonic()))
         with self._lock:
-            conns = list(self._conns)
+            conns = dict(self._conns)
         for s in conns:
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for _ in self._pool:
-            self._queue.put(None)
+        for s, reader in conns.items():
+            reader.join(max(0.0, end - time.monotonic()))
+            s.close()
+        alive = [t.name for t in [self._acceptor, *self._pool, *conns.values()] if t.is_alive()]
+        if alive:
+            log.warning("server %s: threads still running after close: %s", self.addr, alive)
