@@ -61,6 +61,10 @@ VALID_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "deadline": st.one_of(st.none(), st.floats(1, 10**6)),
     "priority": st.integers(-10, 10),
     "model": st.one_of(st.sampled_from(["generic", "resnet50", "bert", "gpt2"]), TEXT),
+    "resources": st.one_of(st.none(), st.fixed_dictionaries({}, optional={
+        "memory": st.one_of(st.sampled_from(["2Gi", "512Mi", "4G", "1.5Gi", "0", "-1Gi", "2Zi"]),
+                            st.integers(-1, 2**40), TEXT),
+        "cpus": st.one_of(st.none(), FLOAT, st.integers(-2, 2000))})),
 }
 KEYS = st.one_of(st.none(), st.sampled_from(["k1", "k2", "same-key"]),  # replays and reuses
                  st.text(st.characters(min_codepoint=32, max_codepoint=255), max_size=140))
