@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from sqlalchemy import func, select, update
 
+from tidal.control.autoconf import AutoConf, apply_autoconf
 from tidal.control.db import GPU, Job, Store
 from tidal.control.effects import Context, set_phase
 from tidal.control.phases import PENDING, SUBMITTED, advance
@@ -89,6 +90,7 @@ class Coordinator:
         if home is not None:
             self.cx.home = Path(home)
         self.reconciler = Reconciler(self.cx, change_timeout_s)
+        self.autoconf = AutoConf(store)  # sizes jobs submitted without a GPU count (docs/autoconf.md)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -170,6 +172,7 @@ class Coordinator:
         now = time.time()
         self.rounds += 1
         self._account(now)
+        self.autoconf.tick(now)
         plan, deltas = self._plan(now)
         self.wake_at = plan.wake_at if plan is not None else None
         self.in_flight = self.reconciler.tick(deltas, now)
@@ -178,7 +181,7 @@ class Coordinator:
     def _plan(self, now: float) -> tuple[Plan | None, dict[str, JobDelta]]:
         with self.store.session(write=False) as s:
             snap, gmap, jobs = build_snapshot(s, now, self.overheads)
-            snap = apply_pins(snap, jobs)
+            snap = apply_pins(apply_autoconf(snap, jobs), jobs)
         if not snap.jobs or not gmap.to_gid:
             return None, {}  # no node is up (yet): jobs wait, none is judged against a cluster of nothing
         t0 = time.perf_counter()

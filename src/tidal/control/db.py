@@ -120,6 +120,8 @@ class Job(Base):
     batch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # the policy's global batch (0: the spec's)
     # the submission's Idempotency-Key: a retry with the same key finds this job (unique per user)
     idempotency_key: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    # auto-configuration (tidal.control.autoconf): its stage, samples, fitted model and plan; None: not auto
+    autoconf: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
 
     __table_args__ = (Index("ix_jobs_user_idempotency_key", "user", "idempotency_key", unique=True),)
 

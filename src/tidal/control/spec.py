@@ -10,6 +10,11 @@ serverless jobs), read by :func:`parse_gpu_request` alone:
 
 Per-worker limits (docs/resources.md), enforced by the agents:
   resources: {memory: 2Gi, cpus: 1.5}
+
+Auto-configuration (DLRover's premise: users size jobs badly; docs/autoconf.md):
+  resources: auto    or no GPU count at all: the control plane sizes the job
+                     (:mod:`tidal.control.autoconf`); ``{auto: true, cpus: 1}``
+                     keeps a CPU limit of one's own
 """
 
 from __future__ import annotations
@@ -127,6 +132,7 @@ class Resources(BaseModel):
     memory: int | str | None = Field(default=None, description="per worker: 2Gi, 512Mi, 4G or bytes")
     cpus: float | None = Field(default=None, gt=0, le=1024, allow_inf_nan=False,
                                description="per worker, fractions allowed (1.5)")
+    auto: bool = Field(default=False, description="size the job automatically (docs/autoconf.md)")
 
     @field_validator("memory")
     @classmethod
@@ -172,14 +178,24 @@ class JobSubmission(BaseModel):
     def _gpus(cls, v: Any) -> GpuValue:
         return parse_gpu_request(v).value()
 
+    @field_validator("resources", mode="before")
+    @classmethod
+    def _auto_resources(cls, v: Any) -> Any:
+        return {"auto": True} if isinstance(v, str) and v.strip().lower() == "auto" else v
+
+    @property
+    def auto(self) -> bool:
+        """Sized by the control plane: ``resources: auto``, or no GPU count
+        of any kind (``gpus``, ``min_gpus``, ``max_gpus``)."""
+        asked = self.gpus is not None or self.min_gpus is not None or self.max_gpus is not None
+        return bool(self.resources is not None and self.resources.auto) or not asked
+
     @model_validator(mode="after")
     def _work(self) -> "JobSubmission":
         if self.iterations is None and self.epochs is None:
             raise ValueError("give iterations or epochs")
         if self.epochs is not None and self.dataset_size is None:
             raise ValueError("epochs needs dataset_size")
-        if self.gpus is None and self.deadline is None and self.min_gpus is None:
-            raise ValueError("give gpus, or a deadline for a serverless job")
         if self.min_gpus and self.max_gpus and self.min_gpus > self.max_gpus:
             raise ValueError("min_gpus > max_gpus")
         return self

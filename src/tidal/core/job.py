@@ -29,6 +29,9 @@ class JobState(str, enum.Enum):
 
 
 _TERMINAL = {JobState.DROPPED, JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED}
+for _s in JobState:
+    # a plain attribute, so that JobView.running is a C-level getter
+    setattr(_s, "holds_gpus", _s in (JobState.RUNNING, JobState.RESIZING))
 
 #: Allowed transitions; anything else is a bug in an executor.
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
@@ -135,6 +138,14 @@ class JobSpec:
         if self.allowed_gpus is not None:
             return n in self.allowed_gpus
         return self.lo <= n <= self.hi(n)
+
+    def fits(self, cap: int) -> bool:
+        """Whether the job may run at some count <= ``cap`` (``counts(cap)`` is not empty)."""
+        if not self.elastic:
+            return max(1, self.requested_gpus) <= cap
+        if self.allowed_gpus is not None:
+            return self.allowed_gpus[0] <= cap
+        return self.hi(cap) >= self.lo
 
     def counts(self, cap: int) -> list[int]:
         """Every GPU count the job may run at, up to ``cap``, ascending."""

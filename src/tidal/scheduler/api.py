@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import compress
+from operator import and_, attrgetter, not_, or_, truth
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple
 
@@ -24,7 +27,22 @@ from tidal.core.topology import Cluster
 from tidal.scheduler.placement import place_consolidated
 
 EMPTY: Mapping[str, Any] = MappingProxyType({})
-_RUNNING = frozenset({JobState.RUNNING, JobState.RESIZING})
+
+
+class FrozenDict(dict):  # type: ignore[type-arg]
+    """A dict whose mutating methods raise: the snapshot's indexes. Lookups
+    stay C-level (a mapping proxy's ``get`` is several times slower); an
+    executor fills one with the ``dict`` methods themselves."""
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a snapshot index is read-only")
+
+    __setitem__ = __delitem__ = __ior__ = _read_only  # type: ignore[assignment]
+    clear = pop = popitem = setdefault = update = _read_only  # type: ignore[assignment]
+
+
+_JOB_ID = attrgetter("spec.job_id")
+_ADMITTED = attrgetter("admitted")
 
 
 class JobView(NamedTuple):
@@ -42,9 +60,9 @@ class JobView(NamedTuple):
     tags: Mapping[str, Any] = EMPTY
     batch: int = 0  # current global batch (0: the spec's); hybrid scaling changes it
 
-    @property
-    def job_id(self) -> str:
-        return self.spec.job_id
+    # C-level getters: policies read these hundreds of times per round
+    job_id = property(_JOB_ID, doc="The spec's job id.")
+    running = property(attrgetter("state.holds_gpus"), doc="Running or resizing (holding GPUs).")
 
     @property
     def size(self) -> int:
@@ -55,18 +73,71 @@ class JobView(NamedTuple):
     def remaining(self) -> float:
         return max(0.0, self.spec.iterations - self.done)
 
-    @property
-    def running(self) -> bool:
-        return self.state in _RUNNING
-
 
 @dataclass(frozen=True)
 class Snapshot:
+    """What a policy sees. The indexes below (``held``, ``sizes``, ``owners``,
+    ``ids``) are derived from ``jobs`` on first use; an executor that already
+    has them may hand them in with :meth:`indexed`."""
+
     now: float
     cluster: Cluster
     jobs: tuple[JobView, ...]  # active jobs: submitted, pending, running, resizing
     profiles: ThroughputProfile
     overheads: OverheadModel = field(default_factory=OverheadModel)
+
+    def indexed(self, **indexes: Any) -> Snapshot:
+        """Set indexes (``held``, ``sizes``, ``free``, ``by_free``, ``submitted``...) the
+        executor maintains; they must match ``jobs`` and never change afterwards.
+        Returns ``self``."""
+        self.__dict__.update(indexes)
+        return self
+
+    @cached_property
+    def held(self) -> FrozenDict:
+        """Job id -> GPUs it holds, for the jobs holding any (order unspecified)."""
+        return FrozenDict({v.spec.job_id: v.gpus for v in self.jobs if v.gpus})
+
+    @cached_property
+    def sizes(self) -> FrozenDict:
+        """Job id -> number of GPUs held, for the jobs holding any."""
+        return FrozenDict({jid: len(g) for jid, g in self.held.items()})
+
+    @cached_property
+    def owners(self) -> FrozenDict:
+        """GPU -> the job holding it."""
+        return FrozenDict({g: jid for jid, gpus in self.held.items() for g in gpus})
+
+    @cached_property
+    def free(self) -> tuple[tuple[int, ...], ...]:
+        """Per node, its free GPUs (ascending)."""
+        per, owners = self.cluster.gpus_per_node, self.owners
+        return tuple(tuple(g for g in range(node * per, (node + 1) * per) if g not in owners)
+                     for node in range(self.cluster.num_nodes))
+
+    @cached_property
+    def by_free(self) -> tuple[tuple[int, ...], ...]:
+        """Per count ``k`` (0 .. GPUs per node), the nodes with exactly ``k`` free GPUs (ascending)."""
+        out: list[list[int]] = [[] for _ in range(self.cluster.gpus_per_node + 1)]
+        for node, gpus in enumerate(self.free):
+            out[len(gpus)].append(node)
+        return tuple(map(tuple, out))
+
+    @cached_property
+    def submitted(self) -> tuple[JobView, ...]:
+        """The jobs in state submitted, in snapshot order."""
+        return tuple(j for j in self.jobs if j.state is JobState.SUBMITTED)
+
+    @cached_property
+    def ids(self) -> tuple[str, ...]:
+        """The job ids of ``jobs``, in order."""
+        return tuple(map(_JOB_ID, self.jobs))
+
+    def in_order(self, job_ids: set[str] | frozenset[str]) -> list[JobView]:
+        """The views of ``job_ids`` (those in the snapshot), in snapshot order."""
+        if not job_ids:
+            return []
+        return list(compress(self.jobs, map(job_ids.__contains__, self.ids)))
 
     def throughput(self, job: JobView | JobSpec, n: float) -> float:
         """Iterations/s at the job's submitted global batch on ``n`` GPUs."""
@@ -115,10 +186,8 @@ class Policy(abc.ABC):
     def admission(self, snap: Snapshot, plan: Plan) -> None:
         """Default: admit every submitted job that could ever fit the cluster."""
         total = snap.cluster.num_gpus
-        for j in snap.jobs:
-            if j.state is not JobState.SUBMITTED:
-                continue
-            if j.spec.lo > total or not j.spec.counts(total):
+        for j in snap.submitted:
+            if j.spec.lo > total or not j.spec.fits(total):
                 plan.drop[j.job_id] = f"needs {j.spec.lo} GPUs, cluster has {total}"
             elif snap.throughput(j, j.spec.lo) <= 0:
                 plan.drop[j.job_id] = f"model {j.spec.model} does not run at {j.spec.lo} GPUs"
@@ -135,9 +204,12 @@ class Policy(abc.ABC):
 
 
 def schedulable(snap: Snapshot, plan: Plan) -> list[JobView]:
-    """Jobs that may get GPUs in this plan: admitted before or now, not dropped."""
-    return [
-        j
-        for j in snap.jobs
-        if j.job_id not in plan.drop and (j.admitted or j.job_id in plan.admit)
-    ]
+    """Jobs that may get GPUs in this plan: admitted before or now, not dropped
+    (in snapshot order)."""
+    jobs, drop, admit = snap.jobs, plan.drop, plan.admit
+    ok = map(truth, map(_ADMITTED, jobs))
+    if admit:
+        ok = map(or_, ok, map(admit.__contains__, snap.ids))
+    if drop:
+        ok = map(and_, ok, map(not_, map(drop.__contains__, snap.ids)))
+    return list(compress(jobs, ok))

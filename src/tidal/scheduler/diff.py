@@ -55,47 +55,84 @@ class JobDelta:
         return tuple(g for g in self.have if g not in want)
 
 
-def validate_plan(snap: Snapshot, plan: Plan) -> None:
+def changing(snap: Snapshot, plan: Plan) -> set[str]:
+    """A superset of the jobs whose GPUs may change under ``plan``: every other
+    job is allocated its count and placed on the very tuple of GPUs it holds,
+    or holds none and is allocated none. Uses the snapshot's indexes, so that
+    :func:`validate_plan` and :func:`diff_plan` look closely only at these."""
+    alloc, placement, held = plan.allocation, plan.placement, snap.held
+    if placement == held and alloc == snap.sizes:
+        return set()
+    hget, sget = held.get, snap.sizes.get
+    out = {jid for jid, g in placement.items() if hget(jid) is not g}
+    out.update([jid for jid, n in alloc.items() if sget(jid) != n])
+    out.update(held.keys() - alloc.keys())
+    out.update(alloc.keys() - placement.keys())
+    return out
+
+
+def validate_plan(snap: Snapshot, plan: Plan, changed_ids: set[str] | None = None) -> None:
     """Raise :class:`PlanError` if ``plan`` cannot be executed from ``snap``.
 
     Checks every allocation (the job is in the snapshot, neither dropped nor
     unadmitted, its placement has as many distinct GPUs as its count) and, for
     the jobs whose GPUs change, that the count is one the job's spec allows,
     every GPU is in the cluster and no GPU goes to two jobs. A new batch must
-    be a positive integer.
+    be a positive integer. Jobs that keep their GPUs are only checked against
+    the GPUs others take (they were checked when they got them).
+    ``changed_ids``: :func:`changing` if the caller has it.
     """
     for jid, b in plan.batch.items():
         if not isinstance(b, int) or b <= 0:
             raise PlanError(jid, f"global batch {b!r} must be a positive integer")
-    alloc = {jid: n for jid, n in plan.allocation.items() if n > 0}
-    if not alloc:
+    alloc = plan.allocation
+    if not alloc or max(alloc.values()) <= 0:
         return
     placement, drop = plan.placement, plan.drop
+    look = set(changing(snap, plan) if changed_ids is None else changed_ids)
+    look.update(alloc.keys() & drop.keys())
     taken: dict[int, str] = {}  # new GPU -> the changing job that takes it
-    kept: list[JobView] = []  # jobs that keep their GPUs
-    found = 0
-    for view in snap.jobs:
+    changed: set[str] = set()
+    found: set[str] = set()
+    for view in snap.in_order(look):
         jid = view.spec.job_id
         n = alloc.get(jid)
-        if n is None:
+        if n is None or n <= 0:
             continue
-        found += 1
+        found.add(jid)
         if jid in drop:
             raise PlanError(jid, "allocated GPUs but dropped by the same plan")
         gpus = placement.get(jid)
         have = view.gpus
-        if have and gpus is not None and len(gpus) == n and (gpus is have or sorted(gpus) == sorted(have)):
-            kept.append(view)
-        else:
+        if not (have and gpus is not None and len(gpus) == n and (gpus is have or sorted(gpus) == sorted(have))):
             _check_change(snap, plan, view, n, gpus, taken)
-    if found != len(alloc):
-        ids = {j.spec.job_id for j in snap.jobs}
-        raise PlanError(min(jid for jid in alloc if jid not in ids), "allocated GPUs but not in the snapshot")
+            changed.add(jid)
+    missing = [jid for jid in look if alloc.get(jid, 0) > 0 and jid not in found]
+    if missing:
+        raise PlanError(min(missing), "allocated GPUs but not in the snapshot")
     if taken:
-        for view in kept:
-            if not taken.keys().isdisjoint(view.gpus):
-                g = min(set(taken) & set(view.gpus))
-                raise PlanError(taken[g], f"GPU {g} is placed for both {view.spec.job_id} and {taken[g]}")
+        _check_kept(snap, plan, taken, look, changed)
+
+
+def _check_kept(snap: Snapshot, plan: Plan, taken: dict[int, str], look: set[str], changed: set[str]) -> None:
+    """No GPU taken by a changing job is held by a job that keeps its GPUs."""
+    per, free, held, alloc = snap.cluster.gpus_per_node, snap.free, snap.held, plan.allocation
+    busy = [g for g in taken if g not in free[g // per]]
+    if not busy:
+        return
+    freed: set[int] = set()  # GPUs of jobs that change or stop
+    for jid in look:
+        if jid in held and (jid in changed or alloc.get(jid, 0) <= 0):
+            freed.update(held[jid])
+    if freed.issuperset(busy):
+        return
+    owners = snap.owners
+    clash = {owners[g] for g in taken if g in owners}
+    clash = {jid for jid in clash if jid not in changed and alloc.get(jid, 0) > 0}
+    if clash:
+        view = snap.in_order(clash)[0]
+        g = min(set(taken) & set(view.gpus))
+        raise PlanError(taken[g], f"GPU {g} is placed for both {view.spec.job_id} and {taken[g]}")
 
 
 def _check_change(
@@ -119,12 +156,14 @@ def _check_change(
         taken[g] = jid
 
 
-def diff_plan(snap: Snapshot, plan: Plan) -> dict[str, JobDelta]:
+def diff_plan(snap: Snapshot, plan: Plan, changed_ids: set[str] | None = None) -> dict[str, JobDelta]:
     """Every job of ``snap.jobs`` whose GPUs change under ``plan``, in snapshot
-    order (a job left out of ``plan.allocation``, or allocated 0, holds none)."""
+    order (a job left out of ``plan.allocation``, or allocated 0, holds none).
+    ``changed_ids``: :func:`changing` if the caller has it."""
     alloc, placement = plan.allocation, plan.placement
     out: dict[str, JobDelta] = {}
-    for view in snap.jobs:
+    look = changing(snap, plan) if changed_ids is None else changed_ids
+    for view in snap.in_order(look):
         have = view.gpus
         jid = view.spec.job_id
         n = alloc.get(jid, 0)

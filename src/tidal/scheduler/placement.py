@@ -13,7 +13,9 @@ the topology tree without buddy alignment or migration (those are in
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from itertools import compress
+from operator import eq
+from typing import TYPE_CHECKING, Sequence
 
 from tidal.core.topology import Cluster
 
@@ -22,37 +24,88 @@ if TYPE_CHECKING:
 
 
 class FreeMap:
-    """Free GPUs per node, for best-fit searches."""
+    """Free GPUs per node, for best-fit searches: a snapshot's free lists plus
+    the changes made while placing (nodes are copied when first changed).
 
-    def __init__(self, cluster: Cluster, used: set[int]) -> None:
+    It behaves as the dict ``by_node`` (node -> free GPUs, nodes with any free
+    GPU; ascending at first, a node that becomes free again goes last), whose
+    order decides ties between switches; single-node best fit uses the
+    snapshot's nodes-by-free-count index instead of scanning every node.
+    """
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        used: set[int] | None = None,
+        free: Sequence[Sequence[int]] | None = None,
+        by_free: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         self.cluster = cluster
-        self.by_node: dict[int, list[int]] = defaultdict(list)
         per = cluster.gpus_per_node
-        busy = {g // per for g in used}
-        for node in range(cluster.num_nodes):
-            base = node * per
-            if node not in busy:
-                self.by_node[node] = list(range(base, base + per))
-                continue
-            free = [g for g in range(base, base + per) if g not in used]
-            if free:
-                self.by_node[node] = free
+        if free is None or by_free is None:
+            taken = used or set()
+            free = [[g for g in range(n * per, (n + 1) * per) if g not in taken] for n in range(cluster.num_nodes)]
+            by_free = [[n for n, f in enumerate(free) if len(f) == k] for k in range(per + 1)]
+        self._base = free
+        self._by_free = by_free
+        self._mod: dict[int, list[int]] = {}  # changed nodes: their free GPUs now
+        self._gone: set[int] = set()  # nodes free at first that were emptied
+        self._tail: dict[int, None] = {}  # nodes that became free again, in order
+
+    def _free(self, node: int) -> Sequence[int]:
+        m = self._mod.get(node)
+        return self._base[node] if m is None else m
+
+    def has(self, node: int) -> bool:
+        return bool(self._free(node))
+
+    @property
+    def by_node(self) -> dict[int, list[int]]:
+        """Node -> free GPUs, in dict order (see the class docstring)."""
+        base, gone = self._base, self._gone
+        out = {n: list(self._free(n)) for n in range(len(base)) if base[n] and n not in gone}
+        out.update((n, list(self._free(n))) for n in self._tail)
+        return out
 
     def total(self) -> int:
         return sum(len(v) for v in self.by_node.values())
 
     def take(self, node: int, k: int) -> list[int]:
-        gpus = self.by_node[node]
-        out, self.by_node[node] = gpus[:k], gpus[k:]
-        if not self.by_node[node]:
-            del self.by_node[node]
+        gpus = self._free(node)
+        out, rest = list(gpus[:k]), list(gpus[k:])
+        self._mod[node] = rest
+        if not rest:
+            if node in self._tail:
+                del self._tail[node]
+            else:
+                self._gone.add(node)
         return out
 
     def give(self, gpus: list[int]) -> None:
+        node_of = self.cluster.node_of
         for g in gpus:
-            self.by_node[self.cluster.node_of(g)].append(g)
-        for node in {self.cluster.node_of(g) for g in gpus}:
-            self.by_node[node].sort()
+            node = node_of(g)
+            cur = self._mod.get(node)
+            if cur is None:
+                cur = self._mod[node] = list(self._base[node])
+            if not cur:
+                self._tail[node] = None
+            cur.append(g)
+        for node in {node_of(g) for g in gpus}:
+            self._mod[node].sort()
+
+    def _best_node(self, need: int) -> int | None:
+        """The fullest node with at least ``need`` free GPUs (lowest id on ties)."""
+        mod = self._mod
+        for k in range(need, self.cluster.gpus_per_node + 1):
+            cands = [n for n, v in mod.items() if len(v) == k]
+            for n in self._by_free[k]:
+                if n not in mod:
+                    cands.append(n)
+                    break
+            if cands:
+                return min(cands)
+        return None
 
     def best_fit(self, n: int, prefer_nodes: list[int] | None = None) -> list[int]:
         """Pick ``n`` free GPUs as consolidated as possible."""
@@ -61,39 +114,20 @@ class FreeMap:
         for node in prefer_nodes or ():
             if len(out) == n:
                 break
-            if node in self.by_node:
+            if self.has(node):
                 out += self.take(node, n - len(out))
         need = n - len(out)
         if need == 0:
             return out
         if need <= c.gpus_per_node:
-            fits = [(len(v), node) for node, v in self.by_node.items() if len(v) >= need]
-            if fits:
-                _, node = min(fits)
+            node = self._best_node(need)
+            if node is not None:
                 return out + self.take(node, need)
-        else:
-            whole = -(-need // c.gpus_per_node)
-            per_switch: dict[int, list[int]] = defaultdict(list)
-            for node, v in self.by_node.items():
-                per_switch[c.switch_of_node(node)].append(node)
-            best = None
-            for sw, nodes in per_switch.items():
-                cap = sum(len(self.by_node[x]) for x in nodes)
-                if cap >= need and (best is None or cap < best[0]):
-                    best = (cap, sw)
-            if best is not None:
-                nodes = sorted(per_switch[best[1]], key=lambda x: (-len(self.by_node[x]), x))
-                for node in nodes[: max(whole, 1)]:
-                    out += self.take(node, n - len(out))
-                for node in nodes[whole:]:
-                    if len(out) == n:
-                        break
-                    if node in self.by_node:
-                        out += self.take(node, n - len(out))
-                if len(out) == n:
-                    return out
+        elif self._switch_fit(n, need, out):
+            return out
         # spread: most-free nodes first
-        for node in sorted(self.by_node, key=lambda x: (-len(self.by_node[x]), x)):
+        by_node = self.by_node
+        for node in sorted(by_node, key=lambda x: (-len(by_node[x]), x)):
             if len(out) == n:
                 break
             out += self.take(node, n - len(out))
@@ -101,48 +135,69 @@ class FreeMap:
             raise ValueError(f"cannot place {n} GPUs: only {len(out)} free")
         return out
 
+    def _switch_fit(self, n: int, need: int, out: list[int]) -> bool:
+        """Whole free nodes under the fullest switch that fits ``need`` GPUs
+        (appended to ``out``); False if no switch has room."""
+        c = self.cluster
+        whole = -(-need // c.gpus_per_node)
+        by_node = self.by_node
+        per_switch: dict[int, list[int]] = defaultdict(list)
+        for node in by_node:
+            per_switch[c.switch_of_node(node)].append(node)
+        best = None
+        for sw, nodes in per_switch.items():
+            cap = sum(len(by_node[x]) for x in nodes)
+            if cap >= need and (best is None or cap < best[0]):
+                best = (cap, sw)
+        if best is None:
+            return False
+        nodes = sorted(per_switch[best[1]], key=lambda x: (-len(by_node[x]), x))
+        for node in nodes[: max(whole, 1)]:
+            out += self.take(node, n - len(out))
+        for node in nodes[whole:]:
+            if len(out) == n:
+                break
+            if self.has(node):
+                out += self.take(node, n - len(out))
+        return len(out) == n
+
 
 def place_consolidated(snap: Snapshot, allocation: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    held, sizes = snap.held, snap.sizes
+    if allocation.items() <= sizes.items():
+        # every allocated job keeps its count (the others stop): keep every placement
+        return dict(zip(allocation, map(held.__getitem__, allocation)))
     c = snap.cluster
-    current = {j.job_id: j.gpus for j in snap.jobs if j.gpus}
-    if all(len(current.get(jid, ())) == n for jid, n in allocation.items() if n > 0) and all(
-        allocation.get(jid, 0) in (0, len(g)) for jid, g in current.items()
-    ):
-        # nothing grows, shrinks or starts: keep every placement
-        return {jid: current[jid] for jid, n in allocation.items() if n > 0}
-    placement: dict[str, tuple[int, ...]] = {}
-    used: set[int] = set()
-    for gpus in current.values():
-        used.update(gpus)
-    fmap = FreeMap(c, used)
+    aget = allocation.get
+    # jobs that keep their GPUs, then those that stop or shrink (in snapshot order)
+    keep = list(compress(allocation, map(eq, allocation.values(), map(sizes.get, allocation))))
+    placement: dict[str, tuple[int, ...]] = dict(zip(keep, map(held.__getitem__, keep)))
+    fmap = FreeMap(c, free=snap.free, by_free=snap.by_free)
     # 1. release: preempted jobs, then shrinking jobs give back least-used nodes
-    for jid, gpus in current.items():
-        want = allocation.get(jid, 0)
+    for view in snap.in_order({jid for jid in sizes.keys() - placement.keys() if aget(jid, 0) < sizes[jid]}):
+        jid, gpus = view.spec.job_id, view.gpus
+        want = aget(jid, 0)
         if want == 0:
             fmap.give(list(gpus))
-        elif want < len(gpus):
-            per_node: dict[int, list[int]] = defaultdict(list)
-            for g in gpus:
-                per_node[c.node_of(g)].append(g)
-            order = sorted(per_node.values(), key=len)
-            give: list[int] = []
-            extra = len(gpus) - want
-            for grp in order:
-                take = grp[:extra - len(give)]
-                give += take
-                if len(give) == extra:
-                    break
-            fmap.give(give)
-            placement[jid] = tuple(sorted(set(gpus) - set(give)))
-        elif want == len(gpus):
-            placement[jid] = tuple(gpus)
+            continue
+        per_node: dict[int, list[int]] = defaultdict(list)
+        for g in gpus:
+            per_node[c.node_of(g)].append(g)
+        order = sorted(per_node.values(), key=len)
+        give: list[int] = []
+        extra = len(gpus) - want
+        for grp in order:
+            take = grp[:extra - len(give)]
+            give += take
+            if len(give) == extra:
+                break
+        fmap.give(give)
+        placement[jid] = tuple(sorted(set(gpus) - set(give)))
     # 2. grow and start, biggest first
-    todo = [
-        (jid, n) for jid, n in allocation.items() if n > 0 and jid not in placement
-    ]
+    todo = [(jid, allocation[jid]) for jid in allocation.keys() - placement.keys() if allocation[jid] > 0]
     todo.sort(key=lambda x: (-x[1], x[0]))
     for jid, n in todo:
-        have = current.get(jid, ())
+        have = held.get(jid, ())
         if have:
             nodes = sorted({c.node_of(g) for g in have})
             extra = fmap.best_fit(n - len(have), prefer_nodes=nodes)

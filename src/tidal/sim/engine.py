@@ -9,6 +9,12 @@ plan asks to be woken. The simulator validates every plan
 (:func:`tidal.scheduler.diff.validate_plan`: a GPU is never held by two jobs,
 a rigid job runs only at its count, allocations match placements) and applies
 its :func:`~tidal.scheduler.diff.diff_plan`.
+
+State is kept between rounds (:mod:`tidal.sim.views`): views of waiting jobs
+are rebuilt only when they change, running jobs' counters advance as numpy
+rows (:mod:`tidal.sim.runset`, bit-identical to the per-job sums), and the
+snapshot carries the engine's indexes (GPUs held, free GPUs per node) so that
+placement, validation and diffing look only at the jobs that change.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ThroughputProfile, load_profiles
 from tidal.core.topology import Cluster
 from tidal.scheduler.api import Plan, Policy, Snapshot
-from tidal.scheduler.diff import JobDelta, PlanError, diff_plan, validate_plan
+from tidal.scheduler.diff import JobDelta, PlanError, changing, diff_plan, validate_plan
 from tidal.sim.progress import Progress, SimJob, finish_time, with_idle
+from tidal.sim.views import ViewCache
 
 _COMPLETE, _ARRIVAL, _SCHED = 0, 1, 2
 _DROPPABLE = (JobState.SUBMITTED, JobState.PENDING, JobState.ADMITTED)
@@ -82,7 +89,8 @@ class Simulator:
             j.batch = j.spec.batch_size
         self.active: dict[str, SimJob] = {}
         self.running: dict[str, SimJob] = {}
-        self.owner: dict[int, str] = {}
+        self.cache = ViewCache(cluster)  # views, running rows, GPU owners
+        self.owner: dict[int, str] = self.cache.owner  # GPU -> job (updated by the cache)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self._sched_times: set[float] = set()
@@ -127,29 +135,31 @@ class Simulator:
         job.state = state
 
     def _release(self, job: SimJob) -> None:
-        for g in job.gpus:
-            del self.owner[g]
+        """Free ``job``'s GPUs; it must have left the running rows already."""
+        self.cache.unhold(job)
         job.gpus = ()
         job.segments = []
         self.running.pop(job.spec.job_id, None)
 
     def _hold(self, job: SimJob, gpus: tuple[int, ...]) -> None:
+        owner = self.owner
         for g in gpus:
-            if g in self.owner and self.owner[g] != job.spec.job_id:
-                raise PolicyError(f"GPU {g} given to {job.spec.job_id} but held by {self.owner[g]}")
-        for g in gpus:
-            self.owner[g] = job.spec.job_id
+            if g in owner and owner[g] != job.spec.job_id:
+                raise PolicyError(f"GPU {g} given to {job.spec.job_id} but held by {owner[g]}")
         job.gpus = gpus
+        self.cache.hold(job)
         job.max_gpus = max(job.max_gpus, len(gpus))
         self.running[job.spec.job_id] = job
 
     def _complete(self, job: SimJob, t: float) -> None:
+        self.cache.stop_running(job)
         self.progress.advance(job, t)
         job.done = job.spec.iterations
         self._release(job)
         self._set_state(job, JobState.COMPLETED)
         job.end_time = t
         del self.active[job.spec.job_id]
+        self.cache.leave(job)
         self.finished += 1
 
     # -- the loop ----------------------------------------------------------------
@@ -173,6 +183,7 @@ class Simulator:
                 self._request_round(t)
             elif kind == _ARRIVAL:
                 self.active[payload] = self.jobs[payload]
+                self.cache.arrive(self.jobs[payload])
                 self._arrivals_left -= 1
                 self._request_round(t)
             else:
@@ -188,8 +199,8 @@ class Simulator:
 
     def _result(self) -> SimResult:
         end = self.now
-        for job in self.running.values():
-            self.progress.advance(job, end)
+        self.cache.rows.advance(end, self.progress, self.cache.tags)
+        self.cache.rows.flush_all()
         self.progress.account(end, len(self.owner))
         starts = [j.spec.submit_time for j in self.jobs.values()]
         return SimResult(
@@ -214,15 +225,8 @@ class Simulator:
 
     def _round(self, now: float) -> None:
         self.rounds += 1
-        for job in self.running.values():
-            self.progress.advance(job, now)
-        snap = Snapshot(
-            now=now,
-            cluster=self.cluster,
-            jobs=tuple(j.view() for j in self.active.values()),
-            profiles=self.profiles,
-            overheads=self.overheads,
-        )
+        self.cache.rows.advance(now, self.progress, self.cache.tags)
+        snap = self.cache.snapshot(now, self.cluster, self.active, self.profiles, self.overheads)
         plan = self.policy.schedule(snap)
         self._apply(snap, plan, now)
         stuck = not self.running and self._arrivals_left == 0
@@ -232,12 +236,14 @@ class Simulator:
     # -- applying a plan -----------------------------------------------------------
     def _apply(self, snap: Snapshot, plan: Plan, now: float) -> None:
         self._drop_and_admit(plan, now)
-        deltas = diff_plan(snap, plan)
+        look = changing(snap, plan)
+        deltas = diff_plan(snap, plan, look)
         if self.validate:
-            self._check(snap, plan, deltas)
+            self._check(snap, plan, deltas, look)
         for jid, b in plan.batch.items():
             if jid in self.active and not self.active[jid].gpus:
                 self.active[jid].batch = b
+                self.cache.touch(self.active[jid])
         # preempt first, so GPUs are free for the others
         for jid, delta in deltas.items():
             if not delta.want:
@@ -254,6 +260,7 @@ class Simulator:
             job.drop_reason = reason or "dropped by policy"
             job.end_time = now
             del self.active[jid]
+            self.cache.leave(job)
             self.dropped += 1
         for jid in plan.admit:
             job = self.jobs[jid]
@@ -262,15 +269,17 @@ class Simulator:
                 self._set_state(job, JobState.PENDING)
                 job.admitted = True
                 job.waiting_since = now
+                self.cache.touch(job)
         for jid, tags in plan.tags.items():
             if jid in self.active:
                 self.active[jid].tags.update(tags)
+                self.cache.retag(self.active[jid])
 
-    def _check(self, snap: Snapshot, plan: Plan, deltas: dict[str, JobDelta]) -> None:
+    def _check(self, snap: Snapshot, plan: Plan, deltas: dict[str, JobDelta], look: set[str]) -> None:
         """:func:`validate_plan`, and every job that gets new GPUs must make
         progress on them (at its current batch)."""
         try:
-            validate_plan(snap, plan)
+            validate_plan(snap, plan, look)
         except PlanError as e:
             raise PolicyError(f"policy {self.policy.name}: {e}") from e
         for jid, delta in deltas.items():
@@ -278,12 +287,14 @@ class Simulator:
                 raise PolicyError(f"job {jid} has zero throughput at {len(delta.want)} GPUs")
 
     def _preempt(self, job: SimJob, now: float) -> None:
+        self.cache.stop_running(job)
         self.progress.advance(job, now)
         self._release(job)
         self._set_state(job, JobState.PENDING)
         job.waiting_since = now
         job.preemptions += 1
         job.version += 1
+        self.cache.touch(job)
 
     def _rebatch(self, plan: Plan, deltas: dict[str, JobDelta], now: float) -> None:
         """A new global batch for a job that keeps its GPUs: applied at the next
@@ -293,11 +304,13 @@ class Simulator:
             b = plan.batch[jid]
             if job is None or jid in deltas or b == job.batch:
                 continue
+            self.cache.rows.flush(job)
             self.progress.advance(job, now)
             job.batch = b
             start, _, idle = job.segments[-1]
             job.segments[-1] = (max(start, now), self._rate(job, job.gpus), idle)
             self._schedule_completion(job)
+            self.cache.rows.load(job, self.cache.tags[jid])
 
     def _move(self, plan: Plan, deltas: list[JobDelta], now: float) -> None:
         """Start, grow, shrink and migrate jobs. Two passes, so that jobs may
@@ -306,11 +319,12 @@ class Simulator:
         changes = []
         for d in deltas:
             job = self.jobs[d.job_id]
+            if d.job_id in self.running:
+                self.cache.rows.flush(job)
             self.progress.advance(job, now)
             job.batch = plan.batch.get(d.job_id, job.batch)
             changes.append((job, d.want, len(job.gpus), job.segments[-1][1] if job.segments else 0.0))
-            for g in job.gpus:
-                del self.owner[g]
+            self.cache.unhold(job)
             job.gpus = ()
         for job, gpus, old_n, old_rate in changes:
             new_rate = self._rate(job, gpus)
@@ -336,6 +350,7 @@ class Simulator:
             job.segments = with_idle(segs, len(gpus), warm_idle)
             job.last_t = now
             self._schedule_completion(job)
+            self.cache.run(job, bool(old_n))
 
 
 def simulate(

@@ -78,37 +78,46 @@ class Progress:
 
     def advance(self, job: SimJob, t: float) -> None:
         """Bring ``job.done`` and its counters up to time ``t``."""
-        if t <= job.last_t:
-            return
-        if not job.gpus:
-            job.last_t = t
-            return
-        segs = job.segments
-        n = len(job.gpus)
-        t0 = job.last_t
-        dt = t - t0
-        if len(segs) == 1 and segs[0][0] <= t0:
-            rate = segs[0][1]
-            job.done += rate * dt
-            job.overhead_gpu_s += segs[0][2] * dt
-            self.useful += rate / job.single_rate * dt
-        else:
-            for i, (start, rate, idle) in enumerate(segs):
-                end = segs[i + 1][0] if i + 1 < len(segs) else math.inf
-                a, b = max(start, t0), min(end, t)
-                if b > a:
-                    job.done += rate * (b - a)
-                    job.overhead_gpu_s += idle * (b - a)
-                    self.useful += rate / job.single_rate * (b - a)
-            # keep only the segment in force at t and later ones
-            while len(segs) > 1 and segs[1][0] <= t:
-                segs.pop(0)
-            if job.state is JobState.RESIZING and len(segs) == 1:
-                job.state = JobState.RUNNING
-        job.attained += n * dt
-        job.executed += dt
-        job.gpu_seconds += n * dt
+        terms: list[float] = []
+        integrate(job, t, terms)
+        for x in terms:
+            self.useful += x
+
+
+def integrate(job: SimJob, t: float, useful: list[float]) -> None:
+    """Bring ``job``'s counters up to time ``t``; append its useful work
+    (rate / one-GPU rate x seconds), one term per segment, to ``useful``."""
+    if t <= job.last_t:
+        return
+    if not job.gpus:
         job.last_t = t
+        return
+    segs = job.segments
+    n = len(job.gpus)
+    t0 = job.last_t
+    dt = t - t0
+    if len(segs) == 1 and segs[0][0] <= t0:
+        rate = segs[0][1]
+        job.done += rate * dt
+        job.overhead_gpu_s += segs[0][2] * dt
+        useful.append(rate / job.single_rate * dt)
+    else:
+        for i, (start, rate, idle) in enumerate(segs):
+            end = segs[i + 1][0] if i + 1 < len(segs) else math.inf
+            a, b = max(start, t0), min(end, t)
+            if b > a:
+                job.done += rate * (b - a)
+                job.overhead_gpu_s += idle * (b - a)
+                useful.append(rate / job.single_rate * (b - a))
+        # keep only the segment in force at t and later ones
+        while len(segs) > 1 and segs[1][0] <= t:
+            segs.pop(0)
+        if job.state is JobState.RESIZING and len(segs) == 1:
+            job.state = JobState.RUNNING
+    job.attained += n * dt
+    job.executed += dt
+    job.gpu_seconds += n * dt
+    job.last_t = t
 
 
 def finish_time(job: SimJob) -> float:

@@ -25,6 +25,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from tidal.control.autoconf import new_state
 from tidal.control.api.deps import CoordinatorDep, JobId, LogsDirDep, StoreDep, UserDep, own_job
 from tidal.control.db import GPU, Event, Job, Process, Store
 from tidal.control.jobrules import check_env, check_paths
@@ -97,7 +98,7 @@ def submit(sub: JobSubmission, p: UserDep, store: StoreDep, coord: CoordinatorDe
             with store.session() as s:
                 s.add(Job(id=job_id, user=p.name, name=sub.name, state="submitted", submit_time=now,
                           spec={"submission": body, "jobspec": asdict(spec)}, waiting_since=now,
-                          idempotency_key=key))
+                          idempotency_key=key, autoconf=new_state() if sub.auto else None))
                 store.log(s, "job.submitted", job_id, user=p.name)
         except IntegrityError:  # the key's job was created meanwhile, or the random id is taken
             earlier = _replay(store, p.name, key, body)
@@ -247,7 +248,7 @@ def job_json(s: Session, store: Store, j: Job, detail: bool = False) -> dict[str
     }
     if detail:
         out.update(spec=j.spec.get("submission", {}), progress=j.progress, master_url=j.master_url,
-                   exit_info=j.exit_info, resources=_resources(j))
+                   exit_info=j.exit_info, resources=_resources(j), autoconf=j.autoconf)
         out["processes"] = [
             {"name": w.name, "kind": w.kind, "node": w.node, "gpu": w.gpu, "state": w.state, "pid": w.pid,
              "exit_code": w.exit_code, "resources": dict(w.resources or {})}

@@ -1,0 +1,127 @@
+"""The simulator's state kept between rounds (issue 15) gives what rebuilding
+it would: numpy progress rows match the per-job sums bit for bit, the
+snapshot's indexes match the ones derived from its jobs, placement's
+copy-on-write free map behaves as a plain dict of free lists, and a snapshot
+never changes after the policy got it."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import pytest
+
+from tidal.core.job import JobSpec, JobState
+from tidal.core.topology import parse_cluster
+from tidal.scheduler.api import FrozenDict, Plan, Policy, Snapshot
+from tidal.scheduler.placement import FreeMap
+from tidal.scheduler.registry import get_policy
+from tidal.sim.engine import Simulator
+from tidal.sim.progress import Progress, SimJob
+from tidal.sim.runset import RunSet
+
+
+def _job(i: int, rng: random.Random) -> SimJob:
+    spec = JobSpec(f"j{i}", 0.0, "m", 32, 1e9)
+    job = SimJob(spec=spec, state=JobState.RUNNING, gpus=tuple(range(rng.randint(1, 4))), last_t=0.0)
+    job.single_rate = rng.uniform(0.1, 3.0)
+    rate = rng.uniform(0.1, 40.0)
+    if rng.random() < 0.3:  # in a rescale: paused, then running
+        job.segments = [(0.0, 0.0, len(job.gpus)), (rng.uniform(1, 90), rate, 0)]
+        job.state = JobState.RESIZING
+    else:
+        job.segments = [(0.0, rate, rng.choice([0, 0, 1]))]
+    return job
+
+
+def test_rows_match_per_job_sums_bit_for_bit() -> None:
+    a = [_job(i, random.Random(i)) for i in range(40)]  # advanced one by one
+    b = [_job(i, random.Random(i)) for i in range(40)]  # advanced as rows
+    rng = random.Random(3)
+    ref, fast = Progress(0.0), Progress(0.0)
+    rows = RunSet(8)  # grows
+    for job in b:
+        rows.add(job, FrozenDict())
+    t = 0.0
+    for _ in range(50):
+        t += rng.choice([60.0, 0.1 + rng.random() * 100, 0.0])
+        for job in a:
+            ref.advance(job, t)
+        rows.advance(t, fast, {j.spec.job_id: FrozenDict() for j in b})
+    rows.flush_all()
+    assert fast.useful == ref.useful
+    for x, y in zip(a, b):
+        assert (x.done, x.attained, x.executed, x.gpu_seconds, x.overhead_gpu_s, x.last_t, x.state) == (
+            y.done, y.attained, y.executed, y.gpu_seconds, y.overhead_gpu_s, y.last_t, y.state)
+
+
+class _DictFreeMap:
+    """The free map as a plain dict (the behaviour FreeMap must keep)."""
+
+    def __init__(self, cluster, used: set[int]) -> None:
+        per = cluster.gpus_per_node
+        self.by_node: dict[int, list[int]] = defaultdict(list)
+        for node in range(cluster.num_nodes):
+            free = [g for g in range(node * per, (node + 1) * per) if g not in used]
+            if free:
+                self.by_node[node] = free
+
+    def take(self, node: int, k: int) -> list[int]:
+        gpus = self.by_node[node]
+        out, self.by_node[node] = gpus[:k], gpus[k:]
+        if not self.by_node[node]:
+            del self.by_node[node]
+        return out
+
+    def give(self, gpus: list[int], per: int) -> None:
+        for g in gpus:
+            self.by_node[g // per].append(g)
+        for node in {g // per for g in gpus}:
+            self.by_node[node].sort()
+
+
+def test_free_map_behaves_as_a_dict_of_free_lists() -> None:
+    cluster = parse_cluster("n8g4s2")
+    rng = random.Random(5)
+    used = set(rng.sample(range(cluster.num_gpus), 14))
+    fmap, ref = FreeMap(cluster, used), _DictFreeMap(cluster, used)
+    for _ in range(300):
+        if rng.random() < 0.5 and ref.by_node:
+            node = rng.choice(sorted(ref.by_node))
+            k = rng.randint(0, len(ref.by_node[node]))
+            assert fmap.take(node, k) == ref.take(node, k)
+        else:
+            free = {g for v in ref.by_node.values() for g in v}
+            back = rng.sample(sorted(set(range(cluster.num_gpus)) - free), min(3, cluster.num_gpus - len(free)))
+            fmap.give(list(back))
+            ref.give(list(back), cluster.gpus_per_node)
+        assert list(fmap.by_node.items()) == list(ref.by_node.items())
+
+
+def test_snapshot_indexes_match_its_jobs_and_never_change() -> None:
+    seen: list[tuple[Snapshot, dict, dict, tuple]] = []
+
+    class Spy(Policy):
+        def __init__(self) -> None:
+            self.inner = get_policy("tiresias")
+
+        def schedule(self, snap: Snapshot) -> Plan:
+            seen.append((snap, dict(snap.held), dict(snap.sizes), snap.free))
+            return self.inner.schedule(snap)
+
+        def allocation(self, snap: Snapshot, plan: Plan) -> None:  # pragma: no cover
+            raise AssertionError
+
+    rng = random.Random(1)
+    specs = [JobSpec(f"j{i}", rng.uniform(0, 3000), "resnet50", 128, rng.uniform(1e3, 3e4),
+                     requested_gpus=rng.choice([1, 2, 4, 8])) for i in range(60)]
+    Simulator(parse_cluster("n2g8"), Spy(), specs, slot=60.0).run()
+    assert len(seen) > 20
+    for snap, held, sizes, free in seen:
+        fresh = Snapshot(snap.now, snap.cluster, snap.jobs, snap.profiles)
+        assert held == dict(snap.held) == dict(fresh.held)
+        assert sizes == dict(fresh.sizes)
+        assert free == snap.free == fresh.free and snap.by_free == fresh.by_free
+        assert snap.submitted == fresh.submitted
+    with pytest.raises(TypeError):
+        seen[-1][0].held["x"] = (0,)  # type: ignore[index]
