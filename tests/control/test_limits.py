@@ -368,6 +368,7 @@ def oom_recovers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> 
     assert own_v1_cgroups() == before, "cgroups left behind"
 
 
+@pytest.mark.slow
 def test_a_worker_out_of_memory_is_replaced_with_more_and_the_job_completes(tmp_path, monkeypatch):
     """This machine's best backend (cgroup v1 here)."""
     oom_recovers(tmp_path, monkeypatch, "auto")

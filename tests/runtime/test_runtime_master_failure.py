@@ -139,6 +139,7 @@ def test_scaling_requests_with_ids_are_idempotent_across_a_restart(tmp_path: Pat
     assert m2.group.plan is not None and m2.group.plan.leavers == ("w2",)  # one removal, not two
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_master_killed_during_a_scale_out(tmp_path: Path) -> None:
     """The master dies after publishing a scale-out plan (the newcomer is

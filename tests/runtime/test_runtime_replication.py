@@ -241,6 +241,7 @@ def _params_equal(out: Path, n: int, batch: int, epochs: int) -> list[str]:
     return finals
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_scale_out_with_concurrent_replication_then_migration_including_rank_0(tmp_path: Path) -> None:
     """2 -> 4 with each newcomer fed by a different live worker at once, then
@@ -356,7 +357,7 @@ def _transfer_worker(rank: int, world: int, store_path: str, cap: float) -> None
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("cap", [0.0, 20e6])
+@pytest.mark.parametrize("cap", [0.0, pytest.param(20e6, marks=pytest.mark.slow)])
 def test_point_to_point_replication_delivers_the_exact_state(tmp_path: Path, cap: float) -> None:
     """Newcomers get a bit-exact copy (several dtypes, nesting, non-tensor
     values) from two sources at once, unpaced and paced in 4 MiB chunks (the 4.8 MB tensor takes two)."""

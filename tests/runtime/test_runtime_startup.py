@@ -170,7 +170,7 @@ def _check_job(out: Path, text: str, victim: str, epochs: int) -> dict[str, list
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kill_at,reason", [
-    ("import", "died before it registered"),  # (a) before registering
+    pytest.param("import", "died before it registered", marks=pytest.mark.slow),  # (a) before registering
     ("gate", "died before generation 1 formed"),  # (b) after registering, before the rendezvous
 ])
 def test_initial_worker_lost_before_its_first_step(tmp_path: Path, kill_at: str, reason: str) -> None:
@@ -182,6 +182,7 @@ def test_initial_worker_lost_before_its_first_step(tmp_path: Path, kill_at: str,
     assert {r["world"] for recs in steps.values() for r in recs} == {2}  # every step ran on the two others
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_initial_worker_lost_right_after_registering(tmp_path: Path) -> None:
     # before or after the first generation formed, depending on who registered last
@@ -191,6 +192,7 @@ def test_initial_worker_lost_right_after_registering(tmp_path: Path) -> None:
     _check_job(out, text, "w0", EPOCHS)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_initial_worker_lost_after_its_group_formed(tmp_path: Path) -> None:
     """Too late for the gate: the first state broadcast fails, the others

@@ -51,6 +51,7 @@ def test_master_straggler_policy(policy: str) -> None:
         JobMaster("j", 1, straggler_policy="nope")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(110)
 def test_slow_worker_is_detected_and_removed(tmp_path: Path) -> None:
     out, home = tmp_path / "out", tmp_path / "home"
