@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -143,6 +144,8 @@ def simulate(
     profiles_dir: Optional[Path] = typer.Option(None, "--profiles", help="Throughput profile directory (default: shipped A100)."),
     rigid: bool = typer.Option(False, "--rigid", metavar="", help="Treat every job as rigid (not elastic)."),
     wide: bool = typer.Option(False, "--wide", metavar="", help="Every column of the table, however wide the terminal."),
+    report: bool = typer.Option(False, "--report", metavar="", help="Also write OUT/report.html: one self-contained "
+                                "page with the table, the plots and this command."),
     fidelity: str = typer.Option("tidal", "--fidelity", help="tidal (Tidal's own model) | artifact (the public "
                                  "ElasticFlow simulator's semantics: docs/fidelity.md)."),
 ) -> None:
@@ -152,7 +155,6 @@ def simulate(
     from tidal.core.profile import load_profiles
     from tidal.core.topology import parse_cluster
     from tidal.scheduler.registry import ALIASES, is_policy, policy_names
-    from tidal.sim.metrics import summarize, write_outputs
     from tidal.sim.traces import load_trace
 
     err = Console(stderr=True)
@@ -181,14 +183,27 @@ def simulate(
         show_progress=sys.stderr.isatty(), console=err,
         on_result=_on_result(err, as_json), fidelity=fidelity,
     )
-    summaries = [summarize(r) for r in results]
     out_dir = out or Path("out") / f"{Path(tr.source).stem}_{topo.name}"
+    _outputs(results, out_dir, f"{Path(tr.source).name} on {topo.name}", err, table=not as_json, wide=wide,
+             report=report)
+
+
+def _outputs(results: list, out_dir: Path, title: str, err: Console, *, table: bool, wide: bool,
+             report: bool) -> None:
+    """The run's files, its table on stdout (unless --json) and with --report its page."""
+    from tidal.cli.tables import wide_console
+    from tidal.sim.metrics import summarize, write_outputs
+
+    summaries = [summarize(r) for r in results]
     paths = write_outputs(results, out_dir)
-    if not as_json:
+    if table:
         # a pipe gets every column unless $COLUMNS says how wide to be
         con = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)
-        from tidal.cli.tables import wide_console
-
-        (wide_console(con) if wide else con).print(
-            results_table(summaries, f"{Path(tr.source).name} on {topo.name}", wide=wide, width=con.width))
+        (wide_console(con) if wide else con).print(results_table(summaries, title, wide=wide, width=con.width))
     err.print(f"wrote {out_dir}/ (summary.json, *_jobs.csv, {paths['utilization'].name}, {paths['jct_cdf'].name})")
+    if report:
+        from tidal.sim.report import write_report
+
+        page = write_report(results, summaries, out_dir / "report.html", title=title,
+                            command=shlex.join(["tidal", *sys.argv[1:]]))
+        err.print(f"report: {page}")

@@ -151,6 +151,7 @@ class ArtifactSimulator:
     def _complete(self, job: SimJob, t: float) -> None:
         job.done = job.spec.iterations
         job.gpus = ()
+        job.alloc.append((t, 0))
         job.state = JobState.COMPLETED
         job.end_time = t
         del self.active[job.spec.job_id]
@@ -244,6 +245,7 @@ class ArtifactSimulator:
                 if job.gpus:
                     job.gpus, job.state, job.waiting_since = (), JobState.PENDING, now
                     job.preemptions += 1
+                    job.alloc.append((now, 0))
                 self.ends.pop(jid, None)
                 continue
             if not job.gpus:
@@ -253,6 +255,8 @@ class ArtifactSimulator:
                 job.rescales += 1
             if job.state in (JobState.PENDING, JobState.ADMITTED, JobState.SUBMITTED):
                 job.state = JobState.RUNNING
+            if len(gpus) != len(job.gpus):
+                job.alloc.append((now, len(gpus)))
             job.gpus = gpus
             job.max_gpus = max(job.max_gpus, len(gpus))
         return started

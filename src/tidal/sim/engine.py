@@ -138,6 +138,7 @@ class Simulator:
         """Free ``job``'s GPUs; it must have left the running rows already."""
         self.cache.unhold(job)
         job.gpus = ()
+        job.alloc.append((self.now, 0))
         job.segments = []
         self.running.pop(job.spec.job_id, None)
 
@@ -147,6 +148,7 @@ class Simulator:
             if g in owner and owner[g] != job.spec.job_id:
                 raise PolicyError(f"GPU {g} given to {job.spec.job_id} but held by {owner[g]}")
         job.gpus = gpus
+        job.alloc.append((self.now, len(gpus)))
         self.cache.hold(job)
         job.max_gpus = max(job.max_gpus, len(gpus))
         self.running[job.spec.job_id] = job

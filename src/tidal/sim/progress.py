@@ -44,6 +44,7 @@ class SimJob:
     version: int = 0
     single_rate: float = 0.0  # iterations/s on one GPU, for cluster efficiency
     batch: int = 0  # current global batch
+    alloc: list[tuple[float, int]] = field(default_factory=list)  # (time, GPUs) at each change
 
     def view(self) -> JobView:
         return JobView(
