@@ -64,7 +64,9 @@ def _jobs_table(jobs: list[dict], colors: dict[str, str], t0: float) -> Table:
     for j in jobs:
         col = colors.get(j["id"], "white")
         pct = 100 * j["step"] / max(1, j["iterations"] or 1)
-        t.add_row(f"[{col}]{j['id']}[/]", j["state"], str(len(j["gpus"])), f"{pct:5.1f}%", str(j["rescales"]))
+        # the group changes the workers went through (each with a pause), as the summary counts them
+        switches = len((j.get("progress") or {}).get("changes") or ())
+        t.add_row(f"[{col}]{j['id']}[/]", j["state"], str(len(j["gpus"])), f"{pct:5.1f}%", str(switches))
     return t
 
 
@@ -121,7 +123,7 @@ def live_demo(con: Console, home: Optional[Path], policy: str, timeout_s: float,
                     ids.append(jid)
                     colors[jid] = COLORS[len(colors) % len(COLORS)]
                     next_at = time.time() + (plan[0][0] if plan else 0)
-                jobs = api.jobs()
+                jobs = [api.job(j["id"]) for j in api.jobs()]  # with their progress (group changes)
                 live.update(Group(_gpu_map(api.cluster(), colors), _jobs_table(jobs, colors, t0)))
                 if not plan and jobs and all(j["state"] in DONE for j in jobs):
                     break
