@@ -223,11 +223,27 @@ def test_cluster_blocks_work_against_a_real_cluster(block: Block, scratch):
                 m = re.search(r"^submitted (\S+)", res.stdout, re.M)
                 job_id = m.group(1) if m else job_id
     finally:
-        os.killpg(up.pid, signal.SIGINT)
+        os.killpg(up.pid, signal.SIGTERM)  # as `kill` stops it (Ctrl-C may be ignored in a background shell)
         try:
             up.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait()
+        _kill_processes_of(Path(env["TIDAL_HOME"]))
     assert up.returncode == 0, up.stdout.read()[-3000:] if up.stdout else ""
+
+
+def _kill_processes_of(home: Path) -> None:
+    """Kill what is left of a cluster whose `tidal up` did not stop it: every
+    process started with this TIDAL_HOME (its server and agents have sessions
+    of their own)."""
+    mark = f"TIDAL_HOME={home}".encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if mark in (d / "environ").read_bytes().split(b"\0"):
+                os.kill(int(d.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
 

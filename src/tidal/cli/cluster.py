@@ -209,6 +209,17 @@ def agent(
         a.shutdown()
 
 
+def _port_free(port: int) -> bool:
+    """Nothing listens on the loopback ``port`` (so the server that answers there is ours)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no owner
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @app.command()
 def up(
     gpus: int = typer.Option(8, "--gpus", help="Virtual GPUs in all."),
@@ -225,6 +236,10 @@ def up(
     if gpus % nodes:
         err.print("[red]error:[/] " + escape(f"--gpus {gpus} does not divide into {nodes} nodes"))
         raise typer.Exit(2)
+    if not _port_free(port):
+        err.print("[red]error:[/] " + escape(f"port {port} is in use (another `tidal up` or `tidal server`?): "
+                                              "stop it, or choose another with --port"))
+        raise typer.Exit(2)
     h = home or settings.home()
     c = LocalCluster(h, nodes=nodes, gpus_per_node=gpus // nodes, policy=policy, port=port, tick_s=1.0)
     import signal
@@ -233,6 +248,8 @@ def up(
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _term)
+    # Ctrl-C even when started from a shell's background, which starts it with SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         c.start()
         user_token = c.api().add_user("user", rotate=True)  # a restart with the same home re-issues it
