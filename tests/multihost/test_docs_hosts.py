@@ -8,7 +8,8 @@ hosts here), ``# anywhere that reaches the server``. Servers, agents and
 names ``ADDR:PORT`` starts once that port answers. What the harness adds, as
 an operator would: ``--virtual-gpus 2`` on agents (no GPU here), the admin
 token copied beside each host's shell as ``admin.token``, a shared
-``$TIDAL_HOME`` (one file system), the docs' job spec as ``job.yaml`` and
+``$TIDAL_HOME`` (one file system, declared shared storage for checkpoints, as
+docs/control.md asks of jobs that span hosts), the docs' job spec as ``job.yaml`` and
 ``examples/cnn.py`` as ``train.py``. The block passes when every launcher
 exits 0 and a submitted job completes.
 """
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tidal import settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs"))
 from docblocks import REPO, Block, blocks, split_commands  # noqa: E402
@@ -107,6 +110,7 @@ def _setup(tmp_path: Path, block: Block) -> tuple[Path, dict[str, str]]:
     (bin_dir / "tidal").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
     env.update(TIDAL_HOME=str(home), PATH=f"{bin_dir}:{env.get('PATH', '')}", COLUMNS="120")
+    env[settings.CHECKPOINT_SHARED.name] = "1"  # the hosts share one file system: checkpoints are shared storage
     return work, env
 
 
