@@ -211,10 +211,12 @@ def agent(
 
 def _port_free(port: int) -> bool:
     """Nothing listens on the loopback ``port`` (so the server that answers there is ours)."""
+    from tidal.net import LOOPBACK
+
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no owner
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind((LOOPBACK, port))
         except OSError:
             return False
     return True

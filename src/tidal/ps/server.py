@@ -38,7 +38,7 @@ class PSServer:
     """One parameter server (``threads`` handler threads; ``work_s`` adds a
     fixed service time per pull/push, outside the lock, to model a slow host)."""
 
-    def __init__(self, ps_id: str, ckpt_dir: str, threads: int = 2, host: str = "127.0.0.1",
+    def __init__(self, ps_id: str, ckpt_dir: str, threads: int = 2, host: str | None = None,
                  port: int = 0, work_s: float = 0.0) -> None:
         self.id, self.ckpt_dir, self.threads, self.work_s = ps_id, ckpt_dir, threads, work_s
         self.status = "idle"
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--id", required=True)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default=None, help="address to listen on (default $TIDAL_BIND_ADDR, else loopback)")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--work-s", type=float, default=0.0)
     a = p.parse_args(argv)

@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import torch
 
+from tidal.net import advertise_addr, bind_addr
+
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
@@ -117,10 +119,11 @@ class Conn:
 class Server:
     """Serves ``handler(op, header, tensors)`` on ``host:port`` (0: any free port)."""
 
-    def __init__(self, handler: Handler, threads: int = 2, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, handler: Handler, threads: int = 2, host: str | None = None, port: int = 0) -> None:
         self.handler = handler
+        host = bind_addr(host)  # $TIDAL_BIND_ADDR, else loopback (one host)
         self._listen = socket.create_server((host, port))
-        self.addr = f"{host}:{self._listen.getsockname()[1]}"
+        self.addr = f"{advertise_addr(host)}:{self._listen.getsockname()[1]}"  # 0.0.0.0 is no address to dial
         self._queue: queue.Queue[tuple[float, socket.socket, threading.Lock, dict, Tensors] | None] = queue.Queue()
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
