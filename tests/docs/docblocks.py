@@ -9,7 +9,6 @@ A fenced ``bash`` block is preceded by a marker saying how it is tested::
                                      `# every GPU host`, `# anywhere ...`), network namespaces
                                      at those addresses (tests/multihost/test_docs_hosts.py)
     <!-- docs-test: ci -->           .ci/run runs these very commands
-    <!-- docs-test: covered TEST --> a test (tests/PATH.py::NAME) runs this scenario
 
 Inline code spans that start with ``tidal `` or ``python ...`` are checked
 too: the command, its options and the files it names exist.
