@@ -56,3 +56,36 @@ def test_the_three_scripts_run(tmp_path: Path) -> None:
                        env=e, capture_output=True, text=True, timeout=90)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "ddp.pt").exists()
+
+
+def _tidal(e: dict, *args: str, timeout: float = 120) -> str:
+    r = subprocess.run([sys.executable, "-m", "tidal", *args], env=e, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_ported_script_with_eval_on_rank_0_every_epoch_survives_a_scale_out_and_in(tmp_path: Path) -> None:
+    """A newcomer joins mid-run, between two of the script's per-epoch
+    `job.on_rank0(evaluate, ...)` calls: every member must count those calls
+    from the same point (a newcomer counting from its own start waited forever
+    for a result rank 0 had published under another number)."""
+    import time
+
+    e = env(tmp_path / "home")
+    run = subprocess.Popen([sys.executable, "-m", "tidal", "run", "--workers", "2", "--max-workers", "3", "--job",
+                            "port", str(PORT / "tidal_port.py"), "--epochs", "150", "--save", str(tmp_path / "m.pt")],
+                           env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(8)
+        assert "at 3 workers" in _tidal(e, "scale", "port", "--workers", "3")
+        assert "at 2 workers" in _tidal(e, "scale", "port", "--workers", "2")
+        out, _ = run.communicate(timeout=200)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 0, out[-3000:]
+    assert "epoch 150, final workers 2, 2 rescale(s)" in out, out[-2000:]
+    assert (tmp_path / "m.pt").exists()

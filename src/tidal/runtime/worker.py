@@ -111,7 +111,7 @@ class Job:
         self.suspended = False  # left because the job was suspended (it resumes from a checkpoint)
         self._loader: ElasticLoader | None = None
         self._epoch: int | None = None  # the epoch job.epochs() is in
-        self._rank0_calls = 0
+        self._rank0_calls: tuple[int, int] = (-1, 0)  # (generation, calls made in it)
 
     # ------------------------------------------------------------------ views
     state = _view("train.elastic", "The registered :class:`ElasticState`.")
@@ -277,9 +277,11 @@ class Job:
         seat = self.membership.seat
         if self.client is None or seat.world_size <= 1 or seat.gen is None:
             return fn(*args, **kwargs)
-        self._rank0_calls += 1
         g = seat.gen
-        key = f"{g.prefix}rank0/{self._rank0_calls}"
+        # counted per generation: every member enters it at the same step, a newcomer too
+        gen, calls = self._rank0_calls
+        self._rank0_calls = (g.gen, calls + 1 if gen == g.gen else 1)
+        key = f"{g.prefix}rank0/{self._rank0_calls[1]}"
         store = self.membership.stores.get(g.store_host, g.store_port)
         if seat.rank == 0:
             self.heartbeat.phase = ("rank0", self.step_count)
