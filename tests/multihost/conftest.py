@@ -19,12 +19,19 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from netns import Hosts, netns_available  # noqa: E402
+from netns import Hosts, netns_available, sweep_stale  # noqa: E402
 
 
 @functools.lru_cache(maxsize=1)
 def _available() -> tuple[bool, str]:
     return netns_available()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Before any namespace test runs: remove the sets a killed earlier run left
+    behind (their owner process is dead), so they neither collide nor count as ours."""
+    if any(HERE in Path(str(item.fspath)).resolve().parents for item in session.items) and _available()[0]:
+        sweep_stale()
 
 
 @pytest.fixture

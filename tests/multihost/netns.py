@@ -5,7 +5,9 @@ holds a Linux bridge. Each host has one veth pair: ``eth0`` inside the host,
 the other end enslaved to the bridge in the switch namespace. Nothing is added
 to the root namespace and the hosts have no default route, so no traffic can
 leave the set. Every name starts with ``PREFIX`` + a random tag so leftovers
-can be found (and removed) by name.
+can be found (and removed) by name. Each set also records its owner (PID and
+process start time) under ``OWNERS``; ``sweep_stale()`` removes the sets whose
+owner is gone (a test run killed with SIGKILL cannot tear down its own).
 
 Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2 (``ip``, ``tc``).
 """
@@ -25,6 +27,7 @@ import subprocess
 import time
 import zlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -32,6 +35,9 @@ log = logging.getLogger(__name__)
 
 PREFIX = "tdl"
 """Every namespace and link made here starts with this string."""
+
+OWNERS = "/run/tidal-test-netns"
+"""One file per live set, named by its prefix: ``"<pid> <start time>"`` of its owner."""
 
 IFNAME = "eth0"
 _IP_TIMEOUT = 10.0
@@ -105,6 +111,65 @@ def _new_tag() -> str:
         if f"{PREFIX}{tag}-" not in taken:
             return tag
     raise RuntimeError("no free namespace tag")
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of ``/proc/PID/stat`` (start time in clock ticks), or ``None`` if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _record_owner(prefix: str) -> None:
+    os.makedirs(OWNERS, exist_ok=True)
+    Path(OWNERS, prefix).write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+
+
+def _owner_alive(prefix: str) -> bool:
+    """Whether the process that built the set ``prefix`` still runs. A set with
+    no owner record was left by a run that predates the records: not alive."""
+    try:
+        pid, start = Path(OWNERS, prefix).read_text().split()
+    except (OSError, ValueError):
+        return False
+    return _start_time(int(pid)) == start
+
+
+def owned_here() -> list[str]:
+    """Prefixes of the sets this process built and has not torn down."""
+    try:
+        names = os.listdir(OWNERS)
+    except OSError:
+        return []
+    me = f"{os.getpid()} "
+    return [n for n in names if Path(OWNERS, n).read_text().startswith(me)]
+
+
+def sweep_stale() -> list[str]:
+    """Tear down every harness set whose owner process is dead (kill its
+    processes, delete its namespaces and links); returns the prefixes removed.
+    Sets of live owners (a concurrent run) are never touched."""
+    prefixes = {n.split("-", 1)[0] for n in list_namespaces() + list_links() if n.startswith(PREFIX) and "-" in n}
+    with contextlib.suppress(OSError):
+        prefixes |= {n for n in os.listdir(OWNERS) if n.startswith(PREFIX)}
+    removed = []
+    for prefix in sorted(prefixes):
+        if _owner_alive(prefix):
+            continue
+        spaces = [n for n in list_namespaces() if n.startswith(f"{prefix}-")]
+        for ns in spaces:
+            _try(_kill_namespace, ns)
+            _try(_ip, "netns", "del", ns)
+        for link in list_links():
+            if link.startswith(f"{prefix}-"):
+                _try(_ip, "link", "del", link)
+        with contextlib.suppress(OSError):
+            os.unlink(Path(OWNERS, prefix))
+        log.warning("removed the stale namespace set %s (%s) of a dead test run", prefix, ", ".join(spaces) or "no namespaces")
+        removed.append(prefix)
+    return removed
 
 
 _CLONE_NEWNET = 0x40000000
@@ -195,6 +260,7 @@ class Hosts:
         if any(ns.startswith(f"{prefix}-") for ns in list_namespaces()):
             raise ValueError(f"namespaces with prefix {prefix!r} already exist")  # never tear down others'
         self.tag, self.prefix = tag, prefix
+        _record_owner(prefix)
         self.switch = f"{prefix}-sw"
         self.bridge = f"{prefix}-br"
         subnet = self._subnet or f"10.213.{zlib.crc32(tag.encode()) % 200 + 20}"
@@ -323,6 +389,8 @@ class Hosts:
             log.error("teardown of %s left %s", self.prefix, left)
         else:
             log.info("tore down %s", self.prefix)
+            with contextlib.suppress(OSError):
+                os.unlink(Path(OWNERS, self.prefix))
         _LIVE.discard(self)
 
 

@@ -170,3 +170,36 @@ def test_teardown_after_partial_build(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match="build failed"):
         hs.__enter__()
     assert hs.prefix and hs.leftovers() == []
+
+
+def test_sweep_removes_the_sets_of_a_killed_run() -> None:
+    """A run killed with SIGKILL cannot tear down; the next run's sweep removes
+    its namespaces and processes, and leaves a live owner's set alone."""
+    ok, reason = netns_available()
+    if not ok:
+        pytest.skip(reason)
+    from netns import sweep_stale
+
+    code = (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); from netns import Hosts\n"
+        "hs = Hosts(2).__enter__(); hs[0].popen(['sleep', '600'])\n"
+        "print(hs.prefix, flush=True); time.sleep(600)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, str(HERE)], stdout=subprocess.PIPE, text=True)
+    try:
+        prefix = child.stdout.readline().strip()  # type: ignore[union-attr]
+        assert prefix, "the child did not build its set"
+        assert prefix not in sweep_stale()  # its owner is alive: not touched
+        assert len([n for n in list_namespaces() if n.startswith(f"{prefix}-")]) == 3
+        child.kill()
+        child.wait(10)
+        with Hosts(1) as mine:
+            assert prefix in sweep_stale()
+            assert [n for n in list_namespaces() if n.startswith(f"{prefix}-")] == []
+            assert mine.prefix not in sweep_stale() and len(mine.leftovers()) == 2
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        child.stdout.close()  # type: ignore[union-attr]
+        sweep_stale()
