@@ -15,8 +15,10 @@ from tidal.core.job import JobSpec, JobState
 from tidal.core.topology import parse_cluster
 from tidal.scheduler.api import FrozenDict, Plan, Policy, Snapshot
 from tidal.scheduler.placement import FreeMap
+from tidal.scheduler.policies.tiresias import Tiresias
 from tidal.scheduler.registry import get_policy
 from tidal.sim.engine import Simulator
+from tidal.sim.metrics import job_rows, summarize
 from tidal.sim.progress import Progress, SimJob
 from tidal.sim.runset import RunSet
 
@@ -125,3 +127,40 @@ def test_snapshot_indexes_match_its_jobs_and_never_change() -> None:
         assert snap.submitted == fresh.submitted
     with pytest.raises(TypeError):
         seen[-1][0].held["x"] = (0,)  # type: ignore[index]
+
+
+class _CountingTiresias(Tiresias):
+    """Tiresias that counts its calls; ``settle=False`` makes the engine call it every round."""
+
+    def __init__(self, settle: bool) -> None:
+        super().__init__()
+        self.settle = settle
+        self.calls = 0
+
+    def schedule(self, snap: Snapshot) -> Plan:
+        self.calls += 1
+        return super().schedule(snap)
+
+    def settled(self, snap: Snapshot, plan: Plan) -> bool:
+        return self.settle and super().settled(snap, plan)
+
+
+@pytest.mark.parametrize("cluster", ["n2g8", "n16g8"])
+def test_skipping_settled_rounds_changes_nothing(cluster: str) -> None:
+    rng = random.Random(11)
+    specs = [JobSpec(f"j{i}", rng.uniform(0, 20_000), "resnet50", 128, rng.uniform(1e3, 6e4),
+                     requested_gpus=rng.choice([1, 1, 2, 4, 8])) for i in range(150)]
+    runs = {}
+    for settle in (False, True):
+        policy = _CountingTiresias(settle)
+        result = Simulator(parse_cluster(cluster), policy, specs, slot=60.0).run()
+        runs[settle] = (policy.calls, summary_without_wall(result), job_rows(result), result.timeline)
+    assert runs[True][1:] == runs[False][1:]
+    assert runs[False][0] == runs[False][1]["rounds"]
+    assert runs[True][0] < runs[False][0]  # some rounds were skipped
+
+
+def summary_without_wall(result) -> dict:  # type: ignore[no-untyped-def]
+    s = summarize(result)
+    s.pop("wall_seconds")
+    return s

@@ -202,6 +202,15 @@ class Policy(abc.ABC):
         """Default: :func:`~tidal.scheduler.placement.place_consolidated`."""
         plan.placement = place_consolidated(snap, plan.allocation)
 
+    def settled(self, snap: Snapshot, plan: Plan) -> bool:
+        """Whether ``plan`` (this policy's answer to ``snap``), once applied, stays
+        the answer until a job arrives: a later round whose snapshot differs
+        only in time passed and running jobs completed would return a plan that
+        changes nothing (every job keeps its GPUs; no admit, drop, tag, batch or
+        wake). An executor may then skip such rounds without calling the policy.
+        Default: ``False`` (always call)."""
+        return False
+
 
 def schedulable(snap: Snapshot, plan: Plan) -> list[JobView]:
     """Jobs that may get GPUs in this plan: admitted before or now, not dropped

@@ -99,6 +99,7 @@ class Simulator:
         self.progress = Progress(self.now)
         self._arrivals_left = len(specs)
         self.rounds = 0
+        self._settled = False  # the last plan holds until an arrival (Policy.settled)
         self.finished = 0
         self.dropped = 0
         for s in specs:
@@ -186,6 +187,7 @@ class Simulator:
             elif kind == _ARRIVAL:
                 self.active[payload] = self.jobs[payload]
                 self.cache.arrive(self.jobs[payload])
+                self._settled = False
                 self._arrivals_left -= 1
                 self._request_round(t)
             else:
@@ -228,9 +230,12 @@ class Simulator:
     def _round(self, now: float) -> None:
         self.rounds += 1
         self.cache.rows.advance(now, self.progress, self.cache.tags)
+        if self._settled:
+            return  # the policy would change nothing (Policy.settled)
         snap = self.cache.snapshot(now, self.cluster, self.active, self.profiles, self.overheads)
         plan = self.policy.schedule(snap)
         self._apply(snap, plan, now)
+        self._settled = self.policy.settled(snap, plan)
         stuck = not self.running and self._arrivals_left == 0
         if plan.wake_at is not None and plan.wake_at < math.inf and not stuck:
             self._request_round(max(plan.wake_at, now + (self.slot or 1e-6)))

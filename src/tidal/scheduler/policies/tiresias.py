@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import bisect
 import math
+from operator import itemgetter
 
+from tidal.core.job import JobState
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.estimate import rigid_count
 
@@ -24,48 +26,73 @@ def queue_of(job: JobView, thresholds: tuple[float, ...]) -> int:
     return bisect.bisect_right(thresholds, service)
 
 
+_PRIORITY = itemgetter(0, 1, 2)  # queue, submit time, job id
+_RUNNING, _RESIZING = JobState.RUNNING, JobState.RESIZING
+
+
 def tiresias_allocation(
     snap: Snapshot,
     plan: Plan,
     thresholds: tuple[float, ...] = (500.0, 10_000.0),
     promote_knob: float = 8.0,
 ) -> list[JobView]:
-    """Fill ``plan.allocation``; return the jobs in priority order."""
+    """Fill ``plan.allocation``; return the jobs in priority order: by queue,
+    then submission time and id (a stable sort)."""
     now = snap.now
-    jobs = schedulable(snap, plan)
     wake = math.inf
-    order: list[tuple[int, float, str, JobView]] = []
+    total = snap.cluster.num_gpus
     bisect_right = bisect.bisect_right
-    for j in jobs:
-        q = bisect_right(thresholds, j.attained - j.tags.get("tiresias_base", 0.0))  # queue_of
-        if q > 0 and j.executed > 0 and not j.running:
-            promote_at = j.waiting_since + promote_knob * j.executed
-            if now >= promote_at:
-                plan.tags[j.job_id] = {"tiresias_base": j.attained, "promotions": j.tags.get("promotions", 0) + 1}
-                q = 0
-            else:
-                wake = min(wake, promote_at)
-        order.append((q, j.spec.submit_time, j.job_id, j))
-    order.sort(key=lambda x: x[:3])
-    free = total = snap.cluster.num_gpus
+    order: list[tuple[int, float, str, int, JobView]] = []
+    append = order.append
+    need = 0
+    for j in schedulable(snap, plan):
+        tags, spec, state = j.tags, j.spec, j.state
+        q = bisect_right(thresholds, j.attained - tags.get("tiresias_base", 0.0) if tags else j.attained)  # queue_of
+        if state is _RUNNING or state is _RESIZING:
+            n = len(j.gpus)
+        else:
+            n = rigid_count(spec, total)
+            if q > 0 and j.executed > 0:
+                promote_at = j.waiting_since + promote_knob * j.executed
+                if now >= promote_at:
+                    plan.tags[spec.job_id] = {"tiresias_base": j.attained, "promotions": tags.get("promotions", 0) + 1}
+                    q = 0
+                else:
+                    wake = min(wake, promote_at)
+        need += n
+        append((q, spec.submit_time, spec.job_id, n, j))
+    order.sort(key=_PRIORITY)
+    if need <= total:  # everyone fits: nobody waits
+        plan.allocation.update([x[2:4] for x in order])
+    else:
+        wake = min(wake, _fill(snap, plan, order, thresholds))
+    plan.wake_at = wake if wake < math.inf else None
+    return [x[4] for x in order]
+
+
+def _fill(snap: Snapshot, plan: Plan, order: list[tuple[int, float, str, int, JobView]],
+          thresholds: tuple[float, ...]) -> float:
+    """Allocate in priority order, skipping jobs that do not fit; return when
+    the next demotion of a running job may change the order (if one waits)."""
+    free = snap.cluster.num_gpus
+    alloc = plan.allocation
     waiting = False
-    for q, _, jid, j in order:
-        n = len(j.gpus) if j.running else rigid_count(j.spec, total)
+    for _, _, jid, n, _ in order:
         if n <= free:
-            plan.allocation[jid] = n
+            alloc[jid] = n
             free -= n
         else:
             waiting = True
+    wake = math.inf
     if waiting:
-        # the next demotion of a running job may change the order
-        for q, _, jid, j in order:
-            n = plan.allocation.get(jid, 0)
+        now = snap.now
+        for q, _, jid, _, j in order:
+            n = alloc.get(jid, 0)
             if n and q < len(thresholds):
                 base = plan.tags.get(jid, {}).get("tiresias_base", j.tags.get("tiresias_base", 0.0))
                 left = thresholds[q] - (j.attained - base)
                 wake = min(wake, now + max(left, 0.0) / n)
-    plan.wake_at = wake if wake < math.inf else None
-    return [x[3] for x in order]
+    return wake
 
 
 class Tiresias(Policy):
@@ -75,3 +102,10 @@ class Tiresias(Policy):
 
     def allocation(self, snap: Snapshot, plan: Plan) -> None:
         tiresias_allocation(snap, plan, self.thresholds, self.promote_knob)
+
+    def settled(self, snap: Snapshot, plan: Plan) -> bool:
+        """Every job is allocated or dropped: nobody waits, so until a job
+        arrives the running jobs keep their GPUs (rigid, all fit), the queue
+        order decides nothing and no waiting job can be promoted (§4)."""
+        alloc = plan.allocation
+        return len(alloc) + len(plan.drop) == len(snap.jobs) and not plan.batch and all(alloc.values())
