@@ -31,6 +31,7 @@ power of two) is one buddy: half a node, a node, two neighbouring nodes...
 from __future__ import annotations
 
 import logging
+from itertools import chain
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -195,10 +196,11 @@ def place_buddy(
     current = {j.job_id: j.gpus for j in snap.jobs if j.gpus}
     want = {jid: n for jid, n in allocation.items() if n > 0}
     options = {jid: list(v) for jid, v in (fallback or {}).items()}
+    placer = _Placer(snap.cluster, current, want)
     while True:
-        placement, failed = _place(snap.cluster, current, want)
-        if placement is not None:
-            return placement
+        failed = placer.run()
+        if failed is None:
+            return placer.out
         if not options.get(failed):
             break
         n = options[failed].pop(0)
@@ -206,9 +208,12 @@ def place_buddy(
             want[failed] = n
         else:
             del want[failed]
-    placement, _ = _place(snap.cluster, current, want, weights or {})
-    if placement is not None:
-        return placement
+        if not placer.retry(failed):
+            placer = _Placer(snap.cluster, current, want, placer, failed)
+    # the jobs placed before the failed one are placed as a fresh run would
+    # (weights only act on a failure): go on from it, now defragmenting
+    if placer.run(weights or {}) is None:
+        return placer.out
     try:
         return _repack(snap.cluster, current, want, weights or {})
     except ValueError:
@@ -218,42 +223,72 @@ def place_buddy(
         return place_consolidated(snap, want)
 
 
-def _place(
-    cluster: Cluster,
-    current: dict[str, tuple[int, ...]],
-    want: dict[str, int],
-    weights: Mapping[str, int] | None = None,
-):
+class _Placer:
     """Phase 1: unchanged jobs keep their GPUs; resized and new jobs get
-    aligned blocks. With ``weights``, a job that finds no free block takes the
-    block whose occupants are cheapest to move, and they move elsewhere
-    (local defragmentation). (None, job) if a job cannot be placed."""
-    keep = {jid: g for jid, g in current.items() if want.get(jid, 0) == len(g)}
-    used: set[int] = set()
-    for g in keep.values():
-        used.update(g)
-    buddy = BuddyAllocator(cluster, used)
-    out = dict(keep)
-    todo = sorted((jid for jid in want if jid not in keep), key=lambda j: (-want[j], j))
-    for jid in todo:
-        n = want[jid]
-        have = current.get(jid, ())
-        gpus = None
-        if have and n < len(have):
-            part = _keep_part(have, n)
-            if part and not buddy.used[list(part)].any():
-                buddy.take(part)
-                gpus = part
-        if gpus is None:
-            gpus = buddy.alloc(n, prefer=tuple(sorted(have)))
-        if gpus is None and weights is not None and n & (n - 1) == 0:
-            # jobs placed in this call (started or resized) move for free
-            w = {j: (weights.get(j, 1) if j in keep else 0) for j in out}
-            gpus = _evict_for(buddy, out, n, w)
-        if gpus is None:
-            return None, jid
-        out[jid] = tuple(sorted(gpus))
-    return out, None
+    aligned blocks, largest first. With ``weights``, a job that finds no free
+    block takes the block whose occupants are cheapest to move, and they move
+    elsewhere (local defragmentation).
+
+    A job that cannot be placed leaves the allocator as it was before it, and
+    the jobs before it come first whatever its count becomes, so after its
+    count drops (:meth:`retry`) placement goes on from it."""
+
+    def __init__(
+        self, cluster: Cluster, current: dict[str, tuple[int, ...]], want: dict[str, int],
+        prev: "_Placer | None" = None, kept: str = "",
+    ) -> None:
+        self.current, self.want = current, want  # ``want`` is shared with the caller
+        self.buddy = buddy = BuddyAllocator(cluster)
+        if prev is None:
+            self.keep = {jid: g for jid, g in current.items() if want.get(jid, 0) == len(g)}
+            buddy.used[np.fromiter(chain.from_iterable(self.keep.values()), dtype=np.int64)] = True
+        else:  # start over once job ``kept`` keeps its GPUs too
+            ks = prev.keep.keys() | {kept}
+            self.keep = {jid: g for jid, g in current.items() if jid in ks}
+            buddy.used = prev.used0.copy()
+            buddy.used[list(current[kept])] = True
+        self.used0 = buddy.used.copy()
+        self.out = dict(self.keep)
+        self.todo = sorted((jid for jid in want if jid not in self.keep), key=lambda j: (-want[j], j))
+        self.pos = 0
+
+    def run(self, weights: Mapping[str, int] | None = None) -> str | None:
+        """Place the jobs left; the job that cannot be placed (None: done)."""
+        buddy, out, want, current, keep = self.buddy, self.out, self.want, self.current, self.keep
+        while self.pos < len(self.todo):
+            jid = self.todo[self.pos]
+            n = want[jid]
+            have = current.get(jid, ())
+            gpus = None
+            if have and n < len(have):
+                part = _keep_part(have, n)
+                if part and not buddy.used[list(part)].any():
+                    buddy.take(part)
+                    gpus = part
+            if gpus is None:
+                gpus = buddy.alloc(n, prefer=tuple(sorted(have)))
+            if gpus is None and weights is not None and n & (n - 1) == 0:
+                # jobs placed in this call (started or resized) move for free
+                w = {j: (weights.get(j, 1) if j in keep else 0) for j in out}
+                gpus = _evict_for(buddy, out, n, w)
+            if gpus is None:
+                return jid
+            out[jid] = tuple(sorted(gpus))
+            self.pos += 1
+        return None
+
+    def retry(self, jid: str) -> bool:
+        """The job that failed now wants a smaller count (or none); False if
+        it now keeps its GPUs (then placement must start over)."""
+        n = self.want.get(jid, 0)
+        if n and n == len(self.current.get(jid, ())):
+            return False
+        tail = [j for j in self.todo[self.pos + 1 :]]
+        if n:
+            tail.append(jid)
+        want = self.want
+        self.todo[self.pos :] = sorted(tail, key=lambda j: (-want[j], j))
+        return True
 
 
 def _evict_for(buddy: BuddyAllocator, out: dict[str, tuple[int, ...]], n: int, weights: Mapping[str, int]):

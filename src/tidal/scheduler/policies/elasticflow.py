@@ -49,8 +49,8 @@ over one slot beats the cost of growing and of shrinking back. Other tags:
 
 from __future__ import annotations
 
-import heapq
 import math
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,6 +60,7 @@ from tidal.core.overhead import OverheadModel
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.buddy import place_buddy
 from tidal.scheduler.estimate import rigid_count
+from tidal.scheduler.greedy import Steps, build_steps, greedy
 from tidal.scheduler.timeline import (
     EPS,
     Costs,
@@ -130,21 +131,6 @@ def slot_progress(snap: Snapshot, j: JobView, lv: Levels, costs: Costs, hold: fl
             lost += r * costs.shrink
         out.append(max(r * hold - lost, 0.0))
     return out
-
-
-def best_step(lv: Levels, vals: list[float], i: int, free: int, one: float, weight: float) -> tuple[float, int]:
-    """The level above ``i`` (within ``free`` more GPUs) with the highest
-    marginal return per extra GPU, in units of ``one`` (a GPU's worth of
-    single-GPU progress), times ``weight``; ``(0.0, -1)`` if none gains."""
-    best, best_k = 0.0, -1
-    for k in range(i + 1, len(lv.counts)):
-        extra = int(lv.counts[k] - lv.counts[i])
-        if extra > free:
-            break
-        gain = (vals[k] - vals[i]) / extra / one * weight
-        if gain > best + 1e-12:
-            best, best_k = gain, k
-    return best, best_k
 
 
 @dataclass
@@ -269,7 +255,7 @@ class ElasticFlow(Policy):
         from scratch in deadline order (Algorithm 1) and it is admitted only
         if every one still gets a satisfactory share."""
         costs = self._costs(snap)
-        levels, guaranteed, new_ddl = self._classify(snap, plan)
+        levels, guaranteed, new_ddl = self._classify(snap, plan, self._memo_for(snap, costs))
         book, thin, refill = self._keep_plans(snap, guaranteed, levels, costs)
         self._refill(snap, plan, book, guaranteed, refill, levels, costs)
         guaranteed = [j for j in guaranteed if j.job_id in book.plans]
@@ -281,17 +267,17 @@ class ElasticFlow(Policy):
         still_thin = {j.job_id for j in thin if j.job_id not in book.caps or j.state is JobState.SUBMITTED}
         return _Context(levels, shares_now, costs, book.tl, still_thin)
 
-    def _classify(self, snap: Snapshot, plan: Plan) -> tuple[dict[str, Levels], list[JobView], list[JobView]]:
+    def _classify(
+        self, snap: Snapshot, plan: Plan, memo: "_Memo"
+    ) -> tuple[dict[str, Levels], list[JobView], list[JobView]]:
         """Every job's levels; admit best-effort and drop unrunnable new jobs;
         return the guaranteed jobs (deadline order) and the new deadline jobs."""
         total = snap.cluster.num_gpus
-        cache: dict = {}
-        levels: dict[str, Levels] = {}
+        levels = memo.levels_of(snap)
         guaranteed: list[JobView] = []
         new_ddl: list[JobView] = []
         for j in snap.jobs:
-            lv = job_levels(snap, j, cache)
-            levels[j.job_id] = lv
+            lv = levels[j.job_id]
             if j.state is JobState.SUBMITTED:
                 if len(lv.counts) < 2:
                     plan.drop[j.job_id] = f"model {j.spec.model} cannot run on this cluster ({total} GPUs)"
@@ -411,48 +397,37 @@ class ElasticFlow(Policy):
     def allocate(self, snap: Snapshot, plan: Plan, ctx: "_Context") -> None:
         """Shares for the current slot first; then one step at a time the job
         with the highest marginal return (extra progress over one slot, net of
-        rescale costs, per extra GPU, in single-GPU units) gets more GPUs."""
+        rescale costs, per extra GPU, in single-GPU units) gets more GPUs
+        (:func:`tidal.scheduler.greedy.greedy`)."""
         levels, shares, costs = ctx.levels, ctx.shares, ctx.costs
-        jobs = [j for j in schedulable(snap, plan) if len(levels[j.job_id].counts) > 1]
+        jobs = [j for j in schedulable(snap, plan) if len(levels[j.job_id].count_list) > 1]
         base = {j.job_id: shares.get(j.job_id, 0) for j in jobs}
         free = snap.cluster.num_gpus - sum(base.values())
         free = self._floors(snap, jobs, base, levels, free)
         hold = self.slot if self.slot > 0 else 60.0
-        cur: dict[str, int] = {}
-        info: dict[str, tuple[JobView, Levels, float, list[float]]] = {}
-        heap: list[tuple[float, float, str, int]] = []
-        weight = {j.job_id: self._weight(snap, j) for j in jobs}
-
-        def push(jid: str) -> None:
-            j, lv, one, vals = info[jid]
-            best, best_k = best_step(lv, vals, cur[jid], free, one, weight[jid])
-            if best_k > 0:
-                ddl = j.spec.deadline if j.spec.deadline is not None else math.inf
-                heapq.heappush(heap, (-best, ddl, jid, best_k))
-
+        memo = self._memo_for(snap, costs)
+        entries: dict[str, tuple[Steps, int, float]] = {}
         for j in jobs:
-            lv = levels[j.job_id]
-            cur[j.job_id] = int(np.searchsorted(lv.counts, base[j.job_id]))
-            one = float(lv.rates[1]) / int(lv.counts[1]) * hold
-            share = base[j.job_id] if j.job_id in shares else None
-            info[j.job_id] = (j, lv, one, slot_progress(snap, j, lv, costs, hold, share))
-            push(j.job_id)
-        while heap and free > 0:
-            _, _, jid, k = heapq.heappop(heap)
-            lv = info[jid][1]
-            extra = int(lv.counts[k] - lv.counts[cur[jid]])
-            if extra > free:
-                push(jid)  # fewer GPUs left than when queued: look again
-                continue
-            free -= extra
-            cur[jid] = k
-            push(jid)
-        for jid, i in cur.items():
-            n = int(levels[jid].counts[i])
+            jid = j.job_id
+            lv = levels[jid]
+            share = base[jid] if jid in shares else None
+            steps = memo.steps(snap, j, lv, hold, share, self._weight(snap, j))
+            ddl = j.spec.deadline if j.spec.deadline is not None else math.inf
+            entries[jid] = (steps, bisect_left(lv.count_list, base[jid]), ddl)
+        for jid, i in greedy(entries, free).items():
+            n = levels[jid].count_list[i]
             if n > 0:
                 plan.allocation[jid] = n
         # re-plan at the next change of the timeline (a share may grow then)
         plan.wake_at = float(ctx.timeline.t[1]) if len(ctx.timeline.t) > 1 else None
+
+    def _memo_for(self, snap: Snapshot, costs: Costs) -> "_Memo":
+        """The policy's memo of levels and step tables, emptied when what
+        they depend on (profiles, cluster size, costs, slot) changes."""
+        memo = getattr(self, "_memo", None)
+        if memo is None or not memo.valid(snap, costs, self.slot):
+            memo = self._memo = _Memo(snap, costs, self.slot)
+        return memo
 
     # -- hooks for policies built on ElasticFlow (see policies/tidal.py) -----
     def _floors(self, snap: Snapshot, jobs: list[JobView], base: dict[str, int], levels: dict[str, Levels],
@@ -464,6 +439,48 @@ class ElasticFlow(Policy):
     def _weight(self, snap: Snapshot, job: JobView) -> float:
         """Scale a job's marginal return in Algorithm 2. ElasticFlow: 1."""
         return 1.0
+
+
+class _Memo:
+    """What the policy's decisions share across scheduling rounds: each
+    job's levels (by what :func:`job_levels` depends on) and its Algorithm 2
+    step tables (by levels, GPUs held, started or not, share and weight).
+    Valid for one profile set, cluster size, cost model and slot; a cache
+    only, the decisions are the same without it."""
+
+    def __init__(self, snap: Snapshot, costs: Costs, slot: float) -> None:
+        self.profiles, self.cap, self.costs, self.slot = snap.profiles, snap.cluster.num_gpus, costs, slot
+        self.by_key: dict = {}  # job_levels' cache
+        self.by_job: dict[str, tuple[object, int, Levels]] = {}  # job id -> (spec, batch, levels)
+        self.tables: dict[tuple, tuple[Levels, Steps]] = {}
+
+    def valid(self, snap: Snapshot, costs: Costs, slot: float) -> bool:
+        return (snap.profiles is self.profiles and snap.cluster.num_gpus == self.cap and costs == self.costs
+                and slot == self.slot)
+
+    def levels_of(self, snap: Snapshot) -> dict[str, Levels]:
+        """Every job's levels (job id -> :class:`Levels`), in snapshot order."""
+        by_job, out = self.by_job, {}
+        if len(by_job) > 2 * len(snap.jobs) + 1024:  # forget jobs that left
+            by_job = self.by_job = {j.job_id: by_job[j.job_id] for j in snap.jobs if j.job_id in by_job}
+        for j in snap.jobs:
+            jid = j.job_id
+            hit = by_job.get(jid)
+            if hit is None or hit[0] is not j.spec or hit[1] != j.batch:
+                hit = by_job[jid] = (j.spec, j.batch, job_levels(snap, j, self.by_key))
+            out[jid] = hit[2]
+        return out
+
+    def steps(self, snap: Snapshot, j: JobView, lv: Levels, hold: float, share: int | None, weight: float) -> Steps:
+        """Algorithm 2's step tables for ``j`` (``lv`` must come from this
+        memo: the tables are keyed by its identity)."""
+        key = (id(lv), len(j.gpus), j.executed > 0, share, weight)
+        hit = self.tables.get(key)
+        if hit is None or hit[0] is not lv:
+            vals = slot_progress(snap, j, lv, self.costs, hold, share)
+            one = lv.rate_list[1] / lv.count_list[1] * hold
+            hit = self.tables[key] = (lv, build_steps(lv.count_list, vals, one, weight))
+        return hit[1]
 
 
 @dataclass
@@ -511,7 +528,7 @@ def record_rescales(snap: Snapshot, plan: Plan, costs: Costs) -> None:
         if n == 0:
             continue
         gpus = plan.placement.get(j.job_id, ())
-        if n == j.size and tuple(sorted(gpus)) == tuple(sorted(j.gpus)):
+        if n == j.size and (gpus == j.gpus or sorted(gpus) == sorted(j.gpus)):
             continue
         if j.size == 0:
             dead = costs.resume if j.executed > 0 else costs.start
