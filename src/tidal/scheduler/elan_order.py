@@ -61,38 +61,48 @@ class OrderJob(NamedTuple):
     size: int  # GPUs held now
 
 
+def job_steps(j: OrderJob, lookahead: int, memo: dict | None = None) -> list[tuple]:
+    """The job's uncapped steps, each (-prefix minimum of the gains, submit
+    time, job id, step number, count index after it, its gain, GPUs it adds):
+    sorted together, the steps of a job set give the step order."""
+    out: list[tuple] = []
+    i, eff, s = 0, math.inf, 0
+    counts, rates = j.counts, j.rates
+    while True:
+        hit = None if memo is None else memo.get((j.job_id, i, lookahead))
+        if hit is None:
+            hit = next_step(counts, rates, i, j.one, counts[i] + lookahead, lookahead)
+            if memo is not None:
+                memo[(j.job_id, i, lookahead)] = hit
+        g, k = hit
+        if not k:
+            return out
+        eff = min(eff, g)
+        out.append((-eff, j.submit, j.job_id, s, k, g, counts[k] - counts[i]))
+        i, s = k, s + 1
+
+
 class StepOrder:
     """The round's step order (module docstring) and the rule evaluated on it."""
 
-    def __init__(self, jobs: Sequence[OrderJob], lookahead: int = 8, memo: dict | None = None) -> None:
+    def __init__(self, jobs: Sequence[OrderJob], lookahead: int = 8, memo: dict | None = None,
+                 steps: Sequence[list[tuple]] | None = None) -> None:
         self.jobs = list(jobs)
         self.lookahead = lookahead
-        self.index = {j.job_id: x for x, j in enumerate(self.jobs)}
+        self.index = index = {j.job_id: x for x, j in enumerate(self.jobs)}
         self.counts = [j.counts for j in self.jobs]
         self.rs = [j.rates for j in self.jobs]
         self.lows = [j.counts[0] for j in self.jobs]
         self.tie = [(j.submit, j.job_id) for j in self.jobs]
         self.positive = all(r > 0 for j in self.jobs for r in j.rates)
-        steps: list[tuple[float, float, str, int, int, int, float, int]] = []
-        memo = {} if memo is None else memo
-        for x, j in enumerate(self.jobs):
-            i, eff, s = 0, math.inf, 0
-            while True:
-                key = (j.job_id, i, lookahead)
-                hit = memo.get(key)
-                if hit is None:
-                    hit = memo[key] = next_step(j.counts, j.rates, i, j.one, j.counts[i] + lookahead, lookahead)
-                g, k = hit
-                if not k:
-                    break
-                eff = min(eff, g)
-                steps.append((-eff, j.submit, j.job_id, s, x, k, g, j.counts[k] - j.counts[i]))
-                i, s = k, s + 1
-        steps.sort()
-        self.oj = [st[4] for st in steps]  # job of each step
-        self.ot = [st[5] for st in steps]  # count index after the step
-        self.og = [st[6] for st in steps]  # the step's gain
-        self.on = [st[7] for st in steps]  # GPUs the step adds
+        if steps is None:
+            steps = [job_steps(j, lookahead, memo) for j in self.jobs]
+        merged = [st for seq in steps for st in seq]
+        merged.sort()
+        self.oj = [index[st[2]] for st in merged]  # job of each step
+        self.ot = [st[4] for st in merged]  # count index after the step
+        self.og = [st[5] for st in merged]  # the step's gain
+        self.on = [st[6] for st in merged]  # GPUs the step adds
         self.oj_np = np.array(self.oj, dtype=np.int64)
         self.ot_np = np.array(self.ot, dtype=np.int64)
         self.on_np = np.array(self.on, dtype=np.int64)
@@ -208,63 +218,107 @@ def fluid_sum(order: StepOrder, members: Sequence[int], total: int, late: int | 
     re-applied at every completion; ``late`` joins at the first completion
     after which its min_res fits beside the others'. A running job that starts
     below the GPUs it holds pays ``shrink_cost``. The per-job arithmetic is
-    the original loop's, element by element (numpy), so the sums are identical."""
+    the original loop's, element by element (numpy), so the sums are identical;
+    :meth:`StepOrder.tail` and :meth:`StepOrder.advance` are inlined, and once
+    no step is left (:func:`_quiet_sum`) only the completions remain."""
     n = len(order.jobs)
     present = [False] * n
-    rem = np.full(n, math.inf)
-    spd = np.ones(n)
+    rem, spd = np.full(n, math.inf), np.ones(n)
     for x in members:
         present[x] = True
         rem[x] = order.jobs[x].remaining
-    live = len(members)
-    lows = sum(order.lows[x] for x in members)
-    pos, ptr, free = order.prefix(np.array(present), total - lows)
-    idx = np.flatnonzero(np.array(present))
-    spd[idx] = order.rate2d[idx, np.array(pos)[idx]]
+    live, lowv = len(members), order.lows
+    lows = sum(lowv[x] for x in members)
+    pos, ptr, free = _restart(order, present, total - lows, spd)
     t = acc = 0.0
     first = True
-    rs, counts, thr = order.rs, order.counts, order.thr
-    q, done = np.empty(n), np.empty(n, dtype=bool)
+    rs, counts, thr, oj, ot, on, look = order.rs, order.counts, order.thr, order.oj, order.ot, order.on, order.lookahead
+    end, positive, q, done = len(oj), order.positive, np.empty(n), np.empty(n, dtype=bool)
+    divide, least, subtract, multiply, less_equal = np.divide, np.minimum.reduce, np.subtract, np.multiply, np.less_equal
     while live:
-        extra = order.tail(pos, present, ptr, free)
-        for x, k in extra.items():
-            spd[x] = rs[x][k]
-        if first:
+        if ptr >= end and late is None and positive and not first:
+            return _quiet_sum(rem, spd, thr, present, t, acc)
+        extra: dict[int, int] = {}
+        if 0 < free < look:  # StepOrder.tail; the order's leading finished jobs are passed for good
+            while ptr < end and not present[oj[ptr]]:
+                ptr += 1
+            c, left = ptr, free
+            while left > 0 and c < end:
+                x = oj[c]
+                if present[x]:
+                    if on[c] > left:
+                        extra = order._tail_heap(pos, present, ptr, free)
+                        break
+                    extra[x] = ot[c]
+                    left -= on[c]
+                c += 1
+            for x, k in extra.items():
+                spd[x] = rs[x][k]
+        if first:  # the first allocation: running jobs squeezed below their GPUs pay the cost
             first = False
             for x in members:
                 j = order.jobs[x]
                 if j.running and counts[x][extra.get(x, pos[x])] < j.size:
                     rem[x] += shrink_cost * spd[x]
-        if order.positive:
-            dt = float(np.minimum.reduce(np.divide(rem, spd, out=q)))
+        if positive:
+            dt = float(least(divide(rem, spd, out=q)))
         else:  # a count that does not run: its job never ends at it (the original's inf)
             q.fill(math.inf)
-            dt = float(np.divide(rem, spd, out=q, where=spd > 0).min())
+            dt = float(divide(rem, spd, out=q, where=spd > 0).min())
         if dt == math.inf:
             return math.inf
         t += dt
-        np.subtract(rem, np.multiply(spd, dt, out=q), out=rem)
+        subtract(rem, multiply(spd, dt, out=q), out=rem)
         for x in extra:
             spd[x] = rs[x][pos[x]]
-        for x in np.less_equal(rem, thr, out=done).nonzero()[0].tolist():
+        for x in less_equal(rem, thr, out=done).nonzero()[0].tolist():
             acc += t
             present[x] = False
             live -= 1
             rem[x], spd[x] = math.inf, 1.0
             free += counts[x][pos[x]]
-            lows -= order.lows[x]
-        if late is not None and lows + order.lows[late] <= total:
-            x, late = late, None
-            present[x] = True
-            live += 1
-            rem[x] = order.jobs[x].remaining
-            lows += order.lows[x]
-            pos, ptr, free = order.prefix(np.array(present), total - lows)
-            idx = np.flatnonzero(np.array(present))
-            spd[idx] = order.rate2d[idx, np.array(pos)[idx]]
+            lows -= lowv[x]
+        if late is not None and lows + lowv[late] <= total:
+            present[late], rem[late], live, lows = True, order.jobs[late].remaining, live + 1, lows + lowv[late]
+            late = None
+            pos, ptr, free = _restart(order, present, total - lows, spd)
             continue
-        changed: list[int] = []
-        ptr, free = order.advance(pos, present, ptr, free, changed)
-        for x in changed:
-            spd[x] = rs[x][pos[x]]
+        while free >= look and ptr < end:  # StepOrder.advance
+            x = oj[ptr]
+            if present[x]:
+                pos[x] = k = ot[ptr]
+                spd[x] = rs[x][k]
+                free -= on[ptr]
+            ptr += 1
     return acc if late is None else math.inf
+
+
+def _restart(order: StepOrder, present: list[bool], free: int, spd: np.ndarray) -> tuple[list[int], int, int]:
+    """The prefix for the ``present`` jobs (:meth:`StepOrder.prefix`), their
+    speeds at it written to ``spd``."""
+    mask = np.array(present, dtype=bool)
+    pos, ptr, free = order.prefix(mask, free)
+    idx = np.flatnonzero(mask)
+    spd[idx] = order.rate2d[idx, np.array(pos)[idx]]
+    return pos, ptr, free
+
+
+def _quiet_sum(rem: np.ndarray, spd: np.ndarray, thr: np.ndarray, present: list[bool], t: float, acc: float) -> float:
+    """The rest of :func:`fluid_sum` once no job can gain a GPU: completions
+    only, on the live jobs alone (the same per-job arithmetic)."""
+    idx = np.flatnonzero(np.array(present, dtype=bool))
+    rem, spd, thr = rem[idx], spd[idx], thr[idx]
+    live = len(idx)
+    q, done = np.empty(live), np.empty(live, dtype=bool)
+    divide, least, subtract, multiply, less_equal = np.divide, np.minimum.reduce, np.subtract, np.multiply, np.less_equal
+    while live:
+        dt = float(least(divide(rem, spd, out=q)))
+        if dt == math.inf:
+            return math.inf
+        t += dt
+        subtract(rem, multiply(spd, dt, out=q), out=rem)
+        for x in less_equal(rem, thr, out=done).nonzero()[0].tolist():
+            acc += t
+            live -= 1
+            rem[x] = math.inf
+    return acc

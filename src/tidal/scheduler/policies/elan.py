@@ -35,10 +35,11 @@ their requested count.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
-from tidal.scheduler.elan_order import OrderJob, StepOrder, fluid_sum
+from tidal.scheduler.elan_cache import ElanCache, JobTable
+from tidal.scheduler.elan_order import OrderJob, StepOrder, fluid_sum, job_steps
 from tidal.scheduler.estimate import rigid_count
 
 def hybrid_enabled(job: JobView) -> bool:
@@ -48,19 +49,24 @@ def hybrid_enabled(job: JobView) -> bool:
 
 @dataclass
 class Rates:
-    """Per-round cache of each job's range, batch and progress rate by count."""
+    """Each job's range, batch and progress rate by count, read from the
+    policy's cross-decision tables (:mod:`tidal.scheduler.elan_cache`; a
+    private one when none is given)."""
 
     snap: Snapshot
     hybrid_all: bool = False
     saturation: float = 0.2
     min_factor: float = 0.5
     max_factor: float = 2.0
-    _rate: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
-    _counts: dict[str, list[int]] = field(default_factory=dict)
-    _one: dict[str, float] = field(default_factory=dict)
-    _table: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
+    cache: ElanCache | None = None
     _order: StepOrder | None = None
-    steps: dict[tuple[str, int, int], tuple[float, int]] = field(default_factory=dict)  # uncapped steps
+
+    def __post_init__(self) -> None:
+        if self.cache is None:
+            self.cache = ElanCache()
+        self.cache.bind(self.snap.profiles, self.snap.cluster.num_gpus, self.hybrid_all, self.saturation,
+                        self.min_factor, self.max_factor)
+        self._tables = self.cache.table
 
     def order(self, jobs: list[JobView], lookahead: int = 8) -> StepOrder:
         """The round's step order (:mod:`tidal.scheduler.elan_order`) over
@@ -68,64 +74,70 @@ class Rates:
         on each job's table, fixed for the round)."""
         o = self._order
         if o is None or o.lookahead != lookahead or any(j.job_id not in o.index for j in jobs):
-            o = self._order = StepOrder([self._order_job(j) for j in jobs], lookahead, self.steps)
+            ojs, seqs = [], []
+            for j in jobs:
+                t = self._table(j)
+                ojs.append(OrderJob(j.job_id, j.spec.submit_time, t.ctup, t.rates, t.one, j.remaining,
+                                    j.running, j.size))
+                seq = t.steps.get(lookahead)
+                if seq is None:
+                    seq = t.steps[lookahead] = job_steps(ojs[-1], lookahead)
+                seqs.append(seq)
+            o = self._order = StepOrder(ojs, lookahead, steps=seqs)
         return o
 
-    def _order_job(self, j: JobView) -> OrderJob:
-        counts, rs = self.table(j)
-        return OrderJob(j.job_id, j.spec.submit_time, counts, rs, self.one(j), j.remaining, j.running, j.size)
+    def _table(self, job: JobView) -> JobTable:
+        t = self._tables(job.spec)
+        if t.rates is None:
+            t.counts = self._counts(job, t)
+            t.ctup = tuple(t.counts)
+            t.one = self.snap.throughput(job, 1) or 1.0
+            t.rates = tuple(self._lookup(job, c, t)[0] for c in t.counts)
+        return t
+
+    def _counts(self, job: JobView, t: JobTable) -> list[int]:
+        spec, cap = job.spec, self.snap.cluster.num_gpus
+        if not spec.elastic:
+            return [rigid_count(spec, cap)]
+        explicit = spec.min_gpus is not None or spec.max_gpus is not None or spec.allowed_gpus is not None
+        p = max(1, spec.requested_gpus)
+        top = spec.hi(cap)
+        lo = spec.lo if explicit else min(top, max(spec.lo, math.ceil(p * self.min_factor)))
+        hi = top if explicit else min(top, max(lo, int(p * self.max_factor)))
+        hit = [c for c in spec.counts(hi) if c >= lo and self._lookup(job, c, t)[0] > 0]
+        if not hit:  # the range holds no count that runs: the smallest one that does
+            hit = [c for c in spec.counts(cap) if self._lookup(job, c, t)[0] > 0][:1] or [spec.lo]
+        return hit
 
     def counts(self, job: JobView) -> list[int]:
         """The counts a job may run at within [min_res, max_res], ascending."""
-        hit = self._counts.get(job.job_id)
-        if hit is None:
-            spec, cap = job.spec, self.snap.cluster.num_gpus
-            if not spec.elastic:
-                hit = [rigid_count(spec, cap)]
-            else:
-                explicit = spec.min_gpus is not None or spec.max_gpus is not None or spec.allowed_gpus is not None
-                p = max(1, spec.requested_gpus)
-                top = spec.hi(cap)
-                lo = spec.lo if explicit else min(top, max(spec.lo, math.ceil(p * self.min_factor)))
-                hi = top if explicit else min(top, max(lo, int(p * self.max_factor)))
-                hit = [c for c in spec.counts(hi) if c >= lo and self.rate(job, c) > 0]
-                if not hit:  # the range holds no count that runs: the smallest one that does
-                    hit = [c for c in spec.counts(cap) if self.rate(job, c) > 0][:1] or [spec.lo]
-            self._counts[job.job_id] = hit
-        return hit
+        return self._table(job).counts  # type: ignore[return-value]
 
     def hybrid(self, job: JobView) -> bool:
         return job.spec.elastic and (self.hybrid_all or hybrid_enabled(job))
 
     def batch(self, job: JobView, n: int) -> int:
-        return self._lookup(job, n)[1]
+        return self._lookup(job, n, self._tables(job.spec))[1]
 
     def rate(self, job: JobView, n: int) -> float:
         """Progress in spec iterations/s on ``n`` GPUs at the batch the job would use."""
-        return self._lookup(job, n)[0]
+        return self._lookup(job, n, self._tables(job.spec))[0]
 
     def one(self, job: JobView) -> float:
-        hit = self._one.get(job.job_id)
-        if hit is None:
-            hit = self._one[job.job_id] = self.snap.throughput(job, 1) or 1.0
-        return hit
+        return self._table(job).one  # type: ignore[return-value]
 
     def table(self, job: JobView) -> tuple[tuple[int, ...], tuple[float, ...]]:
-        """The job's counts and the progress rate at each (cached: the
-        allocation rule runs many times per round inside the fluid estimate)."""
-        hit = self._table.get(job.job_id)
-        if hit is None:
-            cs = tuple(self.counts(job))
-            hit = self._table[job.job_id] = (cs, tuple(self.rate(job, c) for c in cs))
-        return hit
+        """The job's counts and the progress rate at each (kept across
+        decisions: the allocation rule runs many times per round inside the
+        fluid estimate)."""
+        t = self._table(job)
+        return t.ctup, t.rates  # type: ignore[return-value]
 
-    def _lookup(self, job: JobView, n: int) -> tuple[float, int]:
-        key = (job.job_id, n)
-        hit = self._rate.get(key)
+    def _lookup(self, job: JobView, n: int, t: JobTable) -> tuple[float, int]:
+        hit = t.rate_at.get(n)
         if hit is None:
             b = total_batch(self.snap, job, n, self.saturation) if self.hybrid(job) else job.spec.batch_size
-            hit = (self.snap.progress_rate(job, n, b), b)
-            self._rate[key] = hit
+            hit = t.rate_at[n] = (self.snap.progress_rate(job, n, b), b)
         return hit
 
 
@@ -258,9 +270,10 @@ class _Elan(Policy):
         self.saturation = saturation
         self.min_factor = min_factor
         self.max_factor = max_factor
+        self._cache = ElanCache()  # per-job tables kept across decisions (never changes one)
 
     def allocation(self, snap: Snapshot, plan: Plan) -> None:
-        rates = Rates(snap, self.hybrid, self.saturation, self.min_factor, self.max_factor)
+        rates = Rates(snap, self.hybrid, self.saturation, self.min_factor, self.max_factor, self._cache)
         active = elastic_admission(rates, snap, plan, self.backfill)
         plan.allocation.update(elan_allocation(rates, active, snap.cluster.num_gpus))
         for j in active:

@@ -1,0 +1,66 @@
+"""Per-job tables of the Elan policies, kept across decisions.
+
+Used only by :mod:`tidal.scheduler.policies.elan`. A job's GPU range, its
+progress rate and batch at each count (Elan §VI-C, Algorithm 1) and its step
+sequence under the allocation rule depend only on its spec, the profiles, the
+cluster size and the policy's options, not on the job's progress. Consecutive
+decisions see mostly the same jobs, so each table is built once and kept
+while those inputs stay the same. The cache never changes a decision: an entry
+is found only for the very spec object it was built from (specs are
+immutable), and a change of profiles, cluster size or options empties it.
+It holds at most ``limit`` jobs; when full, the oldest half is dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tidal.core.job import JobSpec
+
+
+class JobTable:
+    """One job's tables (filled by the policy's :class:`Rates`)."""
+
+    __slots__ = ("spec", "counts", "ctup", "rates", "one", "rate_at", "steps")
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec  # kept: it pins the id the cache is keyed by
+        self.counts: list[int] | None = None  # counts the job may run at, ascending
+        self.ctup: tuple[int, ...] = ()  # the same, as a tuple
+        self.rates: tuple[float, ...] | None = None  # progress rate at each of ``counts``
+        self.one: float | None = None  # one-GPU rate at the spec's batch
+        self.rate_at: dict[int, tuple[float, int]] = {}  # count -> (progress rate, batch)
+        self.steps: dict[int, list[tuple]] = {}  # lookahead -> uncapped step sequence
+
+
+class ElanCache:
+    """Bounded map spec -> :class:`JobTable`, valid for one context (profiles,
+    cluster size, policy options)."""
+
+    def __init__(self, limit: int = 20_000) -> None:
+        self.limit = limit
+        self._profiles: Any = None
+        self._context: tuple = ()
+        self._jobs: dict[int, JobTable] = {}
+
+    def bind(self, profiles: Any, *context: Any) -> None:
+        """Use the tables for ``profiles`` (by identity) and ``context``;
+        anything else empties the cache."""
+        if profiles is not self._profiles or context != self._context:
+            self._jobs.clear()
+            self._profiles, self._context = profiles, context
+
+    def table(self, spec: JobSpec) -> JobTable:
+        """The job's tables (a new, empty one on a miss)."""
+        hit = self._jobs.get(id(spec))
+        if hit is not None and hit.spec is spec:
+            return hit
+        jobs = self._jobs
+        if len(jobs) >= self.limit:
+            for key in list(jobs)[: max(1, len(jobs) // 2)]:
+                del jobs[key]
+        hit = jobs[id(spec)] = JobTable(spec)
+        return hit
+
+    def __len__(self) -> int:
+        return len(self._jobs)
