@@ -219,8 +219,8 @@ def fluid_sum(order: StepOrder, members: Sequence[int], total: int, late: int | 
     after which its min_res fits beside the others'. A running job that starts
     below the GPUs it holds pays ``shrink_cost``. The per-job arithmetic is
     the original loop's, element by element (numpy), so the sums are identical;
-    :meth:`StepOrder.tail` and :meth:`StepOrder.advance` are inlined, and once
-    no step is left (:func:`_quiet_sum`) only the completions remain."""
+    :meth:`StepOrder.advance` is inlined, and once no step is left
+    (:func:`_quiet_sum`) only the completions remain."""
     n = len(order.jobs)
     present = [False] * n
     rem, spd = np.full(n, math.inf), np.ones(n)
@@ -239,19 +239,10 @@ def fluid_sum(order: StepOrder, members: Sequence[int], total: int, late: int | 
         if ptr >= end and late is None and positive and not first:
             return _quiet_sum(rem, spd, thr, present, t, acc)
         extra: dict[int, int] = {}
-        if 0 < free < look:  # StepOrder.tail; the order's leading finished jobs are passed for good
-            while ptr < end and not present[oj[ptr]]:
+        if 0 < free < look:
+            while ptr < end and not present[oj[ptr]]:  # leading finished jobs' steps: passed for good
                 ptr += 1
-            c, left = ptr, free
-            while left > 0 and c < end:
-                x = oj[c]
-                if present[x]:
-                    if on[c] > left:
-                        extra = order._tail_heap(pos, present, ptr, free)
-                        break
-                    extra[x] = ot[c]
-                    left -= on[c]
-                c += 1
+            extra = order.tail(pos, present, ptr, free)
             for x, k in extra.items():
                 spd[x] = rs[x][k]
         if first:  # the first allocation: running jobs squeezed below their GPUs pay the cost
