@@ -31,6 +31,7 @@ power of two) is one buddy: half a node, a node, two neighbouring nodes...
 from __future__ import annotations
 
 import logging
+import math
 from itertools import chain
 from typing import Mapping, Sequence
 
@@ -40,6 +41,8 @@ from tidal.core.topology import Cluster
 from tidal.scheduler.api import Snapshot
 
 log = logging.getLogger(__name__)
+
+_WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # block size -> word of that many bools
 
 
 def pieces(n: int) -> list[int]:
@@ -88,8 +91,30 @@ class BuddyAllocator:
 
     def free_blocks(self, s: int) -> np.ndarray:
         """Offsets of free aligned blocks of size ``s``."""
-        blocks = ~self.used.reshape(-1, s).any(axis=1)
-        return np.flatnonzero(blocks) * s
+        used = self.used
+        if s & (s - 1) == 0 and s <= self.size and used.flags.c_contiguous:
+            if s in _WORD:  # a block of s bools is one s-byte word
+                return np.flatnonzero(used.view(_WORD[s]) == 0) * s
+            return np.flatnonzero(~(used.view(np.uint64) != 0).reshape(-1, s // 8).any(axis=1)) * s
+        return np.flatnonzero(~used.reshape(-1, s).any(axis=1)) * s
+
+    def _free_per_block(self, sizes: set[int]) -> dict[int, np.ndarray]:
+        """Free GPUs per aligned block, for each size in ``sizes`` (powers of
+        two summed pairwise level by level; other sizes directly)."""
+        free = ~self.used
+        out: dict[int, np.ndarray] = {}
+        pow2 = {x for x in sizes if x & (x - 1) == 0}
+        for x in sizes - pow2:
+            out[x] = free.reshape(-1, x).sum(axis=1)
+        if pow2:
+            c, width = free.astype(np.int64), 1
+            while True:
+                if width in pow2:
+                    out[width] = c
+                if width >= max(pow2):
+                    break
+                c, width = c[0::2] + c[1::2], width * 2
+        return out
 
     def best_fit_block(self, s: int, prefer: tuple[int, ...] = (), near: tuple[int, ...] = ()) -> int | None:
         """Offset of the best-fit free aligned block of size ``s`` (None if
@@ -98,30 +123,34 @@ class BuddyAllocator:
         offs = self.free_blocks(s)
         if offs.size == 0:
             return None
-        if prefer:
-            for g in prefer:
-                o = (g // s) * s
-                if o in offs:
-                    return int(o)
-        free = ~self.used
+        for g in prefer:
+            o = (g // s) * s
+            if not self.used[o : o + s].any():  # the aligned block around g is free
+                return int(o)
         c = self.cluster
         parent = min(2 * s, self.size)
-        par_free = free.reshape(-1, parent).sum(axis=1)[offs // parent]
         node_sz = c.gpus_per_node
-        if s < node_sz:
-            node_free = free.reshape(-1, node_sz).sum(axis=1)[offs // node_sz]
-        else:
-            node_free = np.zeros(offs.size, dtype=np.int64)
         sw_sz = node_sz * c.nodes_per_switch
-        if self.size % sw_sz == 0:
-            sw_free = free.reshape(-1, sw_sz).sum(axis=1)[offs // sw_sz]
-        else:
-            sw_free = np.zeros(offs.size, dtype=np.int64)
-        displaced = self.held.reshape(-1, s).sum(axis=1)[offs // s]
+        sizes = {parent} | ({node_sz} if s < node_sz else set()) | ({sw_sz} if self.size % sw_sz == 0 else set())
+        per = self._free_per_block(sizes)
+        zeros = np.zeros(offs.size, dtype=np.int64)
+        par_free = per[parent][offs // parent]
+        node_free = per[node_sz][offs // node_sz] if s < node_sz else zeros
+        sw_free = per[sw_sz][offs // sw_sz] if self.size % sw_sz == 0 else zeros
+        moved = self.held.any()
+        displaced = self.held.reshape(-1, s).sum(axis=1)[offs // s] if moved else zeros
         if near:
             far = ~np.isin(offs // node_sz, np.array(sorted({g // node_sz for g in near})))
         else:
             far = np.zeros(offs.size, dtype=bool)
+        # each key lies in [0, bound): one integer ranks them lexicographically
+        # and its first minimum is the lowest offset among the ties
+        bounds = (int(displaced.max()) + 1 if moved else 1, parent + 1, node_sz + 1, sw_sz + 1)
+        if (not moved or displaced.min() >= 0) and math.prod(bounds) < 1 << 61:
+            key = far.astype(np.int64)
+            for k, b in zip((displaced, par_free, node_free, sw_free), bounds):
+                key = key * b + k
+            return int(offs[int(np.argmin(key))])
         order = np.lexsort((offs, sw_free, node_free, par_free, displaced, far))
         return int(offs[order[0]])
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Steps:
     to: tuple[tuple[int, ...], ...]
     end: tuple[int, ...]
     need: tuple[int, ...]
+    chains: dict = field(default_factory=dict, compare=False, repr=False)  # start level -> :func:`_chain`
 
 
 def build_steps(counts: Sequence[int], vals: Sequence[float], one: float, weight: float) -> Steps:
@@ -90,12 +93,23 @@ def greedy(entries: dict[str, tuple[Steps, int, float]], free: int) -> dict[str,
     if free - total >= need:  # the GPUs left never bind
         return {jid: st.end[i] for jid, (st, i, _) in entries.items()}
     heap: list[tuple[float, float, str, int]] = []
-    push = heapq.heappush
-    for jid, (st, i, ddl) in entries.items():
-        p = bisect_right(st.ext[i], free)
+    merged = all(free >= st.ext[i][-1] for st, i, _ in entries.values() if st.ext[i])
+    special = None
+    if merged:
+        free, special = _merge(entries, cur, free)
+    for jid, (st, _, ddl) in entries.items():
+        i = cur[jid]
+        p = len(st.ext[i]) if merged and jid != special else bisect_right(st.ext[i], free)
         if p:
-            push(heap, (-st.gain[i][p - 1], ddl, jid, st.to[i][p - 1]))
-    pop = heapq.heappop
+            heap.append((-st.gain[i][p - 1], ddl, jid, st.to[i][p - 1]))
+    heapq.heapify(heap)
+    return _run(entries, cur, free, heap)
+
+
+def _run(entries: dict[str, tuple[Steps, int, float]], cur: dict[str, int], free: int,
+         heap: list[tuple[float, float, str, int]]) -> dict[str, int]:
+    """The queue itself, from ``heap`` (one entry per job that gains)."""
+    push, pop = heapq.heappush, heapq.heappop
     while heap and free > 0:
         item = pop(heap)
         jid, k = item[2], item[3]
@@ -109,3 +123,58 @@ def greedy(entries: dict[str, tuple[Steps, int, float]], free: int) -> dict[str,
         if p:
             push(heap, (-st.gain[i][p - 1], ddl, jid, st.to[i][p - 1]))
     return cur
+
+
+def _merge(entries: dict[str, tuple[Steps, int, float]], cur: dict[str, int], free: int) -> tuple[int, str | None]:
+    """Play the queue's opening at once while every job still sees all its
+    records (at least ``need`` GPUs left after each step, ``free`` >= every
+    job's need at the start): each job then climbs its chain of best steps,
+    and a queue pops a step once it is the smallest among the jobs' next
+    steps, i.e. in the order of (the largest key on its chain up to it,
+    the job's deadline and id, its place on the chain). Stops before the
+    first step the GPUs left cannot pay, or after the first step that leaves
+    fewer than its job's next need. Moves ``cur`` on; returns the GPUs left
+    and the job whose next entry must be looked up with them (None: every
+    job's next entry is its last record)."""
+    jobs = [jid for jid, (st, i, _) in entries.items() if st.to[i]]
+    chains = [_chain(entries[jid][0], entries[jid][1]) for jid in jobs]
+    rank = sorted(range(len(jobs)), key=lambda x: (entries[jobs[x]][2], jobs[x]))
+    pos = np.empty(len(jobs), dtype=np.int64)
+    pos[rank] = np.arange(len(jobs))
+    lens = [len(c[1]) for c in chains]
+    table = np.concatenate([c[0] for c in chains])  # rows: key, extra, need after, place
+    owner = np.repeat(np.arange(len(jobs)), lens)
+    order = np.lexsort((np.repeat(pos << 12, lens) + table[:, 3].astype(np.int64), table[:, 0]))
+    left = free - np.cumsum(table[order, 1].astype(np.int64))
+    bad = left < table[order, 2]
+    if not bad.any():
+        end, special = len(order), None
+    else:
+        m = int(np.argmax(bad))
+        end, special = (m, None) if left[m] < 0 else (m + 1, jobs[owner[order[m]]])
+    if end:
+        free = int(left[end - 1])
+        took = np.bincount(owner[order[:end]], minlength=len(jobs)).tolist()
+        for x, jid in enumerate(jobs):
+            if took[x]:
+                cur[jid] = chains[x][1][took[x] - 1]
+    return free, special
+
+
+def _chain(st: Steps, i: int) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The chain of best steps from level ``i`` with GPUs to spare: a row
+    per step (the largest queue key ``-return`` so far on the chain, extra
+    GPUs, the need at the level reached, place) and the levels reached."""
+    hit = st.chains.get(i)
+    if hit is None:
+        rows, levels = [], []
+        k = i
+        while st.to[k]:
+            nxt = st.to[k][-1]
+            rows.append((-st.gain[k][-1], st.ext[k][-1], st.ext[nxt][-1] if st.ext[nxt] else 0, len(rows)))
+            levels.append(nxt)
+            k = nxt
+        table = np.array(rows, dtype=float)
+        table[:, 0] = np.maximum.accumulate(table[:, 0])
+        hit = st.chains[i] = (table, tuple(levels))
+    return hit
