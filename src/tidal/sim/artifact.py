@@ -22,8 +22,8 @@ artifact's schedulers (its ``--schedule`` names, accepted as aliases):
 
 | artifact name    | registry policy | options                                  |
 |------------------|-----------------|------------------------------------------|
-| ``ef-accessctrl``| ``elasticflow`` | planned without overheads, no slack;      |
-|                  |                 | merged arrivals admitted as one batch     |
+| ``ef-accessctrl``| ``elasticflow`` | the artifact's own planner and loop       |
+|                  |                 | (:mod:`tidal.sim.artifact_ef`)             |
 | ``edf``          | ``edf``         | ``count_rule="largest"``                   |
 | ``dlas-gpu``     | ``tiresias``    | queues at 3,250 and 7,200 GPU-s, no promotion |
 | ``themis``       | ``themis``      | 60 s leases                               |
@@ -39,11 +39,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 from tidal.core.job import JobSpec, JobState
-from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ThroughputProfile, load_profiles
 from tidal.core.topology import Cluster
 from tidal.scheduler.api import Plan, Policy, Snapshot
 from tidal.scheduler.registry import canonical, get_policy_for_slot
+from tidal.sim.artifact_ef import ArtifactElasticFlow
 from tidal.sim.artifact_gandiva import GandivaNodeSetSimulator
 from tidal.sim.engine import SimResult
 from tidal.sim.progress import SimJob
@@ -56,7 +56,7 @@ class ArtifactSemantics:
     """Knobs of the artifact's executor (ElasticFlow ``scheduler/scheduler.py``).
 
     ``charge``: which jobs pay the per-round overhead — ``"all"`` (every
-    running job, ElasticFlow and Gandiva), ``"started"`` (jobs started or
+    running job), ``"started"`` (jobs started or
     resumed this round, plus every running job on a restart round: Tiresias),
     ``"none"`` (EDF, Themis). ``cache``: a GPU set used since the last restart
     costs only ``base_s`` (ElasticFlow's trainer cache); without it every
@@ -64,12 +64,8 @@ class ArtifactSemantics:
     trigger a round (Gandiva only notices them at the next arrival).
     ``lease_grid``: rounds only on the grid ``first arrival + k * slot``
     (Themis' leases: a job arriving between two leases waits for the next).
-    ``batch_admission``: the arrivals merged into one round are admitted
-    or declined together (ElasticFlow: ``estimate_all_jobs`` over all of
-    them; if any cannot meet its deadline, all of them are declined).
     ``last_overhead_counts``: the overhead charged in a job's last round
-    delays the completion that decides its deadline (ElasticFlow checks its
-    estimate made before charging it)."""
+    delays the completion that decides its deadline."""
 
     slot: float = 60.0
     base_s: float = 2.0
@@ -82,7 +78,6 @@ class ArtifactSemantics:
     last_overhead_counts: bool = True
     merge_rounds: bool = True
     lease_grid: bool = False
-    batch_admission: bool = False
 
     def overhead(self, n: int, new_set: bool, restart: bool) -> float:
         """Seconds of no progress for a job of ``n`` GPUs in one round."""
@@ -207,11 +202,6 @@ class ArtifactSimulator:
         restart = self.rounds > 0 and self.rounds % self.sem.restart_every == 0
         self.rounds += 1
         plan = self.policy.schedule(self._snapshot(now))
-        if self.sem.batch_admission and len(arrived) > 1 and any(j in plan.drop for j in arrived):
-            for jid in arrived:  # the whole merged batch is declined
-                job = self.active.pop(jid)
-                job.state, job.drop_reason, job.end_time = JobState.DROPPED, "batch declined", now
-            plan = self.policy.schedule(self._snapshot(now))
         started = self._apply(plan, now)
         if restart:
             self.cache.clear()
@@ -296,35 +286,35 @@ def run_artifact(
     """Simulate ``policy_name`` (a registry name or an artifact alias such as
     ``ef-accessctrl``) with the artifact's semantics and its policy options."""
     profiles = profiles or load_profiles()
-    if canonical(policy_name) in NODE_SET_EXECUTORS:
-        # the artifact's Gandiva is a cluster mechanism (node sets, time-slicing), not a Plan
-        result = GandivaNodeSetSimulator(cluster, jobs, profiles, slot=slot).run()
+    executor = EXECUTORS.get(canonical(policy_name))
+    if executor is not None:
+        result = executor(cluster, jobs, profiles, slot=slot).run()
         result.policy = policy_name
         return result
     policy, semantics = artifact_setup(policy_name, slot)
     return ArtifactSimulator(cluster, policy, jobs, profiles, semantics).run()
 
-#: registry names whose artifact version runs on :mod:`tidal.sim.artifact_gandiva`.
-NODE_SET_EXECUTORS = frozenset({"gandiva"})
 
-
-_NO_OVERHEAD = OverheadModel(mode="stop-free", pause_s=0.0, warmup_s=0.0, stop_resume_s=0.0, launch_s=0.0)
+#: registry names whose artifact version is its own executor, not a Snapshot -> Plan
+#: policy: Gandiva is a cluster mechanism (node sets, time-slicing), and the
+#: artifact's ElasticFlow plans and admits differently from §4.2.
+EXECUTORS = {"gandiva": GandivaNodeSetSimulator, "elasticflow": ArtifactElasticFlow}
 
 #: registry name -> (policy options, semantics) of the artifact's version.
 SETUPS: dict[str, tuple[dict[str, Any], ArtifactSemantics]] = {
-    "elasticflow": ({"assumed_overheads": _NO_OVERHEAD, "reserve_rescales": 0.0},
-                    ArtifactSemantics(charge="all", last_overhead_counts=False, batch_admission=True)),
     "edf": ({"count_rule": "largest"}, ArtifactSemantics(charge="none")),
     "tiresias": ({"thresholds": (3250.0, 7200.0), "promote_knob": math.inf},
                  ArtifactSemantics(charge="started", cache=False)),
     "themis": ({"lease": 60.0}, ArtifactSemantics(charge="none", lease_grid=True)),
-    "gandiva": ({}, ArtifactSemantics(charge="all", cache=False, completion_rounds=False)),
 }
 
 
 def artifact_setup(name: str, slot: float = 60.0) -> tuple[Policy, ArtifactSemantics]:
-    """The policy object and executor semantics for an artifact or registry name."""
+    """The policy object and executor semantics for an artifact or registry name
+    (not for those in :data:`EXECUTORS`, which have their own executor)."""
     reg = canonical(name)
+    if reg in EXECUTORS:
+        raise ValueError(f"{name!r} runs on its own artifact executor ({EXECUTORS[reg].__name__}), not a policy")
     options, sem = SETUPS.get(reg, ({}, ArtifactSemantics()))
     policy = get_policy_for_slot(reg, slot, **options) if options else get_policy_for_slot(reg, slot)
     policy.name = name

@@ -29,8 +29,9 @@ module models that mechanism as an executor path of ``--fidelity artifact``
   and, as in the artifact's loop, the job after each started one is
   skipped in that pass;
 - **progress**: a running job's executed time grows by the interval minus
-  its overhead (``2 + 2 (log2 n + 1)`` s, ``+27`` s every 60th arrival
-  round, charged only after arrival rounds); it ends when the executed time
+  its overhead (:func:`artifact_overhead`: ``2 + 2 (log2 n + 1)`` s, ``+27`` s
+  every 60th arrival round; 5 s and 20 s more on clusters of 256+ GPUs;
+  charged only after arrival rounds); it ends when the executed time
   reaches the trace's duration, at ``now - excess``.
 """
 
@@ -264,7 +265,7 @@ class GandivaNodeSetSimulator:
         self.arrival_rounds += 1
         for jid in self.running:
             n = self._size(jid)
-            self.overhead[jid] = 2.0 + (27.0 if restart else 0.0) + 2.0 * (math.log2(n) + 1)
+            self.overhead[jid] = artifact_overhead(n, restart, self.c.num_gpus)
 
     def _merge(self, now: float) -> float:
         """The artifact's event merge: an arrival within a slot of ``now``
@@ -277,6 +278,19 @@ class GandivaNodeSetSimulator:
             ev[0][1].extend(ev[1][1])
             del ev[1]
         return ev[0][0]
+
+
+def artifact_overhead(n: int, restart: bool, cluster_gpus: int, cached: bool = False) -> float:
+    """The artifact's ``estimate_overhead``: 2 s per round (7 s on clusters of
+    256+ GPUs); unless the job's ranks are cached, plus ``2 (log2 n + 1)`` s
+    to relaunch and, on a restart round, 27 s (47 s on 256+ GPUs)."""
+    big = cluster_gpus >= 256
+    ovh = 7.0 if big else 2.0
+    if cached:
+        return ovh
+    if restart:
+        ovh += 47.0 if big else 27.0
+    return ovh + 2.0 * (math.log2(n) + 1)
 
 
 def _duration(spec: JobSpec, profiles: ThroughputProfile) -> float:
