@@ -12,6 +12,7 @@ snapshot never changes after it is built.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from itertools import filterfalse
 from typing import Any, Mapping
 
 from tidal.core.overhead import OverheadModel
@@ -70,6 +71,8 @@ class ViewCache:
 
     def unhold(self, job: SimJob) -> None:
         """Forget the GPUs ``job`` holds (before they change or are freed)."""
+        if not job.gpus:
+            return
         self._own()
         jid, owner = job.spec.job_id, self.owner
         for g in job.gpus:
@@ -82,7 +85,7 @@ class ViewCache:
         """Update the free lists of the nodes of ``gpus``."""
         per, owner = self._per, self.owner
         for node in {g // per for g in gpus}:
-            new = tuple(g for g in range(node * per, (node + 1) * per) if g not in owner)
+            new = tuple(filterfalse(owner.__contains__, range(node * per, (node + 1) * per)))
             old = len(self.free[node])
             if len(new) != old:
                 nodes = self.by_free[old]
@@ -150,6 +153,6 @@ class ViewCache:
         self._shared = True
         snap = Snapshot(now=now, cluster=cluster, jobs=tuple(views.values()), profiles=profiles,
                         overheads=overheads)
-        return snap.indexed(held=self.held, sizes=self.sizes, free=tuple(self.free),
+        return snap.indexed(held=self.held, sizes=self.sizes, ids=tuple(views), free=tuple(self.free),
                             by_free=tuple(map(tuple, self.by_free)),
                             submitted=tuple([views[jid] for jid in self.submitted]))

@@ -17,7 +17,7 @@ import math
 from operator import itemgetter
 
 from tidal.core.job import JobState
-from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
+from tidal.scheduler.api import JobView, Plan, Policy, Snapshot
 from tidal.scheduler.estimate import rigid_count
 
 
@@ -26,8 +26,8 @@ def queue_of(job: JobView, thresholds: tuple[float, ...]) -> int:
     return bisect.bisect_right(thresholds, service)
 
 
-_PRIORITY = itemgetter(0, 1, 2)  # queue, submit time, job id
 _RUNNING, _RESIZING = JobState.RUNNING, JobState.RESIZING
+_ID, _COUNT, _VIEW = itemgetter(2), itemgetter(4), itemgetter(5)
 
 
 def tiresias_allocation(
@@ -37,16 +37,20 @@ def tiresias_allocation(
     promote_knob: float = 8.0,
 ) -> list[JobView]:
     """Fill ``plan.allocation``; return the jobs in priority order: by queue,
-    then submission time and id (a stable sort)."""
+    then submission time and id (ties kept in snapshot order)."""
     now = snap.now
     wake = math.inf
     total = snap.cluster.num_gpus
     bisect_right = bisect.bisect_right
-    order: list[tuple[int, float, str, int, JobView]] = []
+    order: list[tuple[int, float, str, int, int, JobView]] = []  # priority, position, count, view
     append = order.append
-    need = 0
-    for j in schedulable(snap, plan):
-        tags, spec, state = j.tags, j.spec, j.state
+    need = pos = 0
+    admit, drop = plan.admit, plan.drop
+    for j in snap.jobs:  # the schedulable ones (api.schedulable, inlined)
+        spec = j.spec
+        if not j.admitted and spec.job_id not in admit or drop and spec.job_id in drop:
+            continue
+        tags, state = j.tags, j.state
         q = bisect_right(thresholds, j.attained - tags.get("tiresias_base", 0.0) if tags else j.attained)  # queue_of
         if state is _RUNNING or state is _RESIZING:
             n = len(j.gpus)
@@ -60,24 +64,25 @@ def tiresias_allocation(
                 else:
                     wake = min(wake, promote_at)
         need += n
-        append((q, spec.submit_time, spec.job_id, n, j))
-    order.sort(key=_PRIORITY)
+        pos += 1
+        append((q, spec.submit_time, spec.job_id, pos, n, j))
+    order.sort()  # positions are unique: views are never compared
     if need <= total:  # everyone fits: nobody waits
-        plan.allocation.update([x[2:4] for x in order])
+        plan.allocation.update(zip(map(_ID, order), map(_COUNT, order)))
     else:
         wake = min(wake, _fill(snap, plan, order, thresholds))
     plan.wake_at = wake if wake < math.inf else None
-    return [x[4] for x in order]
+    return list(map(_VIEW, order))
 
 
-def _fill(snap: Snapshot, plan: Plan, order: list[tuple[int, float, str, int, JobView]],
+def _fill(snap: Snapshot, plan: Plan, order: list[tuple[int, float, str, int, int, JobView]],
           thresholds: tuple[float, ...]) -> float:
     """Allocate in priority order, skipping jobs that do not fit; return when
     the next demotion of a running job may change the order (if one waits)."""
     free = snap.cluster.num_gpus
     alloc = plan.allocation
     waiting = False
-    for _, _, jid, n, _ in order:
+    for _, _, jid, _, n, _ in order:
         if n <= free:
             alloc[jid] = n
             free -= n
@@ -86,7 +91,7 @@ def _fill(snap: Snapshot, plan: Plan, order: list[tuple[int, float, str, int, Jo
     wake = math.inf
     if waiting:
         now = snap.now
-        for q, _, jid, _, j in order:
+        for q, _, jid, _, _, j in order:
             n = alloc.get(jid, 0)
             if n and q < len(thresholds):
                 base = plan.tags.get(jid, {}).get("tiresias_base", j.tags.get("tiresias_base", 0.0))
