@@ -120,13 +120,15 @@ class BuddyAllocator:
         """Offset of the best-fit free aligned block of size ``s`` (None if
         none); a block containing one of ``prefer`` wins (grow in place);
         blocks on the nodes of ``near`` come first (pieces of one job)."""
+        used, last = self.used, -1
+        for g in prefer if s <= self.size else ():
+            o = (g // s) * s
+            if o != last and not used[o : o + s].any():  # the aligned block around g is free
+                return int(o)
+            last = o
         offs = self.free_blocks(s)
         if offs.size == 0:
             return None
-        for g in prefer:
-            o = (g // s) * s
-            if not self.used[o : o + s].any():  # the aligned block around g is free
-                return int(o)
         c = self.cluster
         parent = min(2 * s, self.size)
         node_sz = c.gpus_per_node
