@@ -325,3 +325,65 @@ def test_step_order_matches_the_heap_rule_and_the_fluid_loop(seed):
             xs = [order.index[v.job_id] for v in sub]
             got = fluid_sum(order, xs, total, None if late is None else order.index[late.job_id], 50.0)
             assert got == _loop_fluid(rates, sub, total, late, 50.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_paired_fluid_estimates_match_two_separate_ones(seed):
+    """The admission test's two fluid runs evaluated side by side give the
+    two separate estimates bit for bit (random sets, capped steps, running
+    jobs paying the shrink cost, a late job that may or may not fit)."""
+    import random
+
+    from tidal.scheduler.elan_order import fluid_sum
+    from tidal.scheduler.elan_pair import fluid_pair
+
+    rng = random.Random(100 + seed)
+    profiles = load_profiles()
+    models = [m for m in profiles.models if m != "resnet50_cifar10"]
+    views = []
+    for i in range(60):
+        m = rng.choice(models)
+        p = rng.choice([1, 2, 4, 8])
+        allowed = (1, 2, 4, 8, 16) if rng.random() < 0.3 else None
+        spec = JobSpec(f"j{i}", submit_time=float(rng.randint(0, 5)), model=m, batch_size=rng.choice(profiles.batch_sizes(m)),
+                       iterations=float(rng.randint(100, 50_000)), requested_gpus=p, elastic=rng.random() < 0.85,
+                       allowed_gpus=allowed)
+        running = rng.random() < 0.5
+        views.append(JobView(spec, JobState.RUNNING if running else JobState.PENDING,
+                             gpus=tuple(range(p)) if running else (), done=rng.uniform(0, 50), admitted=True))
+    snap = Snapshot(now=0.0, cluster=parse_cluster("n8g8"), jobs=tuple(views), profiles=profiles)
+    rates = Rates(snap, hybrid_all=seed % 2 == 1)
+    for _ in range(12):
+        look = rng.choice([8, 8, 3, 5])
+        order = rates.order(views, look)
+        sub = [order.index[v.job_id] for v in views if rng.random() < 0.6]
+        if len(sub) < 2:
+            continue
+        w = sub.pop()
+        total = rng.choice([24, 32, 64, 100])
+        cost = rng.choice([0.0, 50.0])
+        assert fluid_pair(order, sub, w, total, cost) == (fluid_sum(order, sub + [w], total, None, cost),
+                                                          fluid_sum(order, sub, total, w, cost))
+
+
+def test_the_table_cache_is_keyed_by_the_spec_object_and_bounded(toy_profiles):
+    from tidal.scheduler.elan_cache import ElanCache
+
+    cache = ElanCache(limit=4)
+    cache.bind(toy_profiles, 8, False)
+    a = job("A", 0, 100)
+    t = cache.table(a)
+    assert cache.table(a) is t
+    assert cache.table(job("A", 0, 100)) is not t  # an equal spec, another object: its own table
+    for i in range(10):
+        cache.table(job(f"B{i}", 0, 100))
+    assert len(cache) <= 4
+    cache.bind(toy_profiles, 16, False)  # another cluster size: every table is dropped
+    assert len(cache) == 0
+    # one policy object across decisions and clusters gives the same plans as fresh ones
+    jobs = [job("A", 0, 400, "sat", hi=4), job("B", 10, 200), job("C", 20, 300, "sat", lo=2, hi=8)]
+    shared = get_policy("e-backfill")
+    for cluster in ("n1g4", "n1g8", "n1g4"):
+        snap = Snapshot(now=30.0, cluster=parse_cluster(cluster), jobs=tuple(view(s) for s in jobs),
+                        profiles=toy_profiles, overheads=NO_OVERHEAD)
+        assert shared.schedule(snap) == get_policy("e-backfill").schedule(snap)

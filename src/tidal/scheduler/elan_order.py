@@ -220,7 +220,7 @@ def fluid_sum(order: StepOrder, members: Sequence[int], total: int, late: int | 
     below the GPUs it holds pays ``shrink_cost``. The per-job arithmetic is
     the original loop's, element by element (numpy), so the sums are identical;
     :meth:`StepOrder.advance` is inlined, and once no step is left
-    (:func:`_quiet_sum`) only the completions remain."""
+    (:func:`quiet_sum`) only the completions remain."""
     n = len(order.jobs)
     present = [False] * n
     rem, spd = np.full(n, math.inf), np.ones(n)
@@ -229,7 +229,7 @@ def fluid_sum(order: StepOrder, members: Sequence[int], total: int, late: int | 
         rem[x] = order.jobs[x].remaining
     live, lowv = len(members), order.lows
     lows = sum(lowv[x] for x in members)
-    pos, ptr, free = _restart(order, present, total - lows, spd)
+    pos, ptr, free = restart(order, present, total - lows, spd)
     t = acc = 0.0
     first = True
     rs, counts, thr, oj, ot, on, look = order.rs, order.counts, order.thr, order.oj, order.ot, order.on, order.lookahead
@@ -237,7 +237,7 @@ def fluid_sum(order: StepOrder, members: Sequence[int], total: int, late: int | 
     divide, least, subtract, multiply, less_equal = np.divide, np.minimum.reduce, np.subtract, np.multiply, np.less_equal
     while live:
         if ptr >= end and late is None and positive and not first:
-            return _quiet_sum(rem, spd, thr, present, t, acc)
+            return quiet_sum(rem, spd, thr, present, t, acc)
         extra: dict[int, int] = {}
         if 0 < free < look:
             while ptr < end and not present[oj[ptr]]:  # leading finished jobs' steps: passed for good
@@ -272,7 +272,7 @@ def fluid_sum(order: StepOrder, members: Sequence[int], total: int, late: int | 
         if late is not None and lows + lowv[late] <= total:
             present[late], rem[late], live, lows = True, order.jobs[late].remaining, live + 1, lows + lowv[late]
             late = None
-            pos, ptr, free = _restart(order, present, total - lows, spd)
+            pos, ptr, free = restart(order, present, total - lows, spd)
             continue
         while free >= look and ptr < end:  # StepOrder.advance
             x = oj[ptr]
@@ -284,7 +284,7 @@ def fluid_sum(order: StepOrder, members: Sequence[int], total: int, late: int | 
     return acc if late is None else math.inf
 
 
-def _restart(order: StepOrder, present: list[bool], free: int, spd: np.ndarray) -> tuple[list[int], int, int]:
+def restart(order: StepOrder, present: list[bool], free: int, spd: np.ndarray) -> tuple[list[int], int, int]:
     """The prefix for the ``present`` jobs (:meth:`StepOrder.prefix`), their
     speeds at it written to ``spd``."""
     mask = np.array(present, dtype=bool)
@@ -294,7 +294,7 @@ def _restart(order: StepOrder, present: list[bool], free: int, spd: np.ndarray) 
     return pos, ptr, free
 
 
-def _quiet_sum(rem: np.ndarray, spd: np.ndarray, thr: np.ndarray, present: list[bool], t: float, acc: float) -> float:
+def quiet_sum(rem: np.ndarray, spd: np.ndarray, thr: np.ndarray, present: list[bool], t: float, acc: float) -> float:
     """The rest of :func:`fluid_sum` once no job can gain a GPU: completions
     only, on the live jobs alone (the same per-job arithmetic)."""
     idx = np.flatnonzero(np.array(present, dtype=bool))

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.elan_cache import ElanCache, JobTable
-from tidal.scheduler.elan_order import OrderJob, StepOrder, fluid_sum, job_steps
+from tidal.scheduler.elan_order import OrderJob, StepOrder, job_steps
+from tidal.scheduler.elan_pair import fluid_pair
 from tidal.scheduler.estimate import rigid_count
 
 def hybrid_enabled(job: JobView) -> bool:
@@ -187,21 +188,25 @@ def _finish_times(rates: Rates, jobs: list[JobView], alloc: dict[str, int], shri
     return out
 
 
-def adds_no_jct(rates: Rates, active: list[JobView], w: JobView, total: int) -> bool:
+def adds_no_jct(rates: Rates, active: list[JobView], w: JobView, total: int,
+                known: tuple[StepOrder, list[int], int] | None = None) -> bool:
     """Elan's admission test: does starting ``w`` now (squeezing the others
     towards their min_res) keep the average JCT of ``active`` + ``w`` at or
     below letting ``w`` wait? Both are estimated by a fluid run of the
     allocation rule (re-applied at each completion); waiting, ``w`` joins at
-    the first completion that leaves room for its min_res."""
+    the first completion that leaves room for its min_res. ``known``: the
+    round's step order covering them, ``active``'s indexes in it and the sum
+    of their min_res (the caller keeps them)."""
     lo = rates.counts(w)[0]
-    if sum(rates.counts(j)[0] for j in active) + lo > total:
+    if known is None:
+        order = rates.order(active + [w])
+        known = (order, [order.index[j.job_id] for j in active], sum(rates.counts(j)[0] for j in active))
+    order, xs, lows = known
+    if lows + lo > total:
         return False
     ov = rates.snap.overheads
     cost = ov.stop_resume_s if ov.mode == "stop-resume" else ov.pause_s
-    order = rates.order(active + [w])
-    xs = [order.index[j.job_id] for j in active]
-    with_w = fluid_sum(order, xs + [order.index[w.job_id]], total, None, cost)
-    without = fluid_sum(order, xs, total, order.index[w.job_id], cost)
+    with_w, without = fluid_pair(order, xs, order.index[w.job_id], total, cost)
     return with_w <= without * (1 + 1e-9)
 
 
@@ -212,22 +217,30 @@ def elastic_admission(
     blocked head job. Returns the jobs to run (running ones first)."""
     total = snap.cluster.num_gpus
     jobs = schedulable(snap, plan)
-    rates.order(jobs)  # one step order for every estimate of the round
+    order = rates.order(jobs)  # one step order for every estimate of the round
     active = [j for j in jobs if j.running]
     queue = sorted((j for j in jobs if not j.running), key=lambda j: (j.spec.submit_time, j.job_id))
     idle = total - sum(j.size for j in active)
+    xs = [order.index[j.job_id] for j in active]
+    lows = [sum(rates.counts(j)[0] for j in active)]
 
     def admissible(w: JobView) -> bool:
         lo = rates.counts(w)[0]
-        return lo <= idle or adds_no_jct(rates, active, w, total)
+        return lo <= idle or adds_no_jct(rates, active, w, total, (order, xs, lows[0]))
+
+    def start(w: JobView) -> int:
+        active.append(w)
+        xs.append(order.index[w.job_id])
+        lo = rates.counts(w)[0]
+        lows[0] += lo
+        return max(0, idle - lo)
 
     head = None
     for i, w in enumerate(queue):
         if not admissible(w):
             head = i
             break
-        active.append(w)
-        idle = max(0, idle - rates.counts(w)[0])
+        idle = start(w)
     if head is None or not backfill:
         return active
     # EASY: reserve the head's min_res at the shadow time (backfill.py's rule)
@@ -251,8 +264,7 @@ def elastic_admission(
             continue
         if not ends_before:
             extra -= lo
-        active.append(w)
-        idle = max(0, idle - lo)
+        idle = start(w)
     return active
 
 
