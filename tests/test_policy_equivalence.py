@@ -44,7 +44,7 @@ PLAN_DIGESTS: dict[str, str] = {
     "reshaping": "d636bfeb8405f085",
     "termination": "3751834b767c344f",
     "themis": "ff74bcc05959e8df",
-    "tidal": "6a2ab2cd4b661426",
+    "tidal": "1e2c256f2c89648d",
     "tiresias": "e8acd79f29487b03"
 }
 SIM_DIGESTS: dict[str, str] = {
@@ -61,7 +61,7 @@ SIM_DIGESTS: dict[str, str] = {
     "reshaping": "065471fd27d9b88f",
     "termination": "1c953cebfef42199",
     "themis": "cb46998bbec78c15",
-    "tidal": "dce8522a3b137ae4",
+    "tidal": "e73186e451005c82",
     "tiresias": "8fc0561ff45b6fc1"
 }
 

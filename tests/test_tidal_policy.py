@@ -59,3 +59,41 @@ def test_deadline_guarantees_survive_best_effort_pressure(toy_profiles):
             if j.spec.deadline is not None and j.admitted and j.state is JobState.COMPLETED:
                 assert j.end_time <= j.spec.deadline + 1e-6, (trial, j.spec)
             assert j.state in (JobState.COMPLETED, JobState.DROPPED)
+
+
+def _plans(profiles, *views):
+    from tidal.scheduler.api import Snapshot
+
+    snap = Snapshot(now=0.0, cluster=parse_cluster("n1g4"), profiles=profiles, overheads=FREE, jobs=views)
+    return get_policy("elasticflow", slot=60.0).schedule(snap), get_policy("tidal", slot=60.0).schedule(snap)
+
+
+def test_deadline_jobs_get_the_spare_before_best_effort_floors(toy_profiles):
+    # D (new, 1,000 it, deadline 700 s) gets a share of 2 GPUs. ElasticFlow's
+    # Algorithm 2 gives the 2 spare GPUs to D (a tie with B's first GPU, the
+    # deadline job first); Tidal's split does the same, and the floors only
+    # divide what it leaves to best-effort jobs (here nothing). Before the
+    # split, B's floor came first and D stayed at 2 GPUs.
+    from tidal.scheduler.api import JobView
+
+    d = job("D", 0, 1_000, deadline=700)
+    b = job("B", 0, 5_000)
+    ef, tidal = _plans(toy_profiles, JobView(d, JobState.SUBMITTED), JobView(b, JobState.PENDING, admitted=True))
+    assert tidal.tags["D"]["ef_share"] == 2
+    assert ef.allocation == tidal.allocation == {"D": 4}
+
+
+def test_a_squeezed_deadline_job_gets_the_spare_first(toy_profiles):
+    # D ("sat": 1.5 it/s on 2 GPUs, 2 on 4; 900 it, deadline 700 s) gets a
+    # share of 2 that ends at 600 s, in the last half of its window:
+    # squeezed. 2 -> 4 GPUs returns a quarter GPU's worth per GPU, B's first
+    # GPUs a whole one: ElasticFlow gives B the spare, Tidal gives it to D
+    # (weight 16): 2 it/s makes D's plan slack a later admission can use.
+    from tidal.scheduler.api import JobView
+
+    d = JobSpec("D", 0, "sat", 32, 900, requested_gpus=1, elastic=True, deadline=700)
+    b = job("B", 0, 5_000)
+    ef, tidal = _plans(toy_profiles, JobView(d, JobState.SUBMITTED), JobView(b, JobState.PENDING, admitted=True))
+    assert ef.tags["D"]["ef_share"] == tidal.tags["D"]["ef_share"] == 2
+    assert ef.allocation == {"D": 2, "B": 2}
+    assert tidal.allocation == {"D": 4}
