@@ -13,14 +13,17 @@ import pytest
 
 from tidal.core.job import JobSpec, JobState
 from tidal.core.topology import parse_cluster
-from tidal.scheduler.api import FrozenDict, Plan, Policy, Snapshot
+from tidal.core.profile import load_profiles
+from tidal.scheduler.api import FrozenDict, JobView, Plan, Policy, Snapshot
 from tidal.scheduler.placement import FreeMap
-from tidal.scheduler.policies.tiresias import Tiresias
+from tidal.scheduler.policies.tiresias import Tiresias, everyone_fits, tiresias_allocation
 from tidal.scheduler.registry import get_policy
 from tidal.sim.engine import Simulator
 from tidal.sim.metrics import job_rows, summarize
 from tidal.sim.progress import Progress, SimJob
 from tidal.sim.runset import RunSet
+
+PROFILES = load_profiles()
 
 
 def _job(i: int, rng: random.Random) -> SimJob:
@@ -164,3 +167,48 @@ def summary_without_wall(result) -> dict:  # type: ignore[no-untyped-def]
     s = summarize(result)
     s.pop("wall_seconds")
     return s
+
+
+def _tiresias_snapshot(seed: int, cluster: str) -> Snapshot:
+    """Admitted jobs, some running (their GPUs from a shuffled pool), some
+    waiting after having run (promotion candidates), a few just submitted."""
+    rng = random.Random(seed)
+    c = parse_cluster(cluster)
+    pool = list(range(c.num_gpus))
+    rng.shuffle(pool)
+    views = []
+    for i in range(40):
+        n = rng.choice([1, 2, 4, 8])
+        spec = JobSpec(f"j{i}", rng.uniform(0, 5000), "resnet50", 128, 1e5, requested_gpus=n)
+        executed = rng.choice([0.0, rng.uniform(1, 4000)])
+        if i >= 36:
+            views.append(JobView(spec, JobState.SUBMITTED))
+        elif rng.random() < 0.5 and len(pool) >= n:
+            gpus = tuple(sorted(pool.pop() for _ in range(n)))
+            views.append(JobView(spec, JobState.RUNNING, gpus, attained=executed * n, executed=executed,
+                                 admitted=True))
+        else:
+            tags = {"tiresias_base": rng.uniform(0, 800)} if rng.random() < 0.3 else {}
+            views.append(JobView(spec, JobState.PENDING, (), attained=executed * n, executed=executed,
+                                 waiting_since=rng.uniform(5000, 9000), admitted=True, tags=tags))
+    return Snapshot(10_000.0, c, tuple(views), PROFILES)
+
+
+@pytest.mark.parametrize("cluster", ["n4g8", "n32g8"])
+def test_tiresias_when_everyone_fits_plans_as_the_full_pass(cluster: str) -> None:
+    taken = 0
+    for seed in range(40):
+        snap = _tiresias_snapshot(seed, cluster)
+        for knob in (0.5, 8.0):
+            policy = Tiresias(promote_knob=knob)
+            ref = Plan()
+            policy.admission(snap, ref)
+            tiresias_allocation(snap, ref, policy.thresholds, knob)
+            policy.placement(snap, ref)
+            fast = policy.schedule(snap)
+            assert fast == ref
+            plan = Plan()
+            policy.admission(snap, plan)
+            taken += everyone_fits(snap, plan, policy.thresholds, knob)
+    # the large cluster takes the shortcut, the small one the full pass
+    assert taken > 0 if cluster == "n32g8" else taken < 80

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from operator import itemgetter
+from itertools import compress
+from operator import attrgetter, itemgetter, not_
 
 from tidal.core.job import JobState
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot
@@ -27,6 +28,7 @@ def queue_of(job: JobView, thresholds: tuple[float, ...]) -> int:
 
 
 _RUNNING, _RESIZING = JobState.RUNNING, JobState.RESIZING
+_ADMITTED, _HOLDS = attrgetter("admitted"), attrgetter("state.holds_gpus")
 _ID, _COUNT, _VIEW = itemgetter(2), itemgetter(4), itemgetter(5)
 
 
@@ -100,13 +102,58 @@ def _fill(snap: Snapshot, plan: Plan, order: list[tuple[int, float, str, int, in
     return wake
 
 
+def everyone_fits(snap: Snapshot, plan: Plan, thresholds: tuple[float, ...], promote_knob: float) -> bool:
+    """If every schedulable job fits at once, fill ``plan`` as
+    :func:`tiresias_allocation` would (the same allocation, tags and wake; the
+    allocation in another order) and return True; else change nothing and
+    return False. Nobody waits, so the queue order decides nothing: only jobs
+    without GPUs are looked at, through the snapshot's indexes."""
+    jobs, held, ids = snap.jobs, snap.held, snap.ids
+    total = snap.cluster.num_gpus
+    need = sum(snap.sizes.values())
+    idle = list(compress(jobs, map(not_, map(held.__contains__, ids))))
+    if need > total or len(idle) + len(held) != len(jobs):
+        return False
+    busy = list(compress(jobs, map(held.__contains__, ids)))
+    drop = plan.drop
+    if drop and not drop.keys().isdisjoint(held) or not (all(map(_ADMITTED, busy)) and all(map(_HOLDS, busy))):
+        return False
+    admit, now = plan.admit, snap.now
+    extra: dict[str, int] = {}
+    tags: dict[str, dict[str, float]] = {}
+    wake = math.inf
+    for j in idle:
+        spec, state = j.spec, j.state
+        if state is _RUNNING or state is _RESIZING or j.gpus:
+            return False
+        jid = spec.job_id
+        if not j.admitted and jid not in admit or jid in drop:
+            continue
+        extra[jid] = n = rigid_count(spec, total)
+        need += n
+        if need > total:
+            return False
+        if j.executed > 0 and queue_of(j, thresholds) > 0:
+            promote_at = j.waiting_since + promote_knob * j.executed
+            if now >= promote_at:
+                tags[jid] = {"tiresias_base": j.attained, "promotions": j.tags.get("promotions", 0) + 1}
+            else:
+                wake = min(wake, promote_at)
+    plan.allocation.update(snap.sizes)
+    plan.allocation.update(extra)
+    plan.tags.update(tags)
+    plan.wake_at = wake if wake < math.inf else None
+    return True
+
+
 class Tiresias(Policy):
     def __init__(self, thresholds: tuple[float, ...] = (500.0, 10_000.0), promote_knob: float = 8.0) -> None:
         self.thresholds = tuple(thresholds)
         self.promote_knob = promote_knob
 
     def allocation(self, snap: Snapshot, plan: Plan) -> None:
-        tiresias_allocation(snap, plan, self.thresholds, self.promote_knob)
+        if not everyone_fits(snap, plan, self.thresholds, self.promote_knob):
+            tiresias_allocation(snap, plan, self.thresholds, self.promote_knob)
 
     def settled(self, snap: Snapshot, plan: Plan) -> bool:
         """Every job is allocated or dropped: nobody waits, so until a job
