@@ -42,6 +42,7 @@ from tidal.scheduler.api import Snapshot
 
 log = logging.getLogger(__name__)
 
+_BYTE_SUM = np.uint64(0x0101010101010101)
 _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # block size -> word of that many bools
 
 
@@ -107,7 +108,11 @@ class BuddyAllocator:
         for x in sizes - pow2:
             out[x] = free.reshape(-1, x).sum(axis=1)
         if pow2:
-            c, width = free.astype(np.int64), 1
+            if min(pow2) >= 8 and self.size >= 8:
+                # the bytes of an 8-byte word (0 or 1 each) summed by one multiplication
+                c, width = ((free.view(np.uint64) * _BYTE_SUM) >> np.uint64(56)).astype(np.int64), 8
+            else:
+                c, width = free.astype(np.int64), 1
             while True:
                 if width in pow2:
                     out[width] = c
@@ -127,19 +132,26 @@ class BuddyAllocator:
                 return int(o)
             last = o
         offs = self.free_blocks(s)
-        if offs.size == 0:
-            return None
+        if offs.size <= 1:
+            return int(offs[0]) if offs.size else None
         c = self.cluster
         parent = min(2 * s, self.size)
         node_sz = c.gpus_per_node
         sw_sz = node_sz * c.nodes_per_switch
         sizes = {parent} | ({node_sz} if s < node_sz else set()) | ({sw_sz} if self.size % sw_sz == 0 else set())
         per = self._free_per_block(sizes)
+        moved = self.held.any()
+        if not moved and not near:  # the usual case: the key of the general case below, in fewer steps
+            key = per[parent][offs // parent] * ((node_sz + 1) * (sw_sz + 1))
+            if s < node_sz:
+                key += per[node_sz][offs // node_sz] * (sw_sz + 1)
+            if self.size % sw_sz == 0:
+                key += per[sw_sz][offs // sw_sz]
+            return int(offs[int(np.argmin(key))])
         zeros = np.zeros(offs.size, dtype=np.int64)
         par_free = per[parent][offs // parent]
         node_free = per[node_sz][offs // node_sz] if s < node_sz else zeros
         sw_free = per[sw_sz][offs // sw_sz] if self.size % sw_sz == 0 else zeros
-        moved = self.held.any()
         displaced = self.held.reshape(-1, s).sum(axis=1)[offs // s] if moved else zeros
         if near:
             far = ~np.isin(offs // node_sz, np.array(sorted({g // node_sz for g in near})))
@@ -273,19 +285,29 @@ class _Placer:
         if prev is None:
             self.keep = {jid: g for jid, g in current.items() if want.get(jid, 0) == len(g)}
             buddy.used[np.fromiter(chain.from_iterable(self.keep.values()), dtype=np.int64)] = True
-        else:  # start over once job ``kept`` keeps its GPUs too
-            ks = prev.keep.keys() | {kept}
-            self.keep = {jid: g for jid, g in current.items() if jid in ks}
+            self.todo = sorted((jid for jid in want if jid not in self.keep), key=lambda j: (-want[j], j))
+        else:  # start over once job ``kept`` keeps its GPUs too (the order of the rest holds)
+            self.keep = dict(prev.keep)
+            self.keep[kept] = current[kept]
             buddy.used = prev.used0.copy()
             buddy.used[list(current[kept])] = True
+            self.todo = [j for j in prev.todo if j != kept]
         self.used0 = buddy.used.copy()
-        self.out = dict(self.keep)
-        self.todo = sorted((jid for jid in want if jid not in self.keep), key=lambda j: (-want[j], j))
+        self.placed: dict[str, tuple[int, ...]] = {}
         self.pos = 0
+
+    @property
+    def out(self) -> dict[str, tuple[int, ...]]:
+        """The placement: jobs that keep their GPUs (in the order of
+        ``current``), then the others in the order they were placed."""
+        keep = self.keep
+        out = {jid: keep[jid] for jid in self.current if jid in keep}
+        out.update(self.placed)
+        return out
 
     def run(self, weights: Mapping[str, int] | None = None) -> str | None:
         """Place the jobs left; the job that cannot be placed (None: done)."""
-        buddy, out, want, current, keep = self.buddy, self.out, self.want, self.current, self.keep
+        buddy, placed, want, current, keep = self.buddy, self.placed, self.want, self.current, self.keep
         while self.pos < len(self.todo):
             jid = self.todo[self.pos]
             n = want[jid]
@@ -300,11 +322,13 @@ class _Placer:
                 gpus = buddy.alloc(n, prefer=tuple(sorted(have)))
             if gpus is None and weights is not None and n & (n - 1) == 0:
                 # jobs placed in this call (started or resized) move for free
-                w = {j: (weights.get(j, 1) if j in keep else 0) for j in out}
-                gpus = _evict_for(buddy, out, n, w)
+                out = {**keep, **placed}
+                gpus = _evict_for(buddy, out, n, {j: (weights.get(j, 1) if j in keep else 0) for j in out})
+                for j, g in out.items():
+                    (keep if j in keep else placed)[j] = g
             if gpus is None:
                 return jid
-            out[jid] = tuple(sorted(gpus))
+            placed[jid] = tuple(sorted(gpus))
             self.pos += 1
         return None
 
