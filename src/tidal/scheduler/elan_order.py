@@ -94,7 +94,6 @@ class StepOrder:
         self.rs = [j.rates for j in self.jobs]
         self.lows = [j.counts[0] for j in self.jobs]
         self.tie = [(j.submit, j.job_id) for j in self.jobs]
-        self.positive = all(r > 0 for j in self.jobs for r in j.rates)
         if steps is None:
             steps = [job_steps(j, lookahead, memo) for j in self.jobs]
         merged = [st for seq in steps for st in seq]
@@ -110,6 +109,7 @@ class StepOrder:
         self.rate2d = np.ones((len(self.jobs), width))
         for x, r in enumerate(self.rs):
             self.rate2d[x, : len(r)] = r
+        self.positive = bool((self.rate2d > 0).all())  # every count runs (the padding is 1)
         self.capped: dict[tuple[int, int, int], tuple[float, int]] = {}  # (job, count index, free) -> step
         self.thr = np.array([1e-9 * max(1.0, j.remaining) for j in self.jobs])
 

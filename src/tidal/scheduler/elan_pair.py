@@ -159,7 +159,7 @@ def _together(order: StepOrder, a: _Run, b: _Run, rem: np.ndarray, q: np.ndarray
     f0 = f1 = _NONE
     while live:
         if ptr >= end:
-            a.result, b.result = quiet_sum(r0, s0, thr0, present, t0, acc0), quiet_sum(r1, s1, thr0, present, t1, acc1)
+            a.result, b.result = _quiet_pair(r0, r1, s0, thr0, present, (t0, t1), (acc0, acc1))
             return
         extra = _NONE
         if 0 < free < look:
@@ -214,3 +214,35 @@ def _rows(fin: list[int], n: int) -> tuple[list[int], list[int]]:
         return fin[:1], fin[:1]
     k = bisect.bisect_left(fin, n)
     return fin[:k], [x - n for x in fin[k:]]
+
+
+def _quiet_pair(r0: np.ndarray, r1: np.ndarray, spd: np.ndarray, thr: np.ndarray, present: list[bool],
+                t: tuple[float, float], acc: tuple[float, float]) -> tuple[float, float]:
+    """:func:`quiet_sum` of both runs (the same jobs and speeds), on one flat
+    array while both go on; the last one alone."""
+    idx = np.flatnonzero(np.array(present, dtype=bool))
+    m, inf = len(idx), math.inf
+    rem, spd2, thr2 = np.concatenate((r0[idx], r1[idx])), np.tile(spd[idx], 2), np.tile(thr[idx], 2)
+    q, done = np.empty(2 * m), np.empty(2 * m, dtype=bool)
+    (t0, t1), (acc0, acc1), live0, live1 = t, acc, m, m
+    a0, a1, q0, q1, s0, s1 = rem[:m], rem[m:], q[:m], q[m:], spd2[:m], spd2[m:]
+    while live0 and live1:
+        np.divide(rem, spd2, out=q)
+        d0, d1 = float(np.minimum.reduce(q0)), float(np.minimum.reduce(q1))
+        if d0 == inf or d1 == inf:  # as quiet_sum: that sum is inf; the other run goes on alone
+            acc0, live0 = (inf, 0) if d0 == inf else (acc0, live0)
+            acc1, live1 = (inf, 0) if d1 == inf else (acc1, live1)
+            break
+        t0, t1 = t0 + d0, t1 + d1
+        np.multiply(s0, d0, out=q0), np.multiply(s1, d1, out=q1), np.subtract(rem, q, out=rem)
+        for x in np.less_equal(rem, thr2, out=done).nonzero()[0].tolist():
+            if x < m:
+                acc0, live0 = acc0 + t0, live0 - 1
+            else:
+                acc1, live1 = acc1 + t1, live1 - 1
+            rem[x] = inf
+    if live0:
+        acc0 = quiet_sum(a0, s0, thr2[:m], (a0 < inf).tolist(), t0, acc0)
+    if live1:
+        acc1 = quiet_sum(a1, s1, thr2[m:], (a1 < inf).tolist(), t1, acc1)
+    return acc0, acc1

@@ -217,22 +217,26 @@ def elastic_admission(
     blocked head job. Returns the jobs to run (running ones first)."""
     total = snap.cluster.num_gpus
     jobs = schedulable(snap, plan)
-    order = rates.order(jobs)  # one step order for every estimate of the round
     active = [j for j in jobs if j.running]
     queue = sorted((j for j in jobs if not j.running), key=lambda j: (j.spec.submit_time, j.job_id))
     idle = total - sum(j.size for j in active)
-    xs = [order.index[j.job_id] for j in active]
-    lows = [sum(rates.counts(j)[0] for j in active)]
+    known: list = []  # at the first test: one step order for all of the round's, active's indexes, min_res sum
 
     def admissible(w: JobView) -> bool:
         lo = rates.counts(w)[0]
-        return lo <= idle or adds_no_jct(rates, active, w, total, (order, xs, lows[0]))
+        if lo <= idle:
+            return True
+        if not known:
+            order = rates.order(jobs)
+            known.extend((order, [order.index[j.job_id] for j in active], sum(rates.counts(j)[0] for j in active)))
+        return adds_no_jct(rates, active, w, total, tuple(known))  # type: ignore[arg-type]
 
     def start(w: JobView) -> int:
         active.append(w)
-        xs.append(order.index[w.job_id])
         lo = rates.counts(w)[0]
-        lows[0] += lo
+        if known:
+            known[1].append(known[0].index[w.job_id])
+            known[2] += lo
         return max(0, idle - lo)
 
     head = None
