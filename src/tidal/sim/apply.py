@@ -220,8 +220,12 @@ def _changing(snap: Snapshot, plan: Plan) -> set[str]:
     pget, aget = placement.get, alloc.get
     if all(map(is_, map(pget, held), held.values())) and sizes.items() <= alloc.items():
         # nothing held changes: only jobs without GPUs can be in the set
+        new = alloc.keys() - sizes.keys()
+        if len(placement) == len(held) + len(new) and all(map(placement.__contains__, new)):
+            # the placed jobs are the held ones and the new ones: no job is allocated but not placed
+            return {jid for jid in new if pget(jid) is not None or aget(jid) is not None}
         out = {jid for jid in placement.keys() - held.keys() if placement[jid] is not None}
-        out.update([jid for jid in alloc.keys() - sizes.keys() if aget(jid) is not None])
+        out.update([jid for jid in new if aget(jid) is not None])
     else:
         out = set(compress(placement, map(is_not, map(held.get, placement), placement.values())))
         out.update(compress(alloc, map(ne, map(sizes.get, alloc), alloc.values())))
