@@ -42,12 +42,16 @@ class ElanCache:
         self._profiles: Any = None
         self._context: tuple = ()
         self._jobs: dict[int, JobTable] = {}
+        # (lookahead, the jobs' tables, the step order built on them): a decision
+        # over the very same jobs reuses the order's job-independent part
+        self.last_order: tuple[int, list[JobTable], Any] | None = None
 
     def bind(self, profiles: Any, *context: Any) -> None:
         """Use the tables for ``profiles`` (by identity) and ``context``;
         anything else empties the cache."""
         if profiles is not self._profiles or context != self._context:
             self._jobs.clear()
+            self.last_order = None
             self._profiles, self._context = profiles, context
 
     def table(self, spec: JobSpec) -> JobTable:

@@ -22,6 +22,7 @@ order computed once per round:
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from typing import NamedTuple, Sequence
@@ -112,6 +113,14 @@ class StepOrder:
         self.positive = bool((self.rate2d > 0).all())  # every count runs (the padding is 1)
         self.capped: dict[tuple[int, int, int], tuple[float, int]] = {}  # (job, count index, free) -> step
         self.thr = np.array([1e-9 * max(1.0, j.remaining) for j in self.jobs])
+
+    def with_jobs(self, jobs: Sequence[OrderJob]) -> StepOrder:
+        """This order for the same jobs at another time (their remaining work
+        and GPUs held): the job-independent arrays are shared."""
+        o = copy.copy(self)
+        o.jobs = list(jobs)
+        o.thr = np.array([1e-9 * max(1.0, j.remaining) for j in o.jobs])
+        return o
 
     def prefix(self, present: np.ndarray, free: int) -> tuple[list[int], int, int]:
         """The prefix for the jobs marked in ``present`` with ``free`` GPUs

@@ -35,6 +35,7 @@ their requested count.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
@@ -75,16 +76,23 @@ class Rates:
         on each job's table, fixed for the round)."""
         o = self._order
         if o is None or o.lookahead != lookahead or any(j.job_id not in o.index for j in jobs):
-            ojs, seqs = [], []
+            ojs, seqs, tables = [], [], []
             for j in jobs:
                 t = self._table(j)
+                tables.append(t)
                 ojs.append(OrderJob(j.job_id, j.spec.submit_time, t.ctup, t.rates, t.one, j.remaining,
                                     j.running, j.size))
                 seq = t.steps.get(lookahead)
                 if seq is None:
                     seq = t.steps[lookahead] = job_steps(ojs[-1], lookahead)
                 seqs.append(seq)
-            o = self._order = StepOrder(ojs, lookahead, steps=seqs)
+            last = self.cache.last_order  # type: ignore[union-attr]
+            if last is not None and last[0] == lookahead and len(last[1]) == len(tables) and all(
+                    map(operator.is_, last[1], tables)):
+                o = self._order = last[2].with_jobs(ojs)  # the same jobs as the last order: its static part
+            else:
+                o = self._order = StepOrder(ojs, lookahead, steps=seqs)
+                self.cache.last_order = (lookahead, tables, o)  # type: ignore[union-attr]
         return o
 
     def _table(self, job: JobView) -> JobTable:
