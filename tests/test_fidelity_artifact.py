@@ -34,8 +34,10 @@ _EF = ("ef-accessctrl (the artifact's own planner and loop, tidal.sim.artifact_e
        "iterations: the artifact credits a job only `interval - overhead` up to its planned end, so it stops "
        "progressing and ends late, and while its re-plan misses every arrival (7) is declined; on n32g8 that "
        "job's last planned end is 9 s before its deadline because its ranks hit the trainer cache in one round "
-       "(7 s instead of 15 s of overhead); shifting the restart rounds gives 0.9615 in 5 of 20 phases, and "
-       "n64g8 gives 0.9615; measured {m}, artifact {a}")
+       "(7 s instead of 15 s of overhead); shifting the port's restart rounds (every 60th) by 32 to 46 rounds "
+       "gives 0.9615 here and the artifact's philly_103959 (0.9098) and 195job (0.8769) at once, so the run "
+       "behind 0.962 restarted the trainers at other rounds than the public code does on this input; "
+       "measured {m}, artifact {a}")
 _GANDIVA = ("gandiva (node-set time-slicing executor, tidal.sim.artifact_gandiva): jobs beyond a node "
             "set's capacity rotate in only at rounds whose time is a multiple of 60 s, so the ratio depends "
             "on the phase of the submission times: shifting 195job by 0..59 s gives 0.210 to 0.272 (0.241 "
