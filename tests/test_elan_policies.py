@@ -374,7 +374,9 @@ def test_the_table_cache_is_keyed_by_the_spec_object_and_bounded(toy_profiles):
     a = job("A", 0, 100)
     t = cache.table(a)
     assert cache.table(a) is t
-    assert cache.table(job("A", 0, 100)) is not t  # an equal spec, another object: its own table
+    assert cache.table(job("A", 0, 100)) is t  # an equal spec (an executor that rebuilds specs)
+    assert cache.table(job("A", 0, 200)) is not t  # another spec under the same id: new tables
+    assert cache.table(job("A", 0, 200, meta=(("hybrid", "1"),))) is not cache.table(job("A", 0, 200))
     for i in range(10):
         cache.table(job(f"B{i}", 0, 100))
     assert len(cache) <= 4

@@ -6,9 +6,10 @@ sequence under the allocation rule depend only on its spec, the profiles, the
 cluster size and the policy's options, not on the job's progress. Consecutive
 decisions see mostly the same jobs, so each table is built once and kept
 while those inputs stay the same. The cache never changes a decision: an entry
-is found only for the very spec object it was built from (specs are
-immutable), and a change of profiles, cluster size or options empties it.
-It holds at most ``limit`` jobs; when full, the oldest half is dropped.
+is used only for the spec it was built from (the same object, or an equal
+one, ``meta`` included; specs are immutable), and a change of profiles,
+cluster size or options empties it. It holds at most ``limit`` jobs; when
+full, the oldest half is dropped.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class JobTable:
     __slots__ = ("spec", "counts", "ctup", "rates", "one", "rate_at", "steps")
 
     def __init__(self, spec: JobSpec) -> None:
-        self.spec = spec  # kept: it pins the id the cache is keyed by
+        self.spec = spec  # the spec the tables were built from
         self.counts: list[int] | None = None  # counts the job may run at, ascending
         self.ctup: tuple[int, ...] = ()  # the same, as a tuple
         self.rates: tuple[float, ...] | None = None  # progress rate at each of ``counts``
@@ -41,7 +42,7 @@ class ElanCache:
         self.limit = limit
         self._profiles: Any = None
         self._context: tuple = ()
-        self._jobs: dict[int, JobTable] = {}
+        self._jobs: dict[str, JobTable] = {}  # job id -> tables
         # (lookahead, the jobs' tables, the step order built on them): a decision
         # over the very same jobs reuses the order's job-independent part
         self.last_order: tuple[int, list[JobTable], Any] | None = None
@@ -56,14 +57,19 @@ class ElanCache:
 
     def table(self, spec: JobSpec) -> JobTable:
         """The job's tables (a new, empty one on a miss)."""
-        hit = self._jobs.get(id(spec))
-        if hit is not None and hit.spec is spec:
-            return hit
         jobs = self._jobs
-        if len(jobs) >= self.limit:
+        hit = jobs.get(spec.job_id)
+        if hit is not None:
+            if hit.spec is spec:
+                return hit
+            if hit.spec == spec and hit.spec.meta == spec.meta:  # an executor that rebuilds its specs
+                hit.spec = spec
+                return hit
+            del jobs[spec.job_id]
+        elif len(jobs) >= self.limit:
             for key in list(jobs)[: max(1, len(jobs) // 2)]:
                 del jobs[key]
-        hit = jobs[id(spec)] = JobTable(spec)
+        hit = jobs[spec.job_id] = JobTable(spec)
         return hit
 
     def __len__(self) -> int:
