@@ -155,8 +155,10 @@ def _together(order: StepOrder, a: _Run, b: _Run, rem: np.ndarray, q: np.ndarray
     thr0, rf, qf, df = order.thr, rem.ravel(), q.ravel(), done.ravel()
     thr = np.concatenate((thr0, thr0))
     s0, s1, r0, r1, q0, q1 = spd[:n], spd[n:], rf[:n], rf[n:], qf[:n], qf[n:]
-    divide, least, subtract, multiply, less_equal = np.divide, np.minimum.reduce, np.subtract, np.multiply, np.less_equal
+    divide, least_at, subtract, multiply, less_equal = (np.divide, np.minimum.reduceat, np.subtract, np.multiply,
+                                                        np.less_equal)
     f0 = f1 = _NONE
+    halves = np.array([0, n])
     while live:
         if ptr >= end:
             a.result, b.result = _quiet_pair(r0, r1, s0, thr0, present, (t0, t1), (acc0, acc1))
@@ -168,8 +170,7 @@ def _together(order: StepOrder, a: _Run, b: _Run, rem: np.ndarray, q: np.ndarray
             extra = order.tail(pos, present, ptr, free)
             for x, k in extra.items():
                 spd[x] = spd[x + n] = rs[x][k]
-        divide(rf, spd, out=qf)
-        d0, d1 = float(least(q0)), float(least(q1))
+        d0, d1 = least_at(divide(rf, spd, out=qf), halves).tolist()
         if d0 == inf or d1 == inf:  # not at positive rates; as fluid_sum: the sum is inf, the other run goes on
             for x in extra:
                 spd[x] = spd[x + n] = rs[x][pos[x]]
@@ -186,7 +187,7 @@ def _together(order: StepOrder, a: _Run, b: _Run, rem: np.ndarray, q: np.ndarray
         for x in f0:
             acc0 += t0
             acc1 += t1
-            present[x], spd[x], spd[x + n], rf[x], rf[x + n] = False, 1.0, 1.0, inf, inf
+            present[x], rf[x], rf[x + n] = False, inf, inf  # its speed no longer matters: inf stays inf
             live, free, lows = live - 1, free + counts[x][pos[x]], lows - lowv[x]
             pos[x] = 0
         while free >= look and ptr < end:
@@ -225,10 +226,9 @@ def _quiet_pair(r0: np.ndarray, r1: np.ndarray, spd: np.ndarray, thr: np.ndarray
     rem, spd2, thr2 = np.concatenate((r0[idx], r1[idx])), np.tile(spd[idx], 2), np.tile(thr[idx], 2)
     q, done = np.empty(2 * m), np.empty(2 * m, dtype=bool)
     (t0, t1), (acc0, acc1), live0, live1 = t, acc, m, m
-    a0, a1, q0, q1, s0, s1 = rem[:m], rem[m:], q[:m], q[m:], spd2[:m], spd2[m:]
+    a0, a1, q0, q1, s0, s1, halves = rem[:m], rem[m:], q[:m], q[m:], spd2[:m], spd2[m:], np.array([0, m])
     while live0 and live1:
-        np.divide(rem, spd2, out=q)
-        d0, d1 = float(np.minimum.reduce(q0)), float(np.minimum.reduce(q1))
+        d0, d1 = np.minimum.reduceat(np.divide(rem, spd2, out=q), halves).tolist()
         if d0 == inf or d1 == inf:  # as quiet_sum: that sum is inf; the other run goes on alone
             acc0, live0 = (inf, 0) if d0 == inf else (acc0, live0)
             acc1, live1 = (inf, 0) if d1 == inf else (acc1, live1)
