@@ -40,6 +40,7 @@ class Steps:
     to: tuple[tuple[int, ...], ...]
     end: tuple[int, ...]
     need: tuple[int, ...]
+    lead: tuple[tuple[int, int, int] | None, ...]  # per level: (GPUs up the chain, ``need``, first need)
     chains: dict = field(default_factory=dict, compare=False, repr=False)  # start level -> :func:`_chain`
 
 
@@ -75,7 +76,8 @@ def build_steps(counts: Sequence[int], vals: Sequence[float], one: float, weight
             k = to[i][-1]
             end[i] = end[k]
             need[i] = max(ext[i][-1], need[k])
-    return Steps(tuple(counts), tuple(ext), tuple(gain), tuple(to), tuple(end), tuple(need))
+    lead = tuple((counts[end[i]] - counts[i], need[i], ext[i][-1]) if to[i] else None for i in range(n))
+    return Steps(tuple(counts), tuple(ext), tuple(gain), tuple(to), tuple(end), tuple(need), lead)
 
 
 def greedy(entries: dict[str, tuple[Steps, int, float]], free: int) -> dict[str, int]:
@@ -83,25 +85,32 @@ def greedy(entries: dict[str, tuple[Steps, int, float]], free: int) -> dict[str,
     starting level and its deadline (ties: earlier deadline, then job id);
     returns each job's final level. A job pops its best step; if fewer GPUs
     are left than that step needs it looks again, otherwise it takes it."""
-    cur = {jid: i for jid, (_, i, _) in entries.items()}
-    total = need = 0
-    for st, i, _ in entries.values():
-        e = st.end[i]
-        if e != i:
-            total += st.counts[e] - st.counts[i]
-            need = max(need, st.need[i])
+    jobs: list[str] = []  # the jobs that gain from a step
+    total = need = need0 = 0
+    for jid, (st, i, _) in entries.items():
+        lead = st.lead[i]
+        if lead is not None:
+            jobs.append(jid)
+            total += lead[0]
+            if lead[1] > need:
+                need = lead[1]
+            if lead[2] > need0:
+                need0 = lead[2]
+    cur = {jid: e[1] for jid, e in entries.items()}
     if free - total >= need:  # the GPUs left never bind
-        return {jid: st.end[i] for jid, (st, i, _) in entries.items()}
-    heap: list[tuple[float, float, str, int]] = []
-    merged = all(free >= st.ext[i][-1] for st, i, _ in entries.values() if st.ext[i])
-    special = None
-    if merged:
-        free, special = _merge(entries, cur, free)
-    for jid, (st, _, ddl) in entries.items():
-        i = cur[jid]
-        p = len(st.ext[i]) if merged and jid != special else bisect_right(st.ext[i], free)
-        if p:
-            heap.append((-st.gain[i][p - 1], ddl, jid, st.to[i][p - 1]))
+        for jid in jobs:
+            st, i, _ = entries[jid]
+            cur[jid] = st.end[i]
+        return cur
+    if free >= need0:  # every job sees all its records at first
+        free, heap = _merge(entries, jobs, cur, free)
+    else:
+        heap = []
+        for jid in jobs:
+            st, i, ddl = entries[jid]
+            p = bisect_right(st.ext[i], free)
+            if p:
+                heap.append((-st.gain[i][p - 1], ddl, jid, st.to[i][p - 1]))
     heapq.heapify(heap)
     return _run(entries, cur, free, heap)
 
@@ -125,40 +134,53 @@ def _run(entries: dict[str, tuple[Steps, int, float]], cur: dict[str, int], free
     return cur
 
 
-def _merge(entries: dict[str, tuple[Steps, int, float]], cur: dict[str, int], free: int) -> tuple[int, str | None]:
+def _merge(entries: dict[str, tuple[Steps, int, float]], jobs: list[str], cur: dict[str, int],
+           free: int) -> tuple[int, list[tuple[float, float, str, int]]]:
     """Play the queue's opening at once while every job still sees all its
-    records (at least ``need`` GPUs left after each step, ``free`` >= every
-    job's need at the start): each job then climbs its chain of best steps,
-    and a queue pops a step once it is the smallest among the jobs' next
-    steps, i.e. in the order of (the largest key on its chain up to it,
-    the job's deadline and id, its place on the chain). Stops before the
-    first step the GPUs left cannot pay, or after the first step that leaves
-    fewer than its job's next need. Moves ``cur`` on; returns the GPUs left
-    and the job whose next entry must be looked up with them (None: every
-    job's next entry is its last record)."""
-    jobs = [jid for jid, (st, i, _) in entries.items() if st.to[i]]
-    chains = [_chain(entries[jid][0], entries[jid][1]) for jid in jobs]
-    rank = sorted(range(len(jobs)), key=lambda x: (entries[jobs[x]][2], jobs[x]))
+    records (``free`` >= every job's first need, and each step leaves at
+    least the need of the level it reaches): each job then climbs its chain
+    of best steps, and the queue pops a step once it is the smallest among
+    the jobs' next steps, i.e. in the order of (the largest key on its chain
+    up to it, the job's deadline and id, its place on the chain). Stops
+    before the first step the GPUs left cannot pay, or after the first step
+    that leaves fewer than its job's next need. Moves ``cur`` on (``jobs``:
+    those with a chain); returns the GPUs left and the queue's entries then
+    (a job's last record, or for the job that stopped the merge, its entry
+    with the GPUs left)."""
+    chains, keys = [], []
+    for x, jid in enumerate(jobs):
+        st, i, ddl = entries[jid]
+        chains.append(st.chains.get(i) or _chain(st, i))
+        keys.append((ddl, jid, x))
+    keys.sort()
     pos = np.empty(len(jobs), dtype=np.int64)
-    pos[rank] = np.arange(len(jobs))
+    pos[[x for _, _, x in keys]] = np.arange(len(jobs))
     lens = [len(c[1]) for c in chains]
     table = np.concatenate([c[0] for c in chains])  # rows: key, extra, need after, place
     owner = np.repeat(np.arange(len(jobs)), lens)
     order = np.lexsort((np.repeat(pos << 12, lens) + table[:, 3].astype(np.int64), table[:, 0]))
     left = free - np.cumsum(table[order, 1].astype(np.int64))
     bad = left < table[order, 2]
+    special = None
     if not bad.any():
-        end, special = len(order), None
+        end = len(order)
     else:
         m = int(np.argmax(bad))
-        end, special = (m, None) if left[m] < 0 else (m + 1, jobs[owner[order[m]]])
+        end = m if left[m] < 0 else m + 1
+        if end > m:
+            special = jobs[owner[order[m]]]
+    took = np.bincount(owner[order[:end]], minlength=len(jobs)).tolist() if end else [0] * len(jobs)
     if end:
         free = int(left[end - 1])
-        took = np.bincount(owner[order[:end]], minlength=len(jobs)).tolist()
-        for x, jid in enumerate(jobs):
-            if took[x]:
-                cur[jid] = chains[x][1][took[x] - 1]
-    return free, special
+    heap = []
+    for x, jid in enumerate(jobs):
+        st, i, ddl = entries[jid]
+        if took[x]:
+            i = cur[jid] = chains[x][1][took[x] - 1]
+        p = bisect_right(st.ext[i], free) if jid == special else len(st.ext[i])
+        if p:
+            heap.append((-st.gain[i][p - 1], ddl, jid, st.to[i][p - 1]))
+    return free, heap
 
 
 def _chain(st: Steps, i: int) -> tuple[np.ndarray, tuple[int, ...]]:

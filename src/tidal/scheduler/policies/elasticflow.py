@@ -406,18 +406,21 @@ class ElasticFlow(Policy):
         free = self._floors(snap, jobs, base, levels, free)
         hold = self.slot if self.slot > 0 else 60.0
         memo = self._memo_for(snap, costs)
+        tables = memo.tables
         entries: dict[str, tuple[Steps, int, float]] = {}
         for j in jobs:
             jid = j.job_id
             lv = levels[jid]
-            share = base[jid] if jid in shares else None
-            steps = memo.steps(snap, j, lv, hold, share, self._weight(snap, j))
-            ddl = j.spec.deadline if j.spec.deadline is not None else math.inf
-            entries[jid] = (steps, bisect_left(lv.count_list, base[jid]), ddl)
+            b = base[jid]
+            share = b if jid in shares else None
+            weight = self._weight(snap, j)
+            hit = tables.get((id(lv), len(j.gpus), j.executed > 0, share, weight))
+            steps = hit[1] if hit is not None and hit[0] is lv else memo.steps(snap, j, lv, hold, share, weight)
+            ddl = j.spec.deadline
+            entries[jid] = (steps, bisect_left(lv.count_list, b) if b else 0, math.inf if ddl is None else ddl)
         for jid, i in greedy(entries, free).items():
-            n = levels[jid].count_list[i]
-            if n > 0:
-                plan.allocation[jid] = n
+            if i:  # level 0 is no GPUs
+                plan.allocation[jid] = levels[jid].count_list[i]
         # re-plan at the next change of the timeline (a share may grow then)
         plan.wake_at = float(ctx.timeline.t[1]) if len(ctx.timeline.t) > 1 else None
 
