@@ -48,6 +48,8 @@ _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # block size ->
 
 def pieces(n: int) -> list[int]:
     """Power-of-two pieces of ``n``, largest first (10 -> [8, 2])."""
+    if n > 0 and n & (n - 1) == 0:
+        return [n]
     return [1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1]
 
 
@@ -181,7 +183,7 @@ class BuddyAllocator:
                 if got is not None:
                     return got
         got: list[int] = []
-        for s in pieces(n):
+        for s in parts:
             off = self.best_fit_block(s, prefer, near=tuple(got))
             if off is None:
                 self.release(got)
