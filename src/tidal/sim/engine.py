@@ -90,6 +90,7 @@ class Simulator(PlanExecutor):
         # arrivals, already in event order: merged with the heap, not pushed
         self._arrivals = [(s.submit_time, _ARRIVAL, seq, s.job_id) for seq, s in enumerate(specs, 1)]
         self._seq = len(specs)
+        self._arrived = 0
         self._sched_times: set[float] = set()
         self.now = specs[0].submit_time if specs else 0.0
         self.timeline: list[tuple[float, int]] = [(self.now, 0)]
@@ -113,10 +114,12 @@ class Simulator(PlanExecutor):
 
     def _events(self) -> Iterator[tuple[float, int, int, Any]]:
         """Events in (time, kind, sequence) order: the arrivals merged with the heap."""
-        heap, pop = self._heap, heapq.heappop
-        for arrival in self._arrivals:
+        heap, pop, arrivals = self._heap, heapq.heappop, self._arrivals
+        while self._arrived < len(arrivals):
+            arrival = arrivals[self._arrived]
             while heap and heap[0] < arrival:
                 yield pop(heap)
+            self._arrived += 1  # taken, like an event popped from the heap
             yield arrival
         while heap:
             yield pop(heap)
