@@ -87,7 +87,7 @@ class StepOrder:
     """The round's step order (module docstring) and the rule evaluated on it."""
 
     def __init__(self, jobs: Sequence[OrderJob], lookahead: int = 8, memo: dict | None = None,
-                 steps: Sequence[list[tuple]] | None = None) -> None:
+                 steps: Sequence[list[tuple]] | None = None, merged: list[tuple] | None = None) -> None:
         self.jobs = list(jobs)
         self.lookahead = lookahead
         self.index = index = {j.job_id: x for x, j in enumerate(self.jobs)}
@@ -95,10 +95,12 @@ class StepOrder:
         self.rs = [j.rates for j in self.jobs]
         self.lows = [j.counts[0] for j in self.jobs]
         self.tie = [(j.submit, j.job_id) for j in self.jobs]
-        if steps is None:
-            steps = [job_steps(j, lookahead, memo) for j in self.jobs]
-        merged = [st for seq in steps for st in seq]
-        merged.sort()
+        if merged is None:  # else: the jobs' steps, already sorted
+            if steps is None:
+                steps = [job_steps(j, lookahead, memo) for j in self.jobs]
+            merged = [st for seq in steps for st in seq]
+            merged.sort()
+        self.merged = merged
         self.oj = [index[st[2]] for st in merged]  # job of each step
         self.ot = [st[4] for st in merged]  # count index after the step
         self.og = [st[5] for st in merged]  # the step's gain

@@ -91,7 +91,8 @@ class Rates:
                     map(operator.is_, last[1], tables)):
                 o = self._order = last[2].with_jobs(ojs)  # the same jobs as the last order: its static part
             else:
-                o = self._order = StepOrder(ojs, lookahead, steps=seqs)
+                merged = _remerge(last[1], last[2].merged, tables, seqs) if last and last[0] == lookahead else None
+                o = self._order = StepOrder(ojs, lookahead, steps=seqs, merged=merged)
                 self.cache.last_order = (lookahead, tables, o)  # type: ignore[union-attr]
         return o
 
@@ -148,6 +149,23 @@ class Rates:
             b = total_batch(self.snap, job, n, self.saturation) if self.hybrid(job) else job.spec.batch_size
             hit = t.rate_at[n] = (self.snap.progress_rate(job, n, b), b)
         return hit
+
+
+def _remerge(old_tables: list[JobTable], old: list[tuple], tables: list[JobTable], seqs: list[list[tuple]]) -> list[tuple]:
+    """The sorted steps of ``tables``' jobs from the last order's (``old``):
+    the steps of jobs with the same tables kept, the others' added, sorted
+    again (nearly sorted already)."""
+    before = {t.spec.job_id: t for t in old_tables}
+    keep: set[str] = set()
+    merged: list[tuple] = []
+    for t, seq in zip(tables, seqs):
+        if before.get(t.spec.job_id) is t:
+            keep.add(t.spec.job_id)
+        else:
+            merged.extend(seq)
+    merged.extend(st for st in old if st[2] in keep)
+    merged.sort()
+    return merged
 
 
 def total_batch(snap: Snapshot, job: JobView, n: int, saturation: float = 0.2) -> int:
