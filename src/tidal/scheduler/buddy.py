@@ -240,13 +240,17 @@ def place_buddy(
     the cheap ones first)."""
     current = {j.job_id: j.gpus for j in snap.jobs if j.gpus}
     want = {jid: n for jid, n in allocation.items() if n > 0}
-    options = {jid: list(v) for jid, v in (fallback or {}).items()}
+    if fallback is None:
+        fallback = {}
+    options: dict[str, list[int]] = {}  # copied from ``fallback`` when a job first fails
     placer = _Placer(snap.cluster, current, want)
     while True:
         failed = placer.run()
         if failed is None:
             return placer.out
-        if not options.get(failed):
+        if failed not in options:
+            options[failed] = list(fallback.get(failed) or ())
+        if not options[failed]:
             break
         n = options[failed].pop(0)
         if n > 0:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -510,17 +511,34 @@ def place_shares_first(snap: Snapshot, plan: Plan, ctx: _Context) -> None:
     a migration: a job that cannot get its block without moving others
     first falls back to smaller counts, down to its share; only shares
     may make the placer migrate, and it moves best-effort jobs first."""
-    fallback: dict[str, list[int]] = {}
-    for jid, n in plan.allocation.items():
-        base = ctx.shares.get(jid, 0)
-        if n > base:
-            fallback[jid] = [c for c in reversed(ctx.levels[jid].count_list) if base <= c < n]
+    fallback = _Fallback(plan.allocation, ctx)
     # moving a guaranteed job costs more than a best-effort one, and much
     # more once its plan has no slack left for a migration
     weights = {j.job_id: (10_000 if j.job_id in ctx.thin else 100) if j.job_id in ctx.shares else 1
                for j in snap.jobs if j.gpus}
     plan.placement = place_buddy(snap, plan.allocation, fallback, weights)
     plan.allocation = {jid: len(g) for jid, g in plan.placement.items()}
+
+
+class _Fallback(Mapping[str, list[int]]):
+    """Each job given more than its share: its smaller counts, down to the
+    share, largest first; a job's list is built when the placer asks for it
+    (only for the few jobs that do not fit)."""
+
+    def __init__(self, allocation: dict[str, int], ctx: _Context) -> None:
+        self.allocation, self.ctx = allocation, ctx
+
+    def __getitem__(self, jid: str) -> list[int]:
+        n, base = self.allocation.get(jid, 0), self.ctx.shares.get(jid, 0)
+        if n <= base:
+            raise KeyError(jid)
+        return [c for c in reversed(self.ctx.levels[jid].count_list) if base <= c < n]
+
+    def __iter__(self) -> Iterator[str]:
+        return (jid for jid, n in self.allocation.items() if n > self.ctx.shares.get(jid, 0))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def record_rescales(snap: Snapshot, plan: Plan, costs: Costs) -> None:
