@@ -149,3 +149,28 @@ def test_fallback_counts_avoid_a_migration(toy_profiles):
     snap = snap_with("n1g8", held, toy_profiles)
     out = place_buddy(snap, {"a": 1, "b": 1, "c": 1, "d": 1, "new": 2}, fallback={"new": [1]})
     assert len(out["new"]) == 1 and all(out[j] == held[j] for j in "abcd")
+
+
+@pytest.mark.parametrize("cluster", ["n4g8", "n3g8", "n4g2", "n16g8"])
+def test_best_fit_matches_the_lexicographic_rule(cluster):
+    """best_fit_block picks the free aligned block with the smallest (off
+    the pieces' nodes, GPUs held there, free GPUs in its buddy pair, node,
+    switch, offset), as a plain sort of those keys does."""
+    c = parse_cluster(cluster)
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        b = BuddyAllocator(c)
+        b.used[: c.num_gpus] = rng.random(c.num_gpus) < rng.random()
+        if rng.random() < 0.3:
+            b.held[:] = rng.integers(0, 3, b.size) * rng.choice([1, 100], b.size)
+        free, per, sw = ~b.used, c.gpus_per_node, c.gpus_per_node * c.nodes_per_switch
+        for s in (1, 2, 4, 8, 16):
+            if s > b.size:
+                continue
+            near = tuple(rng.choice(c.num_gpus, int(rng.integers(0, 3)), replace=False).tolist())
+            offs = [o for o in range(0, b.size, s) if not b.used[o : o + s].any()]
+            keys = [(bool(near) and o // per not in {g // per for g in near}, int(b.held[o : o + s].sum()),
+                     int(free[o // min(2 * s, b.size) * min(2 * s, b.size):][: min(2 * s, b.size)].sum()),
+                     int(free[o // per * per:][:per].sum()) if s < per else 0,
+                     int(free[o // sw * sw:][:sw].sum()) if b.size % sw == 0 else 0, o) for o in offs]
+            assert b.best_fit_block(s, near=near) == (min(keys)[-1] if keys else None)

@@ -223,3 +223,62 @@ def test_job_without_room_for_migration_slack_is_still_admitted(toy_profiles):
     assert by["T"].admitted and by["T"].end_time == pytest.approx(150)
     r, by = run("elasticflow", [job("T", 0, 600, deadline=140)], toy_profiles, overheads=ov)
     assert by["T"].drop_reason == "cannot meet its deadline even with the whole cluster"
+
+
+def _queue_reference(jobs: dict, free: int) -> dict[str, int]:
+    """Algorithm 2 as a plain priority queue: every pop re-scans the levels
+    above the job's for the best return within the GPUs left."""
+    import heapq
+
+    cur = {jid: j[4] for jid, j in jobs.items()}
+    heap: list = []
+
+    def push(jid: str) -> None:
+        counts, vals, one, weight, _, ddl = jobs[jid]
+        i, best, best_k = cur[jid], 0.0, -1
+        for k in range(i + 1, len(counts)):
+            extra = counts[k] - counts[i]
+            if extra > free:
+                break
+            gain = (vals[k] - vals[i]) / extra / one * weight
+            if gain > best + 1e-12:
+                best, best_k = gain, k
+        if best_k > 0:
+            heapq.heappush(heap, (-best, ddl, jid, best_k))
+
+    for jid in jobs:
+        push(jid)
+    while heap and free > 0:
+        _, _, jid, k = heapq.heappop(heap)
+        extra = jobs[jid][0][k] - jobs[jid][0][cur[jid]]
+        if extra <= free:
+            free -= extra
+            cur[jid] = k
+        push(jid)
+    return cur
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_step_tables_match_a_plain_queue(seed):
+    """The step tables, the no-queue path and the sorted opening of
+    :func:`tidal.scheduler.greedy.greedy` give the plain queue's levels,
+    ties (equal returns: deadline, then job id) included."""
+    import math
+    import random
+
+    from tidal.scheduler.greedy import build_steps, greedy
+
+    rng = random.Random(seed)
+    for _ in range(300):
+        jobs = {}
+        for x in range(rng.randint(1, 30)):
+            n = rng.randint(1, 7)
+            counts, vals, r = [0] + [2**t for t in range(n)], [0.0], 0.0
+            for _ in range(n):
+                r += rng.choice([rng.uniform(0, 10), 5.0, 2.5])
+                vals.append(max(r - rng.choice([0.0, 0.0, rng.uniform(0, 3)]), 0.0))
+            jobs[f"j{rng.randint(0, 50)}-{x}"] = (counts, vals, rng.choice([1.0, 0.25]), rng.choice([1.0, 0.5, 16.0]),
+                                                  rng.randint(0, min(2, n)), rng.choice([math.inf, 100.0, 5.0]))
+        free = rng.choice([0, 3, 17, 64, 255, 1000, rng.randint(-2, 300)])
+        entries = {jid: (build_steps(c, v, one, w), i, ddl) for jid, (c, v, one, w, i, ddl) in jobs.items()}
+        assert greedy(entries, free) == _queue_reference(jobs, free)
