@@ -13,7 +13,10 @@ the same.
 :func:`greedy` runs the priority queue on them. When the GPUs left can
 never bind (every job could climb its whole chain of best steps and still
 find every record within reach), the order of the steps does not matter and
-the result is each job at the end of its chain, without the queue.
+the result is each job at the end of its chain, without the queue. Otherwise
+the queue's opening, while every job still sees all its records, is one
+sort of the jobs' chains (:func:`_merge`), and the queue plays the rest.
+Every path gives the plain queue's result, ties included.
 """
 
 from __future__ import annotations

@@ -45,6 +45,10 @@ remembered (``ef_busy_until``). Algorithm 2 only grows a job if the gain
 over one slot beats the cost of growing and of shrinking back. Other tags:
 ``ef_class`` (``guaranteed``, ``best-effort``, ``late``) and ``ef_share``
 (the share's cap).
+
+Speed: the policy memoises, across calls, each job's levels and Algorithm
+2's step tables (:mod:`tidal.scheduler.greedy`) by what they depend on; a
+cache only, the decisions are those computed afresh.
 """
 
 from __future__ import annotations
