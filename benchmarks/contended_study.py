@@ -4,6 +4,7 @@
     python benchmarks/contended_study.py --json          # one JSON line
     python benchmarks/contended_study.py --markdown      # the tables of docs/results.md
     python benchmarks/contended_study.py --quick         # cluster10; elasticflow, tidal, edf
+    python benchmarks/contended_study.py --artifact-traces cluster10,195job   # artifact mode on these only
 
 Method (docs/results.md, "Contended study"):
 
@@ -192,10 +193,13 @@ def mode_policies(mode: str, policies: list[str]) -> list[str]:
     return [p for p in policies if mode == "tidal" or p in ARTIFACT_POLICIES]
 
 
-def run_study(traces: list[str], policies: list[str], procs: int, quiet: bool = False) -> dict[str, Any]:
-    """Sizes first (in parallel per trace and mode), then every policy at them."""
+def run_study(traces: list[str], policies: list[str], procs: int, quiet: bool = False,
+              artifact_traces: list[str] | None = None) -> dict[str, Any]:
+    """Sizes first (in parallel per trace and mode), then every policy at them.
+    ``artifact_traces``: the traces run in artifact mode (default: all)."""
     t0 = time.perf_counter()
-    pairs = [(t, m) for t in traces for m in MODES]
+    art = traces if artifact_traces is None else [t for t in traces if t in artifact_traces]
+    pairs = [(t, m) for t in traces for m in MODES if m == "tidal" or t in art]
     with ProcessPoolExecutor(max_workers=procs) as pool:
         sized = [pool.submit(find_size, t, m) for t, m in pairs]
         sizes = {(s["trace"], s["mode"]): s for s in (f.result() for f in sized)}
@@ -219,7 +223,7 @@ def run_study(traces: list[str], policies: list[str], procs: int, quiet: bool = 
     results = (ef if "elasticflow" in policies else []) + [done[i] for i in range(len(cases))]
     return {
         "benchmark": "contended_study", "date": DATE, "be_share": BE_SHARE, "seed": SEED,
-        "threshold": THRESHOLD, "slot": SLOT, "traces": traces, "policies": policies,
+        "threshold": THRESHOLD, "slot": SLOT, "traces": traces, "artifact_traces": art, "policies": policies,
         "sizes": [sizes[p] for p in pairs], "results": results,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
@@ -260,7 +264,8 @@ def grid(study: dict[str, Any], mode: str, metric: str = "both") -> tuple[list[s
             row = [f"{_cell(r, 'ratio')} / {_cell(r, 'jct')}" if r else "–" for r in cells]
         else:
             row = [_cell(r, metric) for r in cells]
-        rows.append([t, size[t], *row])
+        if t in size:
+            rows.append([t, size[t], *row])
     return ["trace", "cluster", *pols], rows
 
 
@@ -346,6 +351,10 @@ def plot(study: dict[str, Any], out_dir: Path) -> list[Path]:
         fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), gridspec_kw={"width_ratios": [1, 1]})
         for row, mode in enumerate(MODES):
             res = [r for r in study["results"] if r["trace"] == t and r["mode"] == mode]
+            if not res:
+                axes[row][0].set_axis_off()
+                axes[row][1].set_axis_off()
+                continue
             res.sort(key=lambda r: study["policies"].index(r["policy"]))
             names = [r["policy"] for r in res]
             where = f"{mode} mode, {size[(t, mode)]}"
@@ -370,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print the Markdown tables")
     ap.add_argument("--quick", action="store_true", help=f"traces {QUICK_TRACES}, policies {QUICK_POLICIES}")
     ap.add_argument("--traces", default=None, help=f"comma separated, of {', '.join(TRACES)}")
+    ap.add_argument("--artifact-traces", default=None,
+                    help="comma separated: the traces also run in artifact mode (default: all)")
     ap.add_argument("--policies", default=None, help="comma separated (default: every registry policy)")
     ap.add_argument("--plots", type=Path, default=DEFAULT_PLOTS, help="plot directory")
     ap.add_argument("--no-plots", action="store_true")
@@ -382,13 +393,14 @@ def main(argv: list[str] | None = None) -> int:
     traces = args.traces.split(",") if args.traces else (QUICK_TRACES if args.quick else list(TRACES))
     policies = args.policies.split(",") if args.policies else (
         QUICK_POLICIES if args.quick else sorted(policy_names(), key=lambda p: (p != "elasticflow", p != "tidal", p)))
-    bad = [t for t in traces if t not in TRACES] + [p for p in policies if p not in policy_names()]
+    bad = [t for t in traces + (args.artifact_traces.split(",") if args.artifact_traces else []) if t not in TRACES] + [p for p in policies if p not in policy_names()]
     if bad:
         ap.error(f"unknown trace or policy: {', '.join(bad)}")
     if args.from_json is not None:
         study = json.loads(args.from_json.read_text())
     else:
-        study = run_study(traces, policies, args.procs)
+        art = args.artifact_traces.split(",") if args.artifact_traces else None
+        study = run_study(traces, policies, args.procs, artifact_traces=art)
         study["command"] = " ".join(["python", "benchmarks/contended_study.py",
                                      *(argv if argv is not None else sys.argv[1:])])
     if not args.no_plots:
