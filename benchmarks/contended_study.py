@@ -18,10 +18,11 @@ Method (docs/results.md, "Contended study"):
    (``n32g8 -> n16g8 -> ... -> n1g8 -> n1g4 -> ...``) until ElasticFlow's
    deadline ratio *on this workload, in that mode* is below 0.8.
 3. **Policies.** ``--fidelity tidal``: every registry policy. ``--fidelity
-   artifact``: the artifact's five (elasticflow, edf, tiresias, themis,
-   gandiva) with their artifact options, plus ``tidal`` run with
-   ElasticFlow's artifact setup (planned without overheads, no slack, batch
-   admission, every running job charged) so the two stay comparable.
+   artifact``: the artifact's five as ``run_artifact`` runs them
+   (elasticflow and gandiva on their ported executors), plus ``tidal`` on
+   the artifact's round executor with :func:`tidal_artifact_setup`
+   (planned without overheads, no slack, every running job charged);
+   ``--artifact-traces`` limits this mode to some traces.
 4. **Metrics.** Deadline ratio over the jobs that keep a deadline (dropped =
    missed); best-effort jobs' average JCT over those that completed (with how
    many completed: a dropped or never-started job has no JCT).
