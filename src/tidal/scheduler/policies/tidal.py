@@ -96,9 +96,12 @@ class Tidal(ElasticFlow):
         Algorithm 2 again with the guaranteed jobs' split counts as a base."""
         self._pass = _Pass(self._squeezed(snap, plan))
         try:
-            split = Plan(admit=plan.admit, drop=plan.drop)
-            super().allocate(snap, split, ctx)
-            self._pass.split = split.allocation
+            if any(j.spec.deadline is not None for j in snap.jobs):
+                split = Plan(admit=plan.admit, drop=plan.drop)
+                super().allocate(snap, split, ctx)
+                self._pass.split = split.allocation
+            else:  # every job is best-effort: the split would give nothing to keep
+                self._pass.split = {}
             super().allocate(snap, plan, ctx)
         finally:
             self._pass = None
