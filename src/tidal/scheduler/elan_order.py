@@ -139,17 +139,18 @@ class StepOrder:
         np.maximum.at(pos, jobs, targets)  # a job's steps raise its count index
         return pos.tolist(), ptr, free - int(need[:ptr].sum())
 
-    def advance(self, pos: list[int], present: list[bool], ptr: int, free: int, changed: list[int]) -> tuple[int, int]:
+    def advance(self, pos: list[int], present: list[bool], spd: np.ndarray, ptr: int, free: int) -> tuple[int, int]:
         """Move the prefix forward after jobs left ``present`` (their GPUs
-        added to ``free``); the jobs that got steps go to ``changed``."""
-        oj, ot, on, look = self.oj, self.ot, self.on, self.lookahead
+        added to ``free``); the jobs that got steps have their new speeds
+        written to ``spd``. Returns the new ``(ptr, free)``."""
+        oj, ot, on, rs, look = self.oj, self.ot, self.on, self.rs, self.lookahead
         end = len(oj)
         while free >= look and ptr < end:
             x = oj[ptr]
             if present[x]:
-                pos[x] = ot[ptr]
+                pos[x] = k = ot[ptr]
+                spd[x] = rs[x][k]
                 free -= on[ptr]
-                changed.append(x)
             ptr += 1
         return ptr, free
 
@@ -230,7 +231,7 @@ def fluid_sum(order: StepOrder, members: Sequence[int], total: int, late: int | 
     after which its min_res fits beside the others'. A running job that starts
     below the GPUs it holds pays ``shrink_cost``. The per-job arithmetic is
     the original loop's, element by element (numpy), so the sums are identical;
-    :meth:`StepOrder.advance` is inlined, and once no step is left
+    once no step is left
     (:func:`quiet_sum`) only the completions remain."""
     n = len(order.jobs)
     present = [False] * n
@@ -243,7 +244,7 @@ def fluid_sum(order: StepOrder, members: Sequence[int], total: int, late: int | 
     pos, ptr, free = restart(order, present, total - lows, spd)
     t = acc = 0.0
     first = True
-    rs, counts, thr, oj, ot, on, look = order.rs, order.counts, order.thr, order.oj, order.ot, order.on, order.lookahead
+    rs, counts, thr, oj, look = order.rs, order.counts, order.thr, order.oj, order.lookahead
     end, positive, q, done = len(oj), order.positive, np.empty(n), np.empty(n, dtype=bool)
     divide, least, subtract, multiply, less_equal = np.divide, np.minimum.reduce, np.subtract, np.multiply, np.less_equal
     while live:
@@ -285,13 +286,7 @@ def fluid_sum(order: StepOrder, members: Sequence[int], total: int, late: int | 
             late = None
             pos, ptr, free = restart(order, present, total - lows, spd)
             continue
-        while free >= look and ptr < end:  # StepOrder.advance
-            x = oj[ptr]
-            if present[x]:
-                pos[x] = k = ot[ptr]
-                spd[x] = rs[x][k]
-                free -= on[ptr]
-            ptr += 1
+        ptr, free = order.advance(pos, present, spd, ptr, free)
     return acc if late is None else math.inf
 
 

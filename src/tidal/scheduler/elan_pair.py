@@ -122,23 +122,9 @@ def _settle(order: StepOrder, r: _Run, fin: list[int], rem: np.ndarray, total: i
         r.live, r.lows = r.live + 1, r.lows + lowv[x]
         r.pos, r.ptr, r.free = restart(order, present, total - r.lows, spd)
     else:
-        _advance(order, r)
+        r.ptr, r.free = order.advance(r.pos, r.present, r.spd, r.ptr, r.free)
     if not r.live:
         r.result = r.acc if r.late is None else math.inf
-
-
-def _advance(order: StepOrder, r: _Run) -> None:
-    """:meth:`StepOrder.advance` on run ``r``'s state, speeds included."""
-    oj, ot, on, rs, present, pos, spd = order.oj, order.ot, order.on, order.rs, r.present, r.pos, r.spd
-    end, look, ptr, free = len(oj), order.lookahead, r.ptr, r.free
-    while free >= look and ptr < end:
-        x = oj[ptr]
-        if present[x]:
-            pos[x] = k = ot[ptr]
-            spd[x] = rs[x][k]
-            free -= on[ptr]
-        ptr += 1
-    r.ptr, r.free = ptr, free
 
 
 def _together(order: StepOrder, a: _Run, b: _Run, rem: np.ndarray, q: np.ndarray, done: np.ndarray,
