@@ -287,6 +287,25 @@ def _loop_fluid(rates, jobs, total, late, cost):
     return acc if late is None else math.inf
 
 
+def _random_jobs(rng, n: int, p_allowed: float) -> tuple[list[JobView], Snapshot]:
+    """``n`` random admitted jobs on n8g8 (about half running; a share
+    ``p_allowed`` with power-of-two ``allowed_gpus``) and their snapshot."""
+    profiles = load_profiles()
+    models = [m for m in profiles.models if m != "resnet50_cifar10"]
+    views = []
+    for i in range(n):
+        m = rng.choice(models)
+        p = rng.choice([1, 2, 4, 8])
+        allowed = (1, 2, 4, 8, 16) if rng.random() < p_allowed else None
+        spec = JobSpec(f"j{i}", submit_time=float(rng.randint(0, 5)), model=m, batch_size=rng.choice(profiles.batch_sizes(m)),
+                       iterations=float(rng.randint(100, 50_000)), requested_gpus=p, elastic=rng.random() < 0.85,
+                       allowed_gpus=allowed)
+        running = rng.random() < 0.5
+        views.append(JobView(spec, JobState.RUNNING if running else JobState.PENDING,
+                             gpus=tuple(range(p)) if running else (), done=rng.uniform(0, 50), admitted=True))
+    return views, Snapshot(now=0.0, cluster=parse_cluster("n8g8"), jobs=tuple(views), profiles=profiles)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_step_order_matches_the_heap_rule_and_the_fluid_loop(seed):
     """Random job sets (power-of-two ``allowed_gpus`` make steps of several
@@ -297,20 +316,7 @@ def test_step_order_matches_the_heap_rule_and_the_fluid_loop(seed):
     from tidal.scheduler.elan_order import fluid_sum
 
     rng = random.Random(seed)
-    profiles = load_profiles()
-    models = [m for m in profiles.models if m != "resnet50_cifar10"]
-    views = []
-    for i in range(40):
-        m = rng.choice(models)
-        p = rng.choice([1, 2, 4, 8])
-        allowed = (1, 2, 4, 8, 16) if rng.random() < 0.4 else None
-        spec = JobSpec(f"j{i}", submit_time=float(rng.randint(0, 5)), model=m, batch_size=rng.choice(profiles.batch_sizes(m)),
-                       iterations=float(rng.randint(100, 50_000)), requested_gpus=p, elastic=rng.random() < 0.85,
-                       allowed_gpus=allowed)
-        running = rng.random() < 0.5
-        views.append(JobView(spec, JobState.RUNNING if running else JobState.PENDING,
-                             gpus=tuple(range(p)) if running else (), done=rng.uniform(0, 50), admitted=True))
-    snap = Snapshot(now=0.0, cluster=parse_cluster("n8g8"), jobs=tuple(views), profiles=profiles)
+    views, snap = _random_jobs(rng, 40, 0.4)
     rates = Rates(snap, hybrid_all=seed % 2 == 1)
     for _ in range(25):
         sub = [v for v in views if rng.random() < 0.5]
@@ -338,20 +344,7 @@ def test_the_paired_fluid_estimates_match_two_separate_ones(seed):
     from tidal.scheduler.elan_pair import fluid_pair
 
     rng = random.Random(100 + seed)
-    profiles = load_profiles()
-    models = [m for m in profiles.models if m != "resnet50_cifar10"]
-    views = []
-    for i in range(60):
-        m = rng.choice(models)
-        p = rng.choice([1, 2, 4, 8])
-        allowed = (1, 2, 4, 8, 16) if rng.random() < 0.3 else None
-        spec = JobSpec(f"j{i}", submit_time=float(rng.randint(0, 5)), model=m, batch_size=rng.choice(profiles.batch_sizes(m)),
-                       iterations=float(rng.randint(100, 50_000)), requested_gpus=p, elastic=rng.random() < 0.85,
-                       allowed_gpus=allowed)
-        running = rng.random() < 0.5
-        views.append(JobView(spec, JobState.RUNNING if running else JobState.PENDING,
-                             gpus=tuple(range(p)) if running else (), done=rng.uniform(0, 50), admitted=True))
-    snap = Snapshot(now=0.0, cluster=parse_cluster("n8g8"), jobs=tuple(views), profiles=profiles)
+    views, snap = _random_jobs(rng, 60, 0.3)
     rates = Rates(snap, hybrid_all=seed % 2 == 1)
     for _ in range(12):
         look = rng.choice([8, 8, 3, 5])
