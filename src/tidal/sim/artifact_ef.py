@@ -231,8 +231,6 @@ class ArtifactElasticFlow(_SpareGPUs):
         self.running: list[ArtJob] = []
         self.runnable: list[ArtJob] = []
         self.tl: dict = {}
-        self.accepted = 0
-        self.declined = 0
         self.rounds = 0
         self.charged = 0  # the artifact's ``schedule_count``
         self.outcome: dict[int, tuple[JobState, float, str]] = {}
@@ -341,7 +339,6 @@ class ArtifactElasticFlow(_SpareGPUs):
             saved = self.tl
             if not self._estimate_all(self.runnable + ev.start, now):
                 for j in ev.start:
-                    self.declined += 1
                     self.outcome[j.idx] = (JobState.DROPPED, now, "batch declined")
                 self.tl = saved
             else:
@@ -368,9 +365,6 @@ class ArtifactElasticFlow(_SpareGPUs):
         self.nodes.release(j, j.num_gpu)
         j.hist.append((now, 0))
         late = j.real_end is not None and j.real_end > j.ddl
-        if late:
-            self.accepted -= 1
-            self.declined += 1
         self.outcome[j.idx] = (JobState.COMPLETED, j.real_end if j.real_end is not None else now,
                                "late" if late else "")
 
@@ -379,7 +373,6 @@ class ArtifactElasticFlow(_SpareGPUs):
         self.running.append(j)
         if j not in self.runnable:
             self.runnable.append(j)
-        self.accepted += 1
 
     def _allocate_round(self, now: float) -> float:
         """Start pending jobs planned to run now, give out spare GPUs, place
