@@ -9,7 +9,7 @@ import pytest
 from tidal.core.job import JobSpec, JobState
 from tidal.core.topology import parse_cluster
 from tidal.scheduler.api import JobView, Plan, Snapshot
-from tidal.scheduler.diff import JobDelta, PlanError, diff_plan, validate_plan
+from tidal.scheduler.diff import JobDelta, PlanError, changing, diff_plan, validate_plan
 
 
 def view(jid: str, gpus: tuple[int, ...] = (), *, elastic: bool = True, n: int = 1, admitted: bool = True,
@@ -166,3 +166,46 @@ def test_jobs_that_keep_their_gpus_are_not_checked_again(toy_profiles):
     # a rigid job running at a count its spec would not allow now (pinned earlier) keeps running
     s = snap(view("r", (0, 1, 2, 3), elastic=False, n=2), toy_profiles=toy_profiles)
     validate_plan(s, plan({"r": (3, 2, 1, 0)}))
+
+
+# -- changing ------------------------------------------------------------------
+
+
+def _plainly_changing(s: Snapshot, p: Plan) -> set[str]:
+    """The definition, job by job: placed on another tuple than the one held,
+    allocated another count, holding GPUs but unallocated, or allocated but unplaced."""
+    held, sizes = s.held, s.sizes
+    out = {j for j, g in p.placement.items() if held.get(j) is not g}
+    out |= {j for j, n in p.allocation.items() if sizes.get(j) != n}
+    return out | (held.keys() - p.allocation.keys()) | (p.allocation.keys() - p.placement.keys())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_changing_is_the_plain_definition(toy_profiles, seed):
+    """The fast paths (nothing held changes; only new jobs placed) give the
+    same set as the definition on random plans that mostly keep jobs as they are."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(300):
+        jobs = [view(f"r{i}", (2 * i, 2 * i + 1)) for i in range(rng.randint(0, 4))]
+        jobs += [view(f"p{i}") for i in range(rng.randint(0, 3))]
+        s = snap(*jobs, toy_profiles=toy_profiles)
+        alloc, placement = {}, {}
+        for j in jobs:
+            jid, r = j.job_id, rng.random()
+            if j.gpus and r < 0.7:  # kept on the very tuple it holds
+                alloc[jid], placement[jid] = len(j.gpus), s.held[jid]
+            elif j.gpus and r < 0.8:  # the same GPUs, a new tuple
+                alloc[jid], placement[jid] = len(j.gpus), tuple(j.gpus)
+            elif j.gpus and r < 0.85:  # another count
+                alloc[jid], placement[jid] = 1, j.gpus[:1]
+            elif j.gpus and r < 0.9:  # its count, but not placed
+                alloc[jid] = len(j.gpus)
+            elif not j.gpus and r < 0.5:  # started, placed or not (None: unplaced)
+                alloc[jid] = 1
+                if rng.random() < 0.8:
+                    placement[jid] = None if rng.random() < 0.2 else (7,)
+            # else: stopped / still waiting
+        p = Plan(allocation=alloc, placement=placement)
+        assert changing(s, p) == _plainly_changing(s, p)

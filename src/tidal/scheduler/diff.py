@@ -11,6 +11,8 @@ checked when it got them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
+from operator import is_, is_not, ne
 
 from tidal.scheduler.api import JobView, Plan, Snapshot
 
@@ -59,14 +61,24 @@ def changing(snap: Snapshot, plan: Plan) -> set[str]:
     """A superset of the jobs whose GPUs may change under ``plan``: every other
     job is allocated its count and placed on the very tuple of GPUs it holds,
     or holds none and is allocated none. Uses the snapshot's indexes, so that
-    :func:`validate_plan` and :func:`diff_plan` look closely only at these."""
-    alloc, placement, held = plan.allocation, plan.placement, snap.held
-    if placement == held and alloc == snap.sizes:
+    :func:`validate_plan` and :func:`diff_plan` look closely only at these;
+    when no job holding GPUs changes (most rounds) only the others are looked at."""
+    alloc, placement, held, sizes = plan.allocation, plan.placement, snap.held, snap.sizes
+    if placement == held and alloc == sizes:
         return set()
-    hget, sget = held.get, snap.sizes.get
-    out = {jid for jid, g in placement.items() if hget(jid) is not g}
-    out.update([jid for jid, n in alloc.items() if sget(jid) != n])
-    out.update(held.keys() - alloc.keys())
+    pget, aget = placement.get, alloc.get
+    if all(map(is_, map(pget, held), held.values())) and sizes.items() <= alloc.items():
+        # nothing held changes: only jobs without GPUs can be in the set
+        new = alloc.keys() - sizes.keys()
+        if len(placement) == len(held) + len(new) and all(map(placement.__contains__, new)):
+            # the placed jobs are the held ones and the new ones: none is allocated but not placed
+            return {jid for jid in new if pget(jid) is not None or aget(jid) is not None}
+        out = {jid for jid in placement.keys() - held.keys() if placement[jid] is not None}
+        out.update([jid for jid in new if aget(jid) is not None])
+    else:
+        out = set(compress(placement, map(is_not, map(held.get, placement), placement.values())))
+        out.update(compress(alloc, map(ne, map(sizes.get, alloc), alloc.values())))
+        out.update(held.keys() - alloc.keys())
     out.update(alloc.keys() - placement.keys())
     return out
 

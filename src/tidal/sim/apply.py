@@ -11,15 +11,12 @@ Only the jobs whose GPUs may change are looked at closely.
 
 from __future__ import annotations
 
-from itertools import compress
-from operator import is_, is_not, ne
-
 from tidal.core.job import JobState, check_transition
 from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ThroughputProfile
 from tidal.core.topology import Cluster
 from tidal.scheduler.api import Plan, Policy, Snapshot
-from tidal.scheduler.diff import JobDelta, PlanError, diff_plan, validate_plan
+from tidal.scheduler.diff import JobDelta, PlanError, changing, diff_plan, validate_plan
 from tidal.sim.progress import Progress, SimJob, with_idle
 from tidal.sim.views import ViewCache
 
@@ -85,7 +82,7 @@ class PlanExecutor:
 
     def _apply(self, snap: Snapshot, plan: Plan, now: float) -> None:
         self._drop_and_admit(plan, now)
-        look = _changing(snap, plan)
+        look = changing(snap, plan)
         deltas = diff_plan(snap, plan, look)
         rates = self._check(snap, plan, deltas, look) if self.validate else {}
         for jid, b in plan.batch.items():
@@ -210,25 +207,3 @@ class PlanExecutor:
             self._schedule_completion(job)
             self.cache.run(job, bool(old_n))
 
-
-def _changing(snap: Snapshot, plan: Plan) -> set[str]:
-    """:func:`tidal.scheduler.diff.changing` (the same set), faster when every
-    job holding GPUs keeps its count on the very tuple it holds."""
-    alloc, placement, held, sizes = plan.allocation, plan.placement, snap.held, snap.sizes
-    if placement == held and alloc == sizes:
-        return set()
-    pget, aget = placement.get, alloc.get
-    if all(map(is_, map(pget, held), held.values())) and sizes.items() <= alloc.items():
-        # nothing held changes: only jobs without GPUs can be in the set
-        new = alloc.keys() - sizes.keys()
-        if len(placement) == len(held) + len(new) and all(map(placement.__contains__, new)):
-            # the placed jobs are the held ones and the new ones: no job is allocated but not placed
-            return {jid for jid in new if pget(jid) is not None or aget(jid) is not None}
-        out = {jid for jid in placement.keys() - held.keys() if placement[jid] is not None}
-        out.update([jid for jid in new if aget(jid) is not None])
-    else:
-        out = set(compress(placement, map(is_not, map(held.get, placement), placement.values())))
-        out.update(compress(alloc, map(ne, map(sizes.get, alloc), alloc.values())))
-        out.update(held.keys() - alloc.keys())
-    out.update(alloc.keys() - placement.keys())
-    return out
