@@ -32,6 +32,17 @@ _ADMITTED, _HOLDS = attrgetter("admitted"), attrgetter("state.holds_gpus")
 _ID, _COUNT, _VIEW = itemgetter(2), itemgetter(4), itemgetter(5)
 
 
+def _promote(j: JobView, now: float, promote_knob: float, tags: dict) -> float:
+    """The starvation guard for a waiting job that has run: promoted (its
+    base reset, recorded in ``tags``) once it has waited ``promote_knob`` x its
+    executed time; returns when that happens, ``inf`` if it has now."""
+    promote_at = j.waiting_since + promote_knob * j.executed
+    if now < promote_at:
+        return promote_at
+    tags[j.job_id] = {"tiresias_base": j.attained, "promotions": j.tags.get("promotions", 0) + 1}
+    return math.inf
+
+
 def tiresias_allocation(
     snap: Snapshot,
     plan: Plan,
@@ -59,12 +70,10 @@ def tiresias_allocation(
         else:
             n = rigid_count(spec, total)
             if q > 0 and j.executed > 0:
-                promote_at = j.waiting_since + promote_knob * j.executed
-                if now >= promote_at:
-                    plan.tags[spec.job_id] = {"tiresias_base": j.attained, "promotions": tags.get("promotions", 0) + 1}
+                at = _promote(j, now, promote_knob, plan.tags)
+                if at == math.inf:
                     q = 0
-                else:
-                    wake = min(wake, promote_at)
+                wake = min(wake, at)
         need += n
         pos += 1
         append((q, spec.submit_time, spec.job_id, pos, n, j))
@@ -134,11 +143,7 @@ def everyone_fits(snap: Snapshot, plan: Plan, thresholds: tuple[float, ...], pro
         if need > total:
             return False
         if j.executed > 0 and queue_of(j, thresholds) > 0:
-            promote_at = j.waiting_since + promote_knob * j.executed
-            if now >= promote_at:
-                tags[jid] = {"tiresias_base": j.attained, "promotions": j.tags.get("promotions", 0) + 1}
-            else:
-                wake = min(wake, promote_at)
+            wake = min(wake, _promote(j, now, promote_knob, tags))
     plan.allocation.update(snap.sizes)
     plan.allocation.update(extra)
     plan.tags.update(tags)
