@@ -6,6 +6,8 @@ iterations on n GPUs takes I/n seconds. Slot 0: scheduling at every event.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tidal.core.job import JobSpec, JobState
@@ -104,6 +106,13 @@ def test_tiresias_starvation_promotion(toy_profiles):
     assert promoted["S2"].end_time == pytest.approx(110)
     assert promoted["S4"].end_time == pytest.approx(150)
     assert promoted["A"].end_time == pytest.approx(200)
+    # knob inf (the ElasticFlow artifact's DLAS): never promoted, the same
+    # schedule as a knob too large to matter (A is preempted once, not
+    # bounced between the queues at every event)
+    _, never = run("tiresias", jobs, toy_profiles, thresholds=(100.0,), promote_knob=math.inf)
+    assert "promotions" not in never["A"].tags
+    assert {k: (v.start_time, v.end_time, v.preemptions) for k, v in never.items()} == pytest.approx(
+        {k: (v.start_time, v.end_time, v.preemptions) for k, v in starving.items()})
 
 
 def test_edf_gives_saturating_job_only_useful_gpus(toy_profiles):

@@ -32,15 +32,16 @@ _ADMITTED, _HOLDS = attrgetter("admitted"), attrgetter("state.holds_gpus")
 _ID, _COUNT, _VIEW = itemgetter(2), itemgetter(4), itemgetter(5)
 
 
-def _promote(j: JobView, now: float, promote_knob: float, tags: dict) -> float:
+def _promote(j: JobView, now: float, promote_knob: float, tags: dict) -> float | None:
     """The starvation guard for a waiting job that has run: promoted (its
     base reset, recorded in ``tags``) once it has waited ``promote_knob`` x its
-    executed time; returns when that happens, ``inf`` if it has now."""
+    executed time. Returns ``None`` if it is promoted now, else when it will be
+    (``inf`` for never: a job not waiting is never promoted)."""
     promote_at = j.waiting_since + promote_knob * j.executed
     if now < promote_at:
         return promote_at
     tags[j.job_id] = {"tiresias_base": j.attained, "promotions": j.tags.get("promotions", 0) + 1}
-    return math.inf
+    return None
 
 
 def tiresias_allocation(
@@ -71,9 +72,10 @@ def tiresias_allocation(
             n = rigid_count(spec, total)
             if q > 0 and j.executed > 0:
                 at = _promote(j, now, promote_knob, plan.tags)
-                if at == math.inf:
+                if at is None:
                     q = 0
-                wake = min(wake, at)
+                else:
+                    wake = min(wake, at)
         need += n
         pos += 1
         append((q, spec.submit_time, spec.job_id, pos, n, j))
@@ -143,7 +145,9 @@ def everyone_fits(snap: Snapshot, plan: Plan, thresholds: tuple[float, ...], pro
         if need > total:
             return False
         if j.executed > 0 and queue_of(j, thresholds) > 0:
-            wake = min(wake, _promote(j, now, promote_knob, tags))
+            at = _promote(j, now, promote_knob, tags)
+            if at is not None:
+                wake = min(wake, at)
     plan.allocation.update(snap.sizes)
     plan.allocation.update(extra)
     plan.tags.update(tags)
