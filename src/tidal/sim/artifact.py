@@ -99,7 +99,7 @@ class ArtifactSimulator:
         semantics: ArtifactSemantics,
     ) -> None:
         self.cluster, self.policy, self.profiles, self.sem = cluster, policy, profiles, semantics
-        specs = sorted(jobs, key=lambda s: (s.submit_time, s.job_id))
+        specs = sorted(jobs, key=lambda s: s.submit_time)  # ties keep trace order (the artifact sorts on submit time alone)
         self.jobs = {s.job_id: SimJob(spec=s, last_t=s.submit_time, batch=s.batch_size) for s in specs}
         for j in self.jobs.values():
             j.single_rate = profiles.throughput(j.spec.model, j.spec.batch_size, 1) or 1.0

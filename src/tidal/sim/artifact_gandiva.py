@@ -67,7 +67,8 @@ class GandivaNodeSetSimulator:
     def __init__(self, cluster: Cluster, jobs: Iterable[JobSpec], profiles: ThroughputProfile,
                  slot: float = 60.0, restart_every: int = 60, rotate_every: float = 60.0) -> None:
         self.c, self.slot, self.restart_every, self.rotate_every = cluster, slot, restart_every, rotate_every
-        specs = sorted(jobs, key=lambda s: (s.submit_time, s.job_id))
+        # stable sort by submit time only: ties keep trace order, as the artifact's sort_all_jobs
+        specs = sorted(jobs, key=lambda s: s.submit_time)
         self.jobs = {s.job_id: SimJob(spec=s, last_t=s.submit_time, batch=s.batch_size) for s in specs}
         self.duration = {s.job_id: _duration(s, profiles) for s in specs}
         self.events: list[list] = []
