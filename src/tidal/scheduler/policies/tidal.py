@@ -44,11 +44,15 @@ shortens their average JCT without touching any deadline job's GPUs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 
 from tidal.scheduler.api import JobView, Plan, Snapshot
 from tidal.scheduler.policies.elasticflow import ElasticFlow, _Context
 from tidal.scheduler.policies.tiresias import queue_of
 from tidal.scheduler.timeline import Levels
+
+
+_RANK, _VIEW = itemgetter(0, 1, 2, 3), itemgetter(4)
 
 
 @dataclass
@@ -58,6 +62,7 @@ class _Pass:
 
     squeezed: frozenset[str]
     split: dict[str, int] | None = None
+    queues: dict[str, int] | None = None  # best-effort jobs' LAS queue, found by the floors
 
 
 class Tidal(ElasticFlow):
@@ -111,16 +116,23 @@ class Tidal(ElasticFlow):
         p = self._pass
         if p is None or p.split is None:
             return free  # the split: ElasticFlow's Algorithm 2
-        for j in jobs:
-            n = p.split.get(j.job_id, 0)
-            if not self._best_effort(j) and n > base.get(j.job_id, 0):
-                free -= n - base[j.job_id]
-                base[j.job_id] = n
-        order = sorted(
-            (j for j in jobs if self._best_effort(j) and base.get(j.job_id, 0) == 0),
-            key=lambda j: (queue_of(j, self.thresholds), not j.running, j.spec.submit_time, j.job_id),
-        )
-        for j in order:
+        th, best_effort, bget, split = self.thresholds, self._best_effort, base.get, p.split
+        p.queues = queues = {}
+        keyed = []
+        for j in jobs:  # guaranteed jobs keep their split; best-effort ones in LAS order
+            jid = j.job_id
+            if best_effort(j):
+                q = queues[jid] = queue_of(j, th)
+                keyed.append((q, not j.running, j.spec.submit_time, jid, j))
+            else:
+                n = split.get(jid, 0)
+                if n > bget(jid, 0):
+                    free -= n - bget(jid, 0)
+                    base[jid] = n
+        keyed.sort(key=_RANK)  # ids are unique: views never compared
+        for j in map(_VIEW, keyed):
+            if bget(j.job_id, 0):
+                continue
             counts = levels[j.job_id].count_list
             smallest = next((c for c in counts if c > 0), 0)
             if 0 < smallest <= free:
@@ -134,4 +146,5 @@ class Tidal(ElasticFlow):
             return self.tight_weight if job.job_id in p.squeezed else 1.0
         if not self._best_effort(job):
             return 1.0
-        return 2.0 ** -queue_of(job, self.thresholds)
+        q = p.queues.get(job.job_id) if p is not None and p.queues is not None else None
+        return 2.0 ** -(queue_of(job, self.thresholds) if q is None else q)
