@@ -36,7 +36,7 @@ def _promote(j: JobView, now: float, promote_knob: float, tags: dict) -> float |
     """The starvation guard for a waiting job that has run: promoted (its
     base reset, recorded in ``tags``) once it has waited ``promote_knob`` x its
     executed time. Returns ``None`` if it is promoted now, else when it will be
-    (``inf`` for never: a job not waiting is never promoted)."""
+    (``inf`` with an infinite knob: never, as in the ElasticFlow artifact)."""
     promote_at = j.waiting_since + promote_knob * j.executed
     if now < promote_at:
         return promote_at
