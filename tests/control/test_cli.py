@@ -45,10 +45,12 @@ def test_submit_list_show_cancel(server, tmp_path):
 
 
 def test_bad_spec_and_no_server_are_clear_errors(server, tmp_path):
-    spec = tmp_path / "bad.yaml"
+    deep = tmp_path / ("a-folder-with-a-long-name-" * 4)  # the path is wider than the terminal
+    deep.mkdir()
+    spec = deep / "bad.yaml"
     spec.write_text("name: t\nscript: train.py\ngpus: lots\niterations: 50\n")
     res = cli(server, "submit", str(spec))
-    assert res.exit_code == 2 and "bad.yaml" in res.output and "gpus" in res.output
+    assert res.exit_code == 2 and str(spec) in res.output and "gpus" in res.output
     res = runner.invoke(app, ["submit", "--name", "x", "--script", "t.py", "--gpus", "2",
                               "--server", server.url, "--token", server.admin_token])
     assert res.exit_code == 2 and "iterations or epochs" in res.output

@@ -21,7 +21,7 @@ from tidal import settings
 from tidal.cli.app import app
 
 console = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # messages name paths: never broken across lines
 
 
 def _api(server: Optional[str], token: Optional[str]):

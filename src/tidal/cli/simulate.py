@@ -157,7 +157,7 @@ def simulate(
     from tidal.scheduler.registry import ALIASES, is_policy, policy_names
     from tidal.sim.traces import load_trace
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     names = [p.strip() for p in policy.split(",") if p.strip()]
     bad = [n for n in names if not is_policy(n)]
     if not names or bad:
