@@ -22,6 +22,7 @@ from tidal.sim.engine import Simulator
 from tidal.sim.metrics import job_rows, summarize
 from tidal.sim.progress import Progress, SimJob
 from tidal.sim.runset import RunSet
+from tidal.sim.views import LazyJobs
 
 PROFILES = load_profiles()
 
@@ -103,33 +104,59 @@ def test_free_map_behaves_as_a_dict_of_free_lists() -> None:
         assert list(fmap.by_node.items()) == list(ref.by_node.items())
 
 
-def test_snapshot_indexes_match_its_jobs_and_never_change() -> None:
-    seen: list[tuple[Snapshot, dict, dict, tuple]] = []
+def _spied_run(look_now: bool) -> list:
+    """Tiresias on a cluster contended at times (preemptions), everyone fitting
+    at others; per round, the snapshot and, if ``look_now``, what its jobs and
+    indexes were while the policy ran."""
+    seen: list = []
 
     class Spy(Policy):
         def __init__(self) -> None:
             self.inner = get_policy("tiresias")
 
         def schedule(self, snap: Snapshot) -> Plan:
-            seen.append((snap, dict(snap.held), dict(snap.sizes), snap.free))
+            now = (tuple(snap.jobs), snap.idle, snap.holders_running) if look_now else None
+            seen.append((snap, dict(snap.held), dict(snap.sizes), snap.free, now))
             return self.inner.schedule(snap)
 
         def allocation(self, snap: Snapshot, plan: Plan) -> None:  # pragma: no cover
             raise AssertionError
 
     rng = random.Random(1)
-    specs = [JobSpec(f"j{i}", rng.uniform(0, 3000), "resnet50", 128, rng.uniform(1e3, 3e4),
+    specs = [JobSpec(f"j{i}", rng.uniform(0, 12_000), "resnet50", 128, rng.uniform(1e3, 3e4),
                      requested_gpus=rng.choice([1, 2, 4, 8])) for i in range(60)]
-    Simulator(parse_cluster("n2g8"), Spy(), specs, slot=60.0).run()
-    assert len(seen) > 20
-    for snap, held, sizes, free in seen:
-        fresh = Snapshot(snap.now, snap.cluster, snap.jobs, snap.profiles)
+    Simulator(parse_cluster("n4g8"), Spy(), specs, slot=60.0).run()
+    return seen
+
+
+def test_snapshot_indexes_match_its_jobs_and_never_change() -> None:
+    """The engine's indexes and its lazily built jobs equal what a plain
+    snapshot of the same jobs derives; a snapshot read only after the run
+    (every later round having changed the engine's state) equals the same
+    round's snapshot read while the policy ran."""
+    early, late = _spied_run(True), _spied_run(False)
+    assert len(late) == len(early) > 20
+    # rounds where everyone fits read only a few views: their jobs were never built
+    assert sum(isinstance(s[0].jobs, LazyJobs) and s[0].jobs._built is None for s in late) >= 5
+    rng = random.Random(5)
+    preempted = 0
+    for (snap, held, sizes, free, _), (_, _, _, _, now) in zip(late, early):
+        assert tuple(snap.jobs) == now[0]
+        assert (snap.idle, snap.holders_running) == now[1:]
+        fresh = Snapshot(snap.now, snap.cluster, now[0], snap.profiles)
         assert held == dict(snap.held) == dict(fresh.held)
         assert sizes == dict(fresh.sizes)
         assert free == snap.free == fresh.free and snap.by_free == fresh.by_free
-        assert snap.submitted == fresh.submitted
+        assert snap.submitted == fresh.submitted and snap.idle == fresh.idle and snap.ids == fresh.ids
+        assert snap.holders_running is fresh.holders_running is True
+        assert len(snap.jobs) == len(fresh.jobs) and dict(snap.view_of) == dict(fresh.view_of)
+        for k in (1, 2, 3, len(fresh.ids)):
+            pick = set(rng.sample(fresh.ids, min(k, len(fresh.ids)))) | {"not-a-job"}
+            assert snap.in_order(pick) == fresh.in_order(pick) == [j for j in fresh.jobs if j.job_id in pick]
+        preempted += any(j.executed > 0 and not j.gpus for j in fresh.jobs)
+    assert preempted  # some rounds had preempted jobs waiting (idle order restored)
     with pytest.raises(TypeError):
-        seen[-1][0].held["x"] = (0,)  # type: ignore[index]
+        late[-1][0].held["x"] = (0,)  # type: ignore[index]
 
 
 class _CountingTiresias(Tiresias):

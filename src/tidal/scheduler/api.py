@@ -77,8 +77,10 @@ class JobView(NamedTuple):
 @dataclass(frozen=True)
 class Snapshot:
     """What a policy sees. The indexes below (``held``, ``sizes``, ``owners``,
-    ``ids``) are derived from ``jobs`` on first use; an executor that already
-    has them may hand them in with :meth:`indexed`."""
+    ``ids``, ``idle``...) are derived from ``jobs`` on first use; an executor
+    that already has them may hand them in with :meth:`indexed`. ``jobs`` is a
+    sequence of views (a tuple, or an executor's equal sequence that builds
+    its views on first use)."""
 
     now: float
     cluster: Cluster
@@ -133,11 +135,39 @@ class Snapshot:
         """The job ids of ``jobs``, in order."""
         return tuple(map(_JOB_ID, self.jobs))
 
+    @cached_property
+    def idle(self) -> tuple[JobView, ...]:
+        """The jobs holding no GPUs, in snapshot order."""
+        return tuple(j for j in self.jobs if not j.gpus)
+
+    @cached_property
+    def holders_running(self) -> bool:
+        """Every job holding GPUs is admitted and running or resizing (always
+        so in the simulator; a store read mid-transition may break it)."""
+        return all(j.admitted and j.state.holds_gpus for j in self.jobs if j.gpus)
+
+    @cached_property
+    def view_of(self) -> Mapping[str, JobView]:
+        """Job id -> its view."""
+        return dict(zip(self.ids, self.jobs))
+
+    @cached_property
+    def positions(self) -> Mapping[str, int]:
+        """Job id -> a number that increases along ``jobs`` (by default its index)."""
+        return dict(zip(self.ids, range(len(self.ids))))
+
     def in_order(self, job_ids: set[str] | frozenset[str]) -> list[JobView]:
-        """The views of ``job_ids`` (those in the snapshot), in snapshot order."""
+        """The views of ``job_ids`` (those in the snapshot), in snapshot order.
+        A few are looked up by id, so that an executor's lazily built ``jobs``
+        stays unbuilt."""
         if not job_ids:
             return []
-        return list(compress(self.jobs, map(job_ids.__contains__, self.ids)))
+        ids = self.ids
+        if 8 * len(job_ids) > len(ids):
+            return list(compress(self.jobs, map(job_ids.__contains__, ids)))
+        pos = self.positions
+        found = sorted(filter(pos.__contains__, job_ids), key=pos.__getitem__)
+        return list(map(self.view_of.__getitem__, found))
 
     def throughput(self, job: JobView | JobSpec, n: float) -> float:
         """Iterations/s at the job's submitted global batch on ``n`` GPUs."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import compress
-from operator import is_, is_not, ne
+from operator import is_not, ne
 
 from tidal.scheduler.api import JobView, Plan, Snapshot
 
@@ -59,7 +59,7 @@ class JobDelta:
 
 def changing(snap: Snapshot, plan: Plan) -> set[str]:
     """A superset of the jobs whose GPUs may change under ``plan``: every other
-    job is allocated its count and placed on the very tuple of GPUs it holds,
+    job is allocated its count and placed on a tuple equal to the one it holds,
     or holds none and is allocated none. Uses the snapshot's indexes, so that
     :func:`validate_plan` and :func:`diff_plan` look closely only at these;
     when no job holding GPUs changes (most rounds) only the others are looked at."""
@@ -67,7 +67,7 @@ def changing(snap: Snapshot, plan: Plan) -> set[str]:
     if placement == held and alloc == sizes:
         return set()
     pget, aget = placement.get, alloc.get
-    if all(map(is_, map(pget, held), held.values())) and sizes.items() <= alloc.items():
+    if held.items() <= placement.items() and sizes.items() <= alloc.items():
         # nothing held changes: only jobs without GPUs can be in the set
         new = alloc.keys() - sizes.keys()
         if len(placement) == len(held) + len(new) and all(map(placement.__contains__, new)):
@@ -98,7 +98,7 @@ def validate_plan(snap: Snapshot, plan: Plan, changed_ids: set[str] | None = Non
         if not isinstance(b, int) or b <= 0:
             raise PlanError(jid, f"global batch {b!r} must be a positive integer")
     alloc = plan.allocation
-    if not alloc or max(alloc.values()) <= 0:
+    if not alloc:
         return
     placement, drop = plan.placement, plan.drop
     look = set(changing(snap, plan) if changed_ids is None else changed_ids)

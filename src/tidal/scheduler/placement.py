@@ -164,15 +164,25 @@ class FreeMap:
 
 def place_consolidated(snap: Snapshot, allocation: dict[str, int]) -> dict[str, tuple[int, ...]]:
     held, sizes = snap.held, snap.sizes
+    c = snap.cluster
+    if sizes.items() <= allocation.items():
+        # every job holding GPUs keeps its count: only jobs without GPUs are placed
+        placement = dict(held)
+        new = [(jid, allocation[jid]) for jid in allocation.keys() - sizes.keys() if allocation[jid] > 0]
+        if new:
+            fmap = FreeMap(c, free=snap.free, by_free=snap.by_free)
+            new.sort(key=lambda x: (-x[1], x[0]))
+            for jid, n in new:
+                placement[jid] = tuple(sorted(fmap.best_fit(n)))
+        return placement
     if allocation.items() <= sizes.items():
         # every allocated job keeps its count (the others stop): keep every placement
         return dict(zip(allocation, map(held.__getitem__, allocation)))
-    c = snap.cluster
+    fmap = FreeMap(c, free=snap.free, by_free=snap.by_free)
     aget = allocation.get
     # jobs that keep their GPUs, then those that stop or shrink (in snapshot order)
     keep = list(compress(allocation, map(eq, allocation.values(), map(sizes.get, allocation))))
-    placement: dict[str, tuple[int, ...]] = dict(zip(keep, map(held.__getitem__, keep)))
-    fmap = FreeMap(c, free=snap.free, by_free=snap.by_free)
+    placement = dict(zip(keep, map(held.__getitem__, keep)))
     # 1. release: preempted jobs, then shrinking jobs give back least-used nodes
     for view in snap.in_order({jid for jid in sizes.keys() - placement.keys() if aget(jid, 0) < sizes[jid]}):
         jid, gpus = view.spec.job_id, view.gpus

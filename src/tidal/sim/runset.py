@@ -20,12 +20,14 @@ from typing import Any
 
 import numpy as np
 
+from tidal.core.job import JobState
 from tidal.scheduler.api import JobView
 from tidal.sim.progress import Progress, SimJob, integrate
 
 # row columns: done, overhead_gpu_s, attained, gpu_seconds, executed, (useful: scratch)
 _NCOL = 6
 _new_view = tuple.__new__
+_RUNNING, _RESIZING = JobState.RUNNING, JobState.RESIZING
 
 
 def steady(job: SimJob) -> bool:
@@ -152,10 +154,42 @@ class RunSet:
             u += x
         progress.useful = u
 
+    def capture(self) -> Rows:
+        """The rows' view fields as they are now (copies: later changes to the
+        rows do not reach them)."""
+        k = self.k
+        return Rows(self.ids[:], [col[:] for col in self.cols], self.S[:k, 0:5:2].copy())
+
+
+class Rows:
+    """A copy of the running rows' view fields, made into views on demand."""
+
+    __slots__ = ("ids", "cols", "counters", "_pos")
+
+    def __init__(self, ids: list[str], cols: list[list[Any]], counters: np.ndarray) -> None:
+        self.ids, self.cols, self.counters = ids, cols, counters
+        self._pos: dict[str, int] | None = None
+
     def views(self) -> list[JobView]:
         """A :class:`JobView` per row, in running order."""
-        k = self.k
-        done, attained, executed = self.S[:k, 0:5:2].T.tolist()
+        done, attained, executed = self.counters.T.tolist()
         c = self.cols
         return list(map(_new_view, repeat(JobView),
                         zip(c[0], c[1], c[2], done, attained, executed, c[3], c[4], c[5], c[6])))
+
+    def view(self, jid: str) -> JobView | None:
+        """The view of one row's job, or None if ``jid`` has no row."""
+        if self._pos is None:
+            self._pos = dict(zip(self.ids, range(len(self.ids))))
+        pos = self._pos.get(jid)
+        if pos is None:
+            return None
+        c = self.cols
+        done, attained, executed = self.counters[pos].tolist()
+        return _new_view(JobView, (c[0][pos], c[1][pos], c[2][pos], done, attained, executed,
+                                   c[3][pos], c[4][pos], c[5][pos], c[6][pos]))
+
+    def all_running(self) -> bool:
+        """Every row is admitted and running or resizing."""
+        states = self.cols[1]
+        return all(self.cols[4]) and states.count(_RUNNING) + states.count(_RESIZING) == len(states)

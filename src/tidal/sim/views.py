@@ -12,7 +12,9 @@ snapshot never changes after it is built.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from itertools import filterfalse
+from collections.abc import Iterator, Sequence
+from itertools import compress, filterfalse
+from operator import not_
 from typing import Any, Mapping
 
 from tidal.core.overhead import OverheadModel
@@ -21,7 +23,7 @@ from tidal.core.topology import Cluster
 from tidal.core.job import JobState
 from tidal.scheduler.api import FrozenDict, JobView, Snapshot
 from tidal.sim.progress import SimJob
-from tidal.sim.runset import RunSet
+from tidal.sim.runset import Rows, RunSet
 
 _new_view = tuple.__new__
 _set, _pop = dict.__setitem__, dict.pop
@@ -47,7 +49,11 @@ class ViewCache:
         self.owner: dict[int, str] = {}  # GPU -> job
         self.held = FrozenDict()  # job -> GPUs
         self.sizes = FrozenDict()  # job -> GPU count
-        self._shared = False  # the two dicts above are in a snapshot
+        self.seq = FrozenDict()  # active job -> its arrival number (increasing in snapshot order)
+        self._arrivals = 0
+        self._shared = False  # the three dicts above are in a snapshot
+        self._idle: dict[str, None] = {}  # active jobs holding no GPUs, in arrival order (see snapshot)
+        self._returned: set[str] = set()  # jobs that gave back GPUs since the last snapshot
         self._per = per = cluster.gpus_per_node
         self.free = [tuple(range(n * per, (n + 1) * per)) for n in range(cluster.num_nodes)]
         self.by_free: list[list[int]] = [[] for _ in range(per + 1)]
@@ -56,7 +62,7 @@ class ViewCache:
     # -- GPUs held -----------------------------------------------------------
     def _own(self) -> None:
         if self._shared:
-            self.held, self.sizes = FrozenDict(self.held), FrozenDict(self.sizes)
+            self.held, self.sizes, self.seq = FrozenDict(self.held), FrozenDict(self.sizes), FrozenDict(self.seq)
             self._shared = False
 
     def hold(self, job: SimJob) -> None:
@@ -67,6 +73,7 @@ class ViewCache:
             owner[g] = jid
         _set(self.held, jid, job.gpus)
         _set(self.sizes, jid, len(job.gpus))
+        self._idle.pop(jid, None)
         self._refree(job.gpus)
 
     def unhold(self, job: SimJob) -> None:
@@ -79,6 +86,8 @@ class ViewCache:
             del owner[g]
         _pop(self.held, jid, None)
         _pop(self.sizes, jid, None)
+        self._idle[jid] = None  # out of arrival order if it stays idle (see snapshot)
+        self._returned.add(jid)
         self._refree(job.gpus)
 
     def _refree(self, gpus: tuple[int, ...]) -> None:
@@ -96,6 +105,10 @@ class ViewCache:
     # -- job life ----------------------------------------------------------------
     def arrive(self, job: SimJob) -> None:
         jid = job.spec.job_id
+        self._own()
+        self._arrivals += 1
+        _set(self.seq, jid, self._arrivals)
+        self._idle[jid] = None
         self.tags[jid] = view_tags(job)
         self.views[jid] = self._view(job)
         if job.state is JobState.SUBMITTED:
@@ -104,6 +117,9 @@ class ViewCache:
     def leave(self, job: SimJob) -> None:
         """``job`` completed or was dropped."""
         jid = job.spec.job_id
+        self._own()
+        _pop(self.seq, jid)
+        self._idle.pop(jid, None)
         del self.views[jid], self.tags[jid]
         self.dirty.discard(jid)
         self.submitted.pop(jid, None)
@@ -141,18 +157,98 @@ class ViewCache:
 
     def snapshot(self, now: float, cluster: Cluster, active: dict[str, SimJob], profiles: ThroughputProfile,
                  overheads: OverheadModel) -> Snapshot:
-        """The policy's snapshot; the running rows must be advanced to ``now``."""
+        """The policy's snapshot; the running rows must be advanced to ``now``.
+        Its running jobs' views are built only if the policy asks for them."""
         views = self.views
         for jid in self.dirty:
             job = active.get(jid)
             if job is not None and not job.gpus:
                 views[jid] = self._view(job)
         self.dirty.clear()
-        if self.rows.k:
-            views.update(zip(self.rows.ids, self.rows.views()))
         self._shared = True
-        snap = Snapshot(now=now, cluster=cluster, jobs=tuple(views.values()), profiles=profiles,
+        held = self.held
+        ids = tuple(views)
+        if self._returned and not self._returned.isdisjoint(self._idle):  # a preempted job: back in order
+            self._idle = dict.fromkeys(compress(ids, map(not_, map(held.__contains__, ids))))
+        self._returned.clear()
+        idle = tuple(map(views.__getitem__, self._idle))
+        if self.rows.k:
+            jobs: Sequence[JobView] = LazyJobs(ids, tuple(self._idle), idle, self.rows.capture())
+            view_of: Mapping[str, JobView] = _ById(jobs)  # type: ignore[arg-type]
+            holders_running = jobs.rows.all_running()  # type: ignore[attr-defined]
+        else:
+            jobs = idle
+            view_of, holders_running = dict(zip(ids, idle)), True
+        snap = Snapshot(now=now, cluster=cluster, jobs=jobs, profiles=profiles,  # type: ignore[arg-type]
                         overheads=overheads)
-        return snap.indexed(held=self.held, sizes=self.sizes, ids=tuple(views), free=tuple(self.free),
+        return snap.indexed(held=held, sizes=self.sizes, ids=ids, free=tuple(self.free),
                             by_free=tuple(map(tuple, self.by_free)),
-                            submitted=tuple([views[jid] for jid in self.submitted]))
+                            submitted=tuple([views[jid] for jid in self.submitted]),
+                            idle=idle, holders_running=holders_running, view_of=view_of, positions=self.seq)
+
+
+class LazyJobs(Sequence[JobView]):
+    """A snapshot's jobs in arrival order, equal to the tuple of every view,
+    but the running jobs' views (fresh counters every round) are made only
+    when the sequence is read; :meth:`view` looks one up without building
+    the rest. Made from copies, so it never changes."""
+
+    def __init__(self, ids: tuple[str, ...], idle_ids: tuple[str, ...], idle: tuple[JobView, ...],
+                 rows: Rows) -> None:
+        self._ids, self._idle_ids, self._idle, self.rows = ids, idle_ids, idle, rows
+        self._by_id: dict[str, JobView] | None = None  # idle jobs only, until built
+        self._built: tuple[JobView, ...] | None = None
+
+    def _all(self) -> tuple[JobView, ...]:
+        if self._built is None:
+            d = self._by_id = dict(zip(self._idle_ids, self._idle))
+            d.update(zip(self.rows.ids, self.rows.views()))
+            self._built = tuple(map(d.__getitem__, self._ids))
+        return self._built
+
+    def view(self, jid: str) -> JobView:
+        d = self._by_id
+        if d is None:
+            d = self._by_id = dict(zip(self._idle_ids, self._idle))
+        v = d.get(jid)
+        if v is None:
+            v = self.rows.view(jid)
+            if v is None:
+                raise KeyError(jid)
+        return v
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __iter__(self) -> Iterator[JobView]:
+        return iter(self._all())
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._all()[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LazyJobs):
+            other = other._all()
+        return self._all() == other
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+
+class _ById(Mapping[str, JobView]):
+    """Job id -> view over a :class:`LazyJobs`."""
+
+    def __init__(self, jobs: LazyJobs) -> None:
+        self._jobs = jobs
+
+    def __getitem__(self, jid: str) -> JobView:
+        return self._jobs.view(jid)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._jobs._ids)
+
+    def __len__(self) -> int:
+        return len(self._jobs._ids)

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from itertools import compress
-from operator import attrgetter, itemgetter, not_
+from operator import itemgetter
 
 from tidal.core.job import JobState
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot
@@ -28,7 +27,6 @@ def queue_of(job: JobView, thresholds: tuple[float, ...]) -> int:
 
 
 _RUNNING, _RESIZING = JobState.RUNNING, JobState.RESIZING
-_ADMITTED, _HOLDS = attrgetter("admitted"), attrgetter("state.holds_gpus")
 _ID, _COUNT, _VIEW = itemgetter(2), itemgetter(4), itemgetter(5)
 
 
@@ -119,15 +117,13 @@ def everyone_fits(snap: Snapshot, plan: Plan, thresholds: tuple[float, ...], pro
     allocation in another order) and return True; else change nothing and
     return False. Nobody waits, so the queue order decides nothing: only jobs
     without GPUs are looked at, through the snapshot's indexes."""
-    jobs, held, ids = snap.jobs, snap.held, snap.ids
+    held, idle = snap.held, snap.idle
     total = snap.cluster.num_gpus
     need = sum(snap.sizes.values())
-    idle = list(compress(jobs, map(not_, map(held.__contains__, ids))))
-    if need > total or len(idle) + len(held) != len(jobs):
+    if need > total or len(idle) + len(held) != len(snap.jobs) or not snap.holders_running:
         return False
-    busy = list(compress(jobs, map(held.__contains__, ids)))
     drop = plan.drop
-    if drop and not drop.keys().isdisjoint(held) or not (all(map(_ADMITTED, busy)) and all(map(_HOLDS, busy))):
+    if drop and not drop.keys().isdisjoint(held):
         return False
     admit, now = plan.admit, snap.now
     extra: dict[str, int] = {}
@@ -135,7 +131,7 @@ def everyone_fits(snap: Snapshot, plan: Plan, thresholds: tuple[float, ...], pro
     wake = math.inf
     for j in idle:
         spec, state = j.spec, j.state
-        if state is _RUNNING or state is _RESIZING or j.gpus:
+        if state is _RUNNING or state is _RESIZING:
             return False
         jid = spec.job_id
         if not j.admitted and jid not in admit or jid in drop:
