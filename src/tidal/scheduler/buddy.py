@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _BYTE_SUM = np.uint64(0x0101010101010101)
 _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # block size -> word of that many bools
+_OR, _count = np.bitwise_or.reduce, np.count_nonzero  # C-level, without ndarray.any's Python wrapper
 
 
 def pieces(n: int) -> list[int]:
@@ -76,9 +77,15 @@ class BuddyAllocator:
         self.used[: self.n] = False
         if used:
             self.used[list(used)] = True
-        # GPUs that other jobs still hold now, weighted by how much moving
-        # them costs (re-pack): blocks avoid them
-        self.held = np.zeros(size, dtype=np.int64)
+        self._held = np.zeros(size, dtype=np.int64)
+        self._holding = False  # whether ``held`` was ever handed out (else it is all zeros)
+
+    @property
+    def held(self) -> np.ndarray:
+        """GPUs that other jobs still hold now, weighted by how much moving
+        them costs (re-pack): blocks avoid them. Writable in place."""
+        self._holding = True
+        return self._held
 
     def free_count(self) -> int:
         return int((~self.used[: self.n]).sum())
@@ -98,7 +105,7 @@ class BuddyAllocator:
         if s & (s - 1) == 0 and s <= self.size and used.flags.c_contiguous:
             if s in _WORD:  # a block of s bools is one s-byte word
                 return np.flatnonzero(used.view(_WORD[s]) == 0) * s
-            return np.flatnonzero(~(used.view(np.uint64) != 0).reshape(-1, s // 8).any(axis=1)) * s
+            return np.flatnonzero(_OR(used.view(np.uint64).reshape(-1, s // 8), axis=1) == 0) * s
         return np.flatnonzero(~used.reshape(-1, s).any(axis=1)) * s
 
     def _free_per_block(self, sizes: set[int]) -> dict[int, np.ndarray]:
@@ -130,7 +137,7 @@ class BuddyAllocator:
         used, last = self.used, -1
         for g in prefer if s <= self.size else ():
             o = (g // s) * s
-            if o != last and not used[o : o + s].any():  # the aligned block around g is free
+            if o != last and not _count(used[o : o + s]):  # the aligned block around g is free
                 return int(o)
             last = o
         offs = self.free_blocks(s)
@@ -142,7 +149,7 @@ class BuddyAllocator:
         sw_sz = node_sz * c.nodes_per_switch
         sizes = {parent} | ({node_sz} if s < node_sz else set()) | ({sw_sz} if self.size % sw_sz == 0 else set())
         per = self._free_per_block(sizes)
-        moved = self.held.any()
+        moved = self._holding and bool(self._held.any())
         if not moved and not near:  # the usual case: the key of the general case below, in fewer steps
             key = per[parent][offs // parent] * ((node_sz + 1) * (sw_sz + 1))
             if s < node_sz:

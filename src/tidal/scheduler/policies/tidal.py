@@ -52,7 +52,8 @@ from tidal.scheduler.policies.tiresias import queue_of
 from tidal.scheduler.timeline import Levels
 
 
-_RANK, _VIEW = itemgetter(0, 1, 2, 3), itemgetter(4)
+_ID = itemgetter(3)
+_BEST_EFFORT = ("best-effort", "late")
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Tidal(ElasticFlow):
         self._pass: _Pass | None = None
 
     def _best_effort(self, job: JobView) -> bool:
-        return job.spec.deadline is None or job.tags.get("ef_class") in ("best-effort", "late")
+        return job.spec.deadline is None or job.tags.get("ef_class") in _BEST_EFFORT
 
     def _squeezed(self, snap: Snapshot, plan: Plan) -> frozenset[str]:
         """Guaranteed jobs whose plan, made in this call, ends in the last
@@ -116,27 +117,28 @@ class Tidal(ElasticFlow):
         p = self._pass
         if p is None or p.split is None:
             return free  # the split: ElasticFlow's Algorithm 2
-        th, best_effort, bget, split = self.thresholds, self._best_effort, base.get, p.split
+        th, bget, split = self.thresholds, base.get, p.split
         p.queues = queues = {}
         keyed = []
         for j in jobs:  # guaranteed jobs keep their split; best-effort ones in LAS order
-            jid = j.job_id
-            if best_effort(j):
+            spec = j.spec
+            jid = spec.job_id
+            if spec.deadline is None or j.tags.get("ef_class") in _BEST_EFFORT:  # _best_effort, inlined
                 q = queues[jid] = queue_of(j, th)
-                keyed.append((q, not j.running, j.spec.submit_time, jid, j))
+                keyed.append((q, not j.running, spec.submit_time, jid))
             else:
                 n = split.get(jid, 0)
                 if n > bget(jid, 0):
                     free -= n - bget(jid, 0)
                     base[jid] = n
-        keyed.sort(key=_RANK)  # ids are unique: views never compared
-        for j in map(_VIEW, keyed):
-            if bget(j.job_id, 0):
+        keyed.sort()  # ids are unique: the first four fields decide
+        for jid in map(_ID, keyed):
+            if bget(jid, 0):
                 continue
-            counts = levels[j.job_id].count_list
-            smallest = next((c for c in counts if c > 0), 0)
+            counts = levels[jid].count_list  # 0, then ascending positive counts
+            smallest = counts[1] if len(counts) > 1 and counts[1] > 0 else next((c for c in counts if c > 0), 0)
             if 0 < smallest <= free:
-                base[j.job_id] = smallest
+                base[jid] = smallest
                 free -= smallest
         return free
 
