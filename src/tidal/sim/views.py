@@ -2,11 +2,13 @@
 
 Instead of building every :class:`JobView` each round, the engine keeps them:
 a waiting job's view is rebuilt only when one of its fields changes
-(:meth:`ViewCache.touch`), and the running jobs' views come from their
-:class:`~tidal.sim.runset.RunSet` rows in one pass. The snapshot's indexes
-(GPUs held per job, counts, GPU owners) are the engine's own dicts, handed
-over read-only and copied before the next change (copy-on-write), so a
-snapshot never changes after it is built.
+(:meth:`ViewCache.touch`), and the running jobs' views come from a copy of
+their :class:`~tidal.sim.runset.RunSet` rows, in one pass, only if the
+policy reads ``snap.jobs`` (:class:`LazyJobs`; a policy that looks only at
+the jobs without GPUs, through the indexes, never builds them). The
+snapshot's indexes (GPUs held per job, counts, arrival positions) are the
+engine's own dicts, handed over read-only and copied before the next change
+(copy-on-write), so a snapshot never changes after it is built.
 """
 
 from __future__ import annotations
