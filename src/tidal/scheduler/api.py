@@ -18,7 +18,7 @@ from functools import cached_property
 from itertools import compress
 from operator import and_, attrgetter, not_, or_, truth
 from types import MappingProxyType
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from tidal.core.job import JobSpec, JobState
 from tidal.core.overhead import OverheadModel
@@ -84,7 +84,7 @@ class Snapshot:
 
     now: float
     cluster: Cluster
-    jobs: tuple[JobView, ...]  # active jobs: submitted, pending, running, resizing
+    jobs: Sequence[JobView]  # active jobs: submitted, pending, running, resizing (a tuple, or equal to one)
     profiles: ThroughputProfile
     overheads: OverheadModel = field(default_factory=OverheadModel)
 

@@ -181,7 +181,7 @@ class ViewCache:
         else:
             jobs = idle
             view_of, holders_running = dict(zip(ids, idle)), True
-        snap = Snapshot(now=now, cluster=cluster, jobs=jobs, profiles=profiles,  # type: ignore[arg-type]
+        snap = Snapshot(now=now, cluster=cluster, jobs=jobs, profiles=profiles,
                         overheads=overheads)
         return snap.indexed(held=held, sizes=self.sizes, ids=ids, free=tuple(self.free),
                             by_free=tuple(map(tuple, self.by_free)),

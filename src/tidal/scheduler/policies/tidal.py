@@ -123,7 +123,7 @@ class Tidal(ElasticFlow):
         for j in jobs:  # guaranteed jobs keep their split; best-effort ones in LAS order
             spec = j.spec
             jid = spec.job_id
-            if spec.deadline is None or j.tags.get("ef_class") in _BEST_EFFORT:  # _best_effort, inlined
+            if spec.deadline is None or j.tags.get("ef_class") in _BEST_EFFORT:  # self._best_effort(j), inlined
                 q = queues[jid] = queue_of(j, th)
                 keyed.append((q, not j.running, spec.submit_time, jid))
             else:
