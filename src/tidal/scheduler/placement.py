@@ -165,25 +165,35 @@ class FreeMap:
 def place_consolidated(snap: Snapshot, allocation: dict[str, int]) -> dict[str, tuple[int, ...]]:
     held, sizes = snap.held, snap.sizes
     c = snap.cluster
+    fmap = FreeMap(c, free=snap.free, by_free=snap.by_free)
     if sizes.items() <= allocation.items():
-        # every job holding GPUs keeps its count: only jobs without GPUs are placed
-        placement = dict(held)
-        new = [(jid, allocation[jid]) for jid in allocation.keys() - sizes.keys() if allocation[jid] > 0]
-        if new:
-            fmap = FreeMap(c, free=snap.free, by_free=snap.by_free)
-            new.sort(key=lambda x: (-x[1], x[0]))
-            for jid, n in new:
-                placement[jid] = tuple(sorted(fmap.best_fit(n)))
-        return placement
-    if allocation.items() <= sizes.items():
+        placement = dict(held)  # every job holding GPUs keeps its count: only the others are placed
+    elif allocation.items() <= sizes.items():
         # every allocated job keeps its count (the others stop): keep every placement
         return dict(zip(allocation, map(held.__getitem__, allocation)))
-    fmap = FreeMap(c, free=snap.free, by_free=snap.by_free)
-    aget = allocation.get
-    # jobs that keep their GPUs, then those that stop or shrink (in snapshot order)
-    keep = list(compress(allocation, map(eq, allocation.values(), map(sizes.get, allocation))))
-    placement = dict(zip(keep, map(held.__getitem__, keep)))
-    # 1. release: preempted jobs, then shrinking jobs give back least-used nodes
+    else:
+        # jobs that keep their GPUs, then those that stop or shrink (in snapshot order)
+        keep = list(compress(allocation, map(eq, allocation.values(), map(sizes.get, allocation))))
+        placement = dict(zip(keep, map(held.__getitem__, keep)))
+        _release(snap, allocation, placement, fmap)
+    # grow and start, biggest first
+    todo = [(jid, allocation[jid]) for jid in allocation.keys() - placement.keys() if allocation[jid] > 0]
+    todo.sort(key=lambda x: (-x[1], x[0]))
+    for jid, n in todo:
+        have = held.get(jid, ())
+        if have:
+            nodes = sorted({c.node_of(g) for g in have})
+            extra = fmap.best_fit(n - len(have), prefer_nodes=nodes)
+            placement[jid] = tuple(sorted((*have, *extra)))
+        else:
+            placement[jid] = tuple(sorted(fmap.best_fit(n)))
+    return placement
+
+
+def _release(snap: Snapshot, allocation: dict[str, int], placement: dict[str, tuple[int, ...]], fmap: FreeMap) -> None:
+    """Preempted jobs give back their GPUs; shrinking jobs give back GPUs on
+    their least-used nodes and keep the rest (recorded in ``placement``)."""
+    c, sizes, aget = snap.cluster, snap.sizes, allocation.get
     for view in snap.in_order({jid for jid in sizes.keys() - placement.keys() if aget(jid, 0) < sizes[jid]}):
         jid, gpus = view.spec.job_id, view.gpus
         want = aget(jid, 0)
@@ -203,15 +213,3 @@ def place_consolidated(snap: Snapshot, allocation: dict[str, int]) -> dict[str, 
                 break
         fmap.give(give)
         placement[jid] = tuple(sorted(set(gpus) - set(give)))
-    # 2. grow and start, biggest first
-    todo = [(jid, allocation[jid]) for jid in allocation.keys() - placement.keys() if allocation[jid] > 0]
-    todo.sort(key=lambda x: (-x[1], x[0]))
-    for jid, n in todo:
-        have = held.get(jid, ())
-        if have:
-            nodes = sorted({c.node_of(g) for g in have})
-            extra = fmap.best_fit(n - len(have), prefer_nodes=nodes)
-            placement[jid] = tuple(sorted((*have, *extra)))
-        else:
-            placement[jid] = tuple(sorted(fmap.best_fit(n)))
-    return placement

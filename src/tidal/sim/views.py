@@ -174,19 +174,17 @@ class ViewCache:
             self._idle = dict.fromkeys(compress(ids, map(not_, map(held.__contains__, ids))))
         self._returned.clear()
         idle = tuple(map(views.__getitem__, self._idle))
+        from_rows: dict[str, Any] = {}  # indexes of the running rows; with none, the snapshot derives them
+        jobs: Sequence[JobView] = idle
         if self.rows.k:
-            jobs: Sequence[JobView] = LazyJobs(ids, tuple(self._idle), idle, self.rows.capture())
-            view_of: Mapping[str, JobView] = _ById(jobs)  # type: ignore[arg-type]
-            holders_running = jobs.rows.all_running()  # type: ignore[attr-defined]
-        else:
-            jobs = idle
-            view_of, holders_running = dict(zip(ids, idle)), True
-        snap = Snapshot(now=now, cluster=cluster, jobs=jobs, profiles=profiles,
-                        overheads=overheads)
+            rows = self.rows.capture()
+            jobs = LazyJobs(ids, tuple(self._idle), idle, rows)
+            from_rows = {"view_of": _ById(jobs), "holders_running": rows.all_running()}
+        snap = Snapshot(now=now, cluster=cluster, jobs=jobs, profiles=profiles, overheads=overheads)
         return snap.indexed(held=held, sizes=self.sizes, ids=ids, free=tuple(self.free),
                             by_free=tuple(map(tuple, self.by_free)),
                             submitted=tuple([views[jid] for jid in self.submitted]),
-                            idle=idle, holders_running=holders_running, view_of=view_of, positions=self.seq)
+                            idle=idle, positions=self.seq, **from_rows)
 
 
 class LazyJobs(Sequence[JobView]):
