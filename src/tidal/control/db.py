@@ -151,6 +151,9 @@ class Process(Base):
     # a worker's limits ({"memory": bytes, "cpus": n}) and, once it ran out of memory, "oom":
     # {"limit", "peak", "backend"} as its agent reported it (docs/resources.md)
     resources: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True, default=dict)
+    # why the process ended as its agent saw it, when its exit code does not say: the OS error of
+    # a launch that failed ("launch failed: [Errno 7] Argument list too long"); "" otherwise
+    error: Mapped[str] = mapped_column(Text, default="", server_default="")
 
 
 class Event(Base):
