@@ -176,6 +176,28 @@ RAY_ADDRESS: Setting[str | None] = Setting("TIDAL_RAY_ADDRESS", _opt_str, None,
                                            "$RAY_ADDRESS, else the local one", "server")
 
 
+# -- liveness: every job makes progress or frees its GPUs (docs/control.md, "Liveness") ----------
+CRASH_LIMIT: Setting[int] = Setting("TIDAL_CRASH_LIMIT", int, 3,
+                                    "a job whose workers exit with the same error this many times fails with it "
+                                    "(each exit is replaced after a growing back-off)", "server")
+CRASH_BACKOFF_S: Setting[float] = Setting("TIDAL_CRASH_BACKOFF_S", float, 5.0,
+                                          "the first back-off before a worker that exited with an error is "
+                                          "replaced; doubled at each repeat, at most 300 s", "server")
+RESTART_LIMIT: Setting[int] = Setting("TIDAL_RESTART_LIMIT", int, 3,
+                                      "restarts from the checkpoint of a job left without a live worker or "
+                                      "stalled, before it fails", "server")
+STALL_TIMEOUT_S: Setting[float] = Setting("TIDAL_STALL_TIMEOUT_S", float, 900.0,
+                                          "a formed job that commits no step for this long is stalled: restarted "
+                                          "from its checkpoint (0: never judged)", "server")
+START_TIMEOUT_S: Setting[float] = Setting("TIDAL_START_TIMEOUT_S", float, 90.0,
+                                          "a started job whose workers do not form a first generation within "
+                                          "this long fails (the script never calls tidal.runtime.init())",
+                                          "server")
+NODE_GRACE_S: Setting[float] = Setting("TIDAL_NODE_GRACE_S", float, 60.0,
+                                       "an agent silent this long is down: its processes are lost (before "
+                                       "that, its node only takes no new work)", "server")
+
+
 LIMITS: Setting[str] = Setting("TIDAL_LIMITS", _str, "auto",
                                "how an agent enforces a job's per-worker `resources`: `auto` (cgroup v2, else v1, "
                                "else the RSS watchdog), `cgroup2`, `cgroup1`, `watchdog` or `off`", "agent")
