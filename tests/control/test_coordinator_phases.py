@@ -20,7 +20,7 @@ def obs(phase, **kw):
 
 def test_every_phase_has_a_state_and_every_edge_ends_in_a_phase():
     assert set(P.STATE_OF) == {P.SUBMITTED, P.PENDING, P.PRESTARTING, P.STARTING, P.RUNNING, P.WARMING, P.JOINING,
-                               P.SHRINKING, P.SUSPENDING, P.ENDING, P.CANCELLING, *P.TERMINAL}
+                               P.SHRINKING, P.SUSPENDING, P.ENDING, P.CANCELLING, P.RESTARTING, *P.TERMINAL}
     for (src, _ev), dst in P.TRANSITIONS.items():
         assert src in P.STATE_OF and dst in P.STATE_OF
         assert src not in P.TERMINAL
@@ -73,7 +73,12 @@ def test_a_cancel_wins_over_everything_and_ends_when_every_process_is_gone():
 def test_a_master_that_exits_ends_the_job_once_its_workers_are_gone():
     for phase in ("prestarting", "starting", "running", "warming", "joining", "shrinking"):
         assert judge(obs(phase, master="failed", live=1), NOW, T) == "master_exit"
-        assert judge(obs(phase, master="lost"), NOW, T) == "master_exit"
+        # lost with its host and no host of the job left: a restart from the checkpoint (RELOCATABLE
+        # phases), or the end (a job still starting); at the restart limit the job gives up
+        lost = judge(obs(phase, master="lost"), NOW, T)
+        assert lost == ("restart" if phase in P.RELOCATABLE else "master_exit")
+        if phase in P.RELOCATABLE:
+            assert judge(obs(phase, master="lost", restarts=3), NOW, T) == "give_up"
     done = dict(master="exited", master_exit_code=0, progress={"state": "finished"})
     assert judge(obs("ending", live_workers=1, **done), NOW, T) is None
     assert judge(obs("ending", **done), NOW, T) == "finished"

@@ -101,6 +101,7 @@ class Coordinator:
         self.leading: Callable[[], bool] = leading or (lambda: True)
         self.in_flight = 0  # jobs with a change in flight after the last round
         self.wake_at: float | None = None  # the last plan's
+        self.draining = False  # stopping: every job holding GPUs is suspended, nothing starts (drain())
         self._last_account = time.time()
 
     @property
@@ -128,6 +129,21 @@ class Coordinator:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def drain(self) -> None:
+        """Stop gracefully (``tidal up`` on Ctrl-C): from now on every round
+        suspends every job holding GPUs, with a checkpoint, instead of asking
+        the policy, and starts nothing; suspended jobs wait as ``pending`` in
+        the store, so the next server resumes them."""
+        self.draining = True
+        self.wake()
+
+    def draining_left(self) -> list[str]:
+        """Jobs not settled yet while draining: still holding GPUs or on their
+        way to give them back (a job whose master refuses to suspend stays here)."""
+        live = ("running", "resizing", "suspending", "restarting")
+        with self.store.session(write=False) as s:
+            return list(s.scalars(select(Job.id).where(Job.state.in_(live)).order_by(Job.id)))
 
     def next_wait(self, now: float) -> float:
         """Seconds until the next round unless woken."""
@@ -184,6 +200,8 @@ class Coordinator:
             snap = apply_pins(apply_autoconf(snap, jobs), jobs)
         if not snap.jobs or not gmap.to_gid:
             return None, {}  # no node is up (yet): jobs wait, none is judged against a cluster of nothing
+        if self.draining:
+            return None, {v.job_id: to_gids(JobDelta(v.job_id, v.gpus, ()), gmap) for v in snap.jobs if v.gpus}
         t0 = time.perf_counter()
         plan = self.policy.schedule(snap)
         self.decisions.record(self.policy.name, snap, plan, time.perf_counter() - t0, now)

@@ -12,6 +12,7 @@ workers), ``size_from`` and ``target``.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,12 +25,13 @@ from sqlalchemy.orm import Session
 from tidal import settings
 from tidal.control.credentials import Credentials
 from tidal.control.db import GPU, Event, Job, Node, Process, Store
-from tidal.control.phases import CANCELLING, STATE_OF, TERMINAL, JobObs
+from tidal.control.phases import CANCELLING, STATE_OF, TERMINAL, Bounds, JobObs, ended_reason, restart_reason
 from tidal.control.spawner import AgentSpawner, launches_on, worker_resources
 
 LIVE = ("pending", "running")
 MAX_OOMS = 3  # out-of-memory kills, at growing limits, before the job fails
 OOM_GROWTH = 1.5  # a worker killed for memory comes back with this much more
+MAX_BACKOFF_S = 300.0  # the longest wait before a worker that exited with an error is replaced
 
 
 @dataclass
@@ -41,6 +43,9 @@ class Context:
     credentials: Credentials = field(default_factory=Credentials)
     home: Path = field(default_factory=settings.home)
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=1024))  # submit -> start, seconds
+    bounds: Bounds = field(default_factory=Bounds)  # the liveness contract's bounds
+    crash_limit: int = 3  # the same error this many times ends the job
+    backoff_s: float = 5.0  # the first back-off after a worker's error (doubled at each repeat)
 
 
 # -- helpers -----------------------------------------------------------------------
@@ -78,6 +83,18 @@ def unreserve_all(s: Session, job_id: str) -> None:
 def release_all(cx: Context, s: Session, j: Job) -> None:
     cx.store.release_gpus(s, j.id, cx.store.job_gpus(s, j.id))
     unreserve_all(s, j.id)
+
+
+def release_idle(cx: Context, s: Session, j: Job, unreserve: bool = True) -> None:
+    """Give back the job's GPUs that none of its processes may still use: a
+    pending or running process holds its GPU, and so does a lost one until
+    its node reports it gone (a GPU is never handed out while an old process
+    may run on it)."""
+    busy = set(s.scalars(select(Process.gpu).where(Process.job_id == j.id, Process.gpu.is_not(None),
+                                                   Process.state.in_(("pending", "running", "lost")))))
+    cx.store.release_gpus(s, j.id, [g for g in cx.store.job_gpus(s, j.id) if g not in busy])
+    if unreserve:
+        unreserve_all(s, j.id)
 
 
 def spawn(cx: Context, s: Session, j: Job, workers: Sequence[str], gids: Sequence[int]) -> None:
@@ -125,28 +142,63 @@ def _started(cx: Context, s: Session, j: Job, gids: list[int], now: float, early
     cx.store.log(s, kind, j.id, gpus=gids, early_init=early_init)
 
 
-def release_dead_workers(cx: Context, s: Session, j: Job, procs: list[Process]) -> None:
+def release_dead_workers(cx: Context, s: Session, j: Job, procs: list[Process], now: float) -> None:
     """A worker of a running job died: the runtime's survivors re-form without
     it (a forced scale-in); its GPU goes back to the pool, so the policy can
     give it to this job again or to another one, unless a live process of the
     job already uses it. ``procs``: this incarnation's processes."""
     busy = {p.gpu for p in procs if p.state in ("pending", "running", "lost")}
-    # a lost worker's GPU waits until its node reports the process gone (then it is "failed")
-    dead = [p for p in procs if p.kind == "worker" and p.state == "failed" and p.gpu is not None]
+    # a lost worker's GPU waits until its node reports the process gone (then it is "failed");
+    # a worker that exited 0 on its own (not a shrink's leaver) gives its GPU back too
+    leavers = set((j.change or {}).get("leavers", ()))  # a shrink's leavers: released when it completes
+    dead = [p for p in procs if p.kind == "worker" and p.state in ("failed", "exited") and p.gpu is not None
+            and p.id not in leavers]
+    if not dead:
+        return
+    held = set(cx.store.job_gpus(s, j.id))
+    dead = [p for p in dead if p.gpu in held and p.gpu not in busy]
     if not dead:
         return
     done = {(e.detail or {}).get("worker") for e in s.scalars(
         select(Event).where(Event.job_id == j.id, Event.kind == "job.worker_lost"))}
-    held = set(cx.store.job_gpus(s, j.id))
     for p in dead:
-        if p.name in done or p.gpu in busy or p.gpu not in held:
-            continue  # handled once; or the GPU already runs another process of the job
+        if p.name in done:
+            continue  # handled once
         oom = (p.resources or {}).get("oom")
         if oom:
             raise_memory(cx, s, j, p.name, oom)
+        elif p.state == "failed" and (p.exit_code or 0) > 0:
+            count_crash(cx, s, j, p, now)
         cx.store.release_gpus(s, j.id, [p.gpu])
         cx.store.log(s, "job.worker_lost", j.id, gpu=p.gpu, worker=p.name, state=p.state, exit_code=p.exit_code,
                      **({"reason": "out of memory"} if oom else {}))
+
+
+def _same_error(line: str) -> str:
+    """An error line with its numbers blanked, so that the same error at
+    another step or address counts as the same (CrashLoopBackOff's "same
+    container exits again")."""
+    return re.sub(r"0x[0-9a-fA-F]+|\d+", "#", line.split(": ", 1)[-1])
+
+
+def count_crash(cx: Context, s: Session, j: Job, p: Process, now: float) -> None:
+    """Worker ``p`` exited with an error (a Python exception): the policy
+    may replace it after a back-off that doubles with each repeat of the same
+    error (``tags["_backoff_until"]``); the same error :attr:`Context.crash_limit`
+    times in a row ends the job with it (``tags["_give_up"]``)."""
+    tags = dict(j.tags or {})
+    line = last_error(cx.home / "logs" / j.id, [p.name])
+    key = _same_error(line)
+    prev = tags.get("_crash") or {}
+    count = int(prev.get("count", 0)) + 1 if prev.get("key") == key else 1
+    tags["_crash"] = {"key": key, "count": count, "line": line}
+    wait = min(MAX_BACKOFF_S, cx.backoff_s * 2 ** (count - 1))
+    tags["_backoff_until"] = now + wait
+    if count >= cx.crash_limit:
+        tags["_give_up"] = f"a worker exited with the same error {count} times ({settings.CRASH_LIMIT.name}); the last: {line}"
+    cx.store.log(s, "job.worker_crashed", j.id, worker=p.name, exit_code=p.exit_code, count=count, error=line,
+                 backoff_s=wait)
+    j.tags = tags
 
 
 def _mib(n: int) -> str:
@@ -209,6 +261,69 @@ def _master_lost(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> No
     cx.store.log(s, "job.master_relocated", j.id, node=obs.relocate_to, lost_node=old)
 
 
+def _give_up(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
+    """The liveness contract ends the job (docs/control.md, "Liveness"):
+    every process stops and the job fails with the reason."""
+    why = ended_reason(obs, now, cx.bounds) or "the job made no progress"
+    j.exit_info = why
+    stop(live_procs(s, j.id))
+    unreserve_all(s, j.id)
+    j.change = {"since": now}
+    cx.store.log(s, "job.gave_up", j.id, reason=why)
+
+
+def _restart(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
+    """No live worker is left, the master's hosts are gone, or the job
+    stalled: every process stops and the job starts again from its
+    checkpoint (a new incarnation, as after a suspension)."""
+    why = restart_reason(obs, now, cx.bounds)
+    stop(live_procs(s, j.id))
+    unreserve_all(s, j.id)
+    n = int((j.tags or {}).get("_restarts", 0)) + 1
+    j.tags = {**(j.tags or {}), "_restarts": n, "_reason": f"restarting ({n} of {cx.bounds.restarts}): {why}"}
+    j.change = {"since": now}
+    cx.store.log(s, "job.restart", j.id, reason=why, restarts=n)
+
+
+def _restarted(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
+    """Every process of a restarting job is gone: it waits (pending) to
+    start again; its workers load the newest checkpoint."""
+    release_idle(cx, s, j)
+    j.master_url, j.waiting_since, j.change = "", now, {}
+    j.progress = {**(j.progress or {}), "state": "restarting"}
+    tags = {k: v for k, v in (j.tags or {}).items() if k not in ("_resume_step", "_backoff_until", "_started_at")}
+    tags["_suspended"] = int(tags.get("_suspended", 0)) + 1  # its next start is a resume, with new worker ids
+    j.tags = tags
+    cx.store.log(s, "job.restarted", j.id, step=(j.progress or {}).get("step"))
+
+
+def _workers_done(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
+    """Every worker exited 0 after training without the runtime's finish (the
+    script's own loop ended first): the job completes where it ended."""
+    stop(live_procs(s, j.id))
+    j.tags = {**(j.tags or {}), "_script_ended": True}
+    j.change = {"since": now}
+    cx.store.log(s, "job.script_ended", j.id, step=(j.progress or {}).get("step"))
+
+
+def _newcomers_gone(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
+    j.change = {}
+    cx.store.log(s, "job.change_failed", j.id, change="scale_out", reason="every newcomer ended before joining")
+
+
+def _ending_overdue(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
+    stop(live_procs(s, j.id, "worker"))
+
+
+def _gone_late(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
+    """Cancelled past the bound with processes not yet reported gone (their
+    agent is away): the job ends; the GPUs those processes may still use stay
+    held until their agent reports them gone (the sweep frees them)."""
+    release_idle(cx, s, j)
+    j.end_time = now
+    cx.store.log(s, "job.cancelled", j.id, processes_left=obs.live)
+
+
 def _workers_failed(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
     """Every worker exited with an error: the job fails with the first
     worker's last log line as the reason, and its master stops."""
@@ -218,7 +333,7 @@ def _workers_failed(cx: Context, s: Session, j: Job, obs: JobObs, now: float) ->
     j.exit_info = f"every worker failed; {why}"
     stop(live_procs(s, j.id))
     unreserve_all(s, j.id)
-    j.change = {}
+    j.change = {"since": now}
     cx.store.log(s, "job.workers_failed", j.id, workers=[p.name for p in failed], reason=why)
 
 
@@ -228,7 +343,7 @@ def _out_of_memory(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> 
     j.exit_info = obs.oom_failed
     stop(live_procs(s, j.id))
     unreserve_all(s, j.id)
-    j.change = {}
+    j.change = {"since": now}
 
 
 def last_error(logs: Path, names: Sequence[str]) -> str:
@@ -245,10 +360,16 @@ def last_error(logs: Path, names: Sequence[str]) -> str:
 
 
 def _master_exit(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
+    """The master ended: a failed job's workers stop; a finished job's
+    workers outside its last generation (newcomers of a scale-out that raced
+    the end) stop too, so its GPUs are free at once."""
     unreserve_all(s, j.id)
-    if not obs.finished_ok:
-        stop(live_procs(s, j.id, "worker"))
-    j.change = {}
+    workers = live_procs(s, j.id, "worker")
+    if obs.finished_ok:
+        members = set(obs.progress.get("members") or ())
+        workers = [p for p in workers if members and p.name not in members]
+    stop(workers)
+    j.change = {"since": now}
 
 
 def _ended(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
@@ -264,8 +385,14 @@ def _ended(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
     cx.store.log(s, "job.completed" if ok else "job.failed", j.id, exit_code=obs.master_exit_code)
 
 
+def _incarnation_started(j: Job, now: float) -> None:
+    """Its workers are written: the start time-out counts from now."""
+    j.tags = {**(j.tags or {}), "_started_at": now}
+
+
 def _master_up_starting(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
     spawn(cx, s, j, obs.change["workers"], obs.change["gids"])
+    _incarnation_started(j, now)
     j.change = {}
 
 
@@ -281,6 +408,7 @@ def _taken(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
 
 def _gate_open_start(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
     _started(cx, s, j, list(obs.change["gids"]), now, early_init=True)
+    _incarnation_started(j, now)
     j.change = {}
 
 
@@ -310,6 +438,11 @@ def _joined(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
 
 
 def _join_timeout(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
+    """Newcomers that did not join in time are given up: they stop and their
+    GPUs go back once they are gone."""
+    members = set(obs.progress.get("members") or ())
+    late = set(obs.change.get("workers", ())) - members
+    stop([p for p in live_procs(s, j.id, "worker") if p.name in late])
     j.rescales += 1
     j.change = {}
     cx.store.log(s, "job.change_timeout", j.id, change="scale_out", size=obs.change.get("target"))
@@ -355,6 +488,9 @@ def _suspended(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None
 #: (phase, event) first, then event
 OBSERVED: dict[Any, Effect] = {
     "cancel": _cancel, "gone": _gone, "master_exit": _master_exit, "master_lost": _master_lost,
+    "give_up": _give_up, "restart": _restart, "restarted": _restarted, "workers_done": _workers_done,
+    "newcomers_gone": _newcomers_gone, ("ending", "overdue"): _ending_overdue, "gone_late": _gone_late,
+    ("restarting", "overdue"): _suspend_overdue, ("restarting", "finished"): _ended,
     "workers_failed": _workers_failed, "out_of_memory": _out_of_memory,
     ("ending", "finished"): _ended, ("ending", "failed"): _ended, ("suspending", "finished"): _ended,
     ("starting", "master_up"): _master_up_starting, ("prestarting", "master_up"): _master_up_prestarting,

@@ -10,12 +10,17 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from tidal.control.db import GPU, Job, Node, Process
-from tidal.control.phases import DONOR, STATE_OF, SUSPENDING, TERMINAL as TERMINAL_STATES, JobObs, judge
+from tidal.control.phases import (
+    CANCELLING, DONOR, ENDING, RESTARTING, STATE_OF, SUSPENDING, TERMINAL as TERMINAL_STATES, Bounds, JobObs, judge,
+)
 
 LIVE = ("pending", "running")
 
 #: a job's master is restarted on another host at most this often per incarnation
 MAX_RELOCATIONS = 3
+
+#: phases stepped every tick (each frees GPUs as its processes go)
+_NEVER_QUIET = frozenset({ENDING, CANCELLING, RESTARTING})
 
 
 def observe(s: Session, j: Job, procs: Sequence[Process] | None = None) -> tuple[JobObs, list[Process]]:
@@ -33,6 +38,10 @@ def observe(s: Session, j: Job, procs: Sequence[Process] | None = None) -> tuple
     change = dict(j.change or {})
     leavers = set(change.get("leavers", ()))
     gids = change.get("gids")
+    tags = j.tags or {}
+    workers = [p for p in current if p.kind == "worker"]
+    names = set(change.get("workers", ())) if j.phase == "joining" else set()
+    newcomers = [p for p in workers if p.name in names]
     obs = JobObs(
         phase=j.phase,
         change=change,
@@ -48,11 +57,28 @@ def observe(s: Session, j: Job, procs: Sequence[Process] | None = None) -> tuple
         unsuspendable=bool((j.tags or {}).get("_unsuspendable")),
         relocate_to=relocation_target(s, current) if master is not None and master.state == "lost" else "",
         workers_erred=workers_erred(current),
+        give_up=str(tags.get("_give_up") or launch_error([p for p in procs if first is not None and p.id >= first.id])),
+        workers_seen=len(workers),
+        workers_clean=bool(workers) and all(p.state == "exited" and p.exit_code == 0 for p in workers),
+        newcomers_gone=bool(newcomers) and all(p.state in ("exited", "failed") for p in newcomers),
+        started_at=float(tags.get("_started_at") or 0.0),
+        restarts=int(tags.get("_restarts") or 0),
+        script_ended=bool(tags.get("_script_ended")),
     )
     return obs, current
 
 
-def quiet_jobs(s: Session, deltas: Mapping[str, Any], now: float, timeout_s: float) -> set[str]:
+def launch_error(current: Sequence[Process]) -> str:
+    """The first of the incarnation's processes that could not be launched
+    (the OS error its agent reported), as the job's failure reason; ""."""
+    for p in current:
+        if p.error:
+            return f"{p.name} could not start: {p.error}"
+    return ""
+
+
+def quiet_jobs(s: Session, deltas: Mapping[str, Any], now: float, timeout_s: float,
+               bounds: Bounds | None = None) -> set[str]:
     """Live jobs whose step this tick would change nothing: no change from
     the plan, no observed event, the state in line with the phase, and no
     dead worker whose GPU the job still holds. Read in three queries for
@@ -70,9 +96,10 @@ def quiet_jobs(s: Session, deltas: Mapping[str, Any], now: float, timeout_s: flo
         if j.id in deltas or j.phase in TERMINAL_STATES or j.state != STATE_OF.get(j.phase):
             continue
         obs, current = observe(s, j, procs.get(j.id, []))
-        if judge(obs, now, timeout_s) is not None:
+        if j.phase in _NEVER_QUIET or judge(obs, now, timeout_s, bounds) is not None:
             continue
-        if any(p.kind == "worker" and p.state == "failed" and p.gpu in held.get(j.id, ()) for p in current):
+        if any(p.kind == "worker" and p.state in ("failed", "exited") and p.gpu in held.get(j.id, ())
+               for p in current):
             continue
         out.add(j.id)
     return out

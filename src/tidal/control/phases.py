@@ -27,6 +27,18 @@ Phases (the job's ``state`` as users and policies see it in brackets)::
     starting, running, warming, joining, shrinking --out_of_memory--> ending: workers ran out of
                                                  memory too often, or the raised limit exceeds
                                                  every node (docs/resources.md)
+    starting, running, warming, joining, shrinking --give_up--> ending: the liveness contract
+                                                 (docs/control.md, "Liveness") ends the job: a
+                                                 process could not launch, the same error came
+                                                 back too often, the script never called
+                                                 tidal.runtime.init(), no generation formed in time
+    running --workers_done--> ending             every worker exited 0 after training: the
+                                                 script's own loop ended first (completed)
+    running --restart--> restarting [restarting] no live worker is left (all killed), or no step
+                                                 for the stall time-out: every process stops
+    restarting --restarted--> pending            the job starts again from its checkpoint
+    joining --newcomers_gone--> running          every newcomer of the grow ended before joining
+    ending, cancelling --overdue--> the same     processes still running past the bound are stopped
     running, warming, joining, shrinking --master_lost--> the same phase: the master's host
                                                  died, the master restarts on another host of
                                                  the job from the store's copy of its state
@@ -39,9 +51,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from tidal import settings
+
 SUBMITTED, PENDING, PRESTARTING, STARTING, RUNNING = "submitted", "pending", "prestarting", "starting", "running"
 WARMING, JOINING, SHRINKING, SUSPENDING = "warming", "joining", "shrinking", "suspending"
-ENDING, CANCELLING = "ending", "cancelling"
+ENDING, CANCELLING, RESTARTING = "ending", "cancelling", "restarting"
 COMPLETED, FAILED, CANCELLED, DROPPED = "completed", "failed", "cancelled", "dropped"
 
 TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED, DROPPED})
@@ -50,6 +64,7 @@ TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED, DROPPED})
 STATE_OF: Mapping[str, str] = {
     SUBMITTED: "submitted", PENDING: "pending", PRESTARTING: "pending", STARTING: "running", RUNNING: "running",
     WARMING: "resizing", JOINING: "resizing", SHRINKING: "resizing", SUSPENDING: "suspending", ENDING: "running",
+    RESTARTING: "restarting",
     CANCELLING: "cancelling", COMPLETED: "completed", FAILED: "failed", CANCELLED: "cancelled", DROPPED: "dropped",
 }
 
@@ -63,7 +78,8 @@ RELOCATABLE = frozenset({RUNNING, WARMING, JOINING, SHRINKING})
 OOM_FAILS = RELOCATABLE | {STARTING}
 
 #: phases that wait for a remote change to finish (the loop ticks faster meanwhile)
-IN_FLIGHT = frozenset({PRESTARTING, STARTING, WARMING, JOINING, SHRINKING, SUSPENDING, ENDING, CANCELLING})
+IN_FLIGHT = frozenset({PRESTARTING, STARTING, WARMING, JOINING, SHRINKING, SUSPENDING, ENDING, CANCELLING,
+                       RESTARTING})
 
 #: phases in which a job gives GPUs back (early initialisation may reserve them)
 DONOR = frozenset({SHRINKING, SUSPENDING})
@@ -75,6 +91,7 @@ TRANSITIONS: Mapping[tuple[str, str], str] = {
     **{(p, "master_exit"): ENDING for p in WITH_MASTER},
     **{(p, "master_lost"): p for p in RELOCATABLE},
     (CANCELLING, "gone"): CANCELLED,
+    (CANCELLING, "gone_late"): CANCELLED,  # past the cancel bound: GPUs still in use stay held until freed
     (ENDING, "finished"): COMPLETED,
     (ENDING, "failed"): FAILED,
     (SUBMITTED, "drop"): DROPPED,
@@ -89,6 +106,15 @@ TRANSITIONS: Mapping[tuple[str, str], str] = {
     (PRESTARTING, "lapsed"): PENDING,
     (RUNNING, "workers_failed"): ENDING,
     **{(p, "out_of_memory"): ENDING for p in OOM_FAILS},
+    **{(p, "give_up"): ENDING for p in OOM_FAILS},
+    (RUNNING, "workers_done"): ENDING,
+    **{(p, "restart"): RESTARTING for p in RELOCATABLE},
+    (RESTARTING, "restarted"): PENDING,
+    (RESTARTING, "overdue"): RESTARTING,
+    (RESTARTING, "finished"): COMPLETED,
+    (JOINING, "newcomers_gone"): RUNNING,
+    (ENDING, "overdue"): ENDING,
+    (CANCELLING, "overdue"): CANCELLING,
     (RUNNING, "grow_accepted"): JOINING,
     (RUNNING, "grow_early_accepted"): WARMING,
     (RUNNING, "shrink_accepted"): SHRINKING,
@@ -156,6 +182,14 @@ class JobObs:
     relocate_to: str = ""  # an up node running the job's workers, where a lost master can restart
     workers_erred: bool = False  # every worker of this incarnation ended, the failed ones with an error
     oom_failed: str = ""  # why the job gives up after out-of-memory kills ("": it does not)
+    give_up: str = ""  # why the liveness contract ends the job now: a launch error, a crash loop ("": no)
+    workers_seen: int = 0  # workers of this incarnation, ended or not
+    workers_clean: bool = False  # every worker of the incarnation ended, each with exit code 0
+    newcomers_gone: bool = False  # every newcomer of the grow in flight ended before joining
+    started_at: float = 0.0  # when this incarnation's workers were written (0: unknown)
+    restarts: int = 0  # restarts of the job from its checkpoint so far
+    backoff: bool = False  # a worker exited with an error lately: no grow before its back-off ends
+    script_ended: bool = False  # every worker exited 0 after training: the script's own loop ended
 
     @property
     def since(self) -> float:
@@ -167,8 +201,22 @@ class JobObs:
 
     @property
     def finished_ok(self) -> bool:
-        """The master exited 0 after the job reported it finished."""
+        """The master exited 0 after the job reported it finished (or the
+        script's own loop ended and the master was stopped)."""
+        if self.script_ended and self.master_gone:
+            return True
         return self.master == "exited" and self.master_exit_code == 0 and self.progress.get("state") == "finished"
+
+    @property
+    def ever_formed(self) -> bool:
+        """The master formed a generation in this incarnation (workers called init and trained)."""
+        return (int(self.progress.get("gen") or 0) > 0
+                or self.progress.get("state") in ("running", "changing", "finished", "suspended"))
+
+    @property
+    def step_at(self) -> float:
+        """When the reported step last advanced (server time; 0: unknown)."""
+        return float(self.progress.get("step_at") or 0.0)
 
     @property
     def formed(self) -> bool:
@@ -184,30 +232,110 @@ class JobObs:
                 and self.progress.get("state") == "running" and not self.progress.get("changing", False))
 
 
-def judge(obs: JobObs, now: float, timeout_s: float) -> str | None:
+NEVER_INIT = ("the script never called tidal.runtime.init(): every worker exited 0 without registering "
+              "with the job master")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The liveness contract's time bounds, seconds (docs/control.md,
+    "Liveness"; the settings behind them are in :mod:`tidal.settings`)."""
+
+    change_s: float = 120.0  # a change in flight (grow, shrink, suspension, restart)
+    start_s: float = 90.0  # a started job's workers form their first generation
+    stall_s: float = 900.0  # a formed job commits a step (0: never judged)
+    restarts: int = 3  # restarts from the checkpoint before the job fails
+    cancel_s: float = 30.0  # a cancellation ends
+    ending_s: float = 30.0  # a finished job's last workers exit
+
+
+def restart_reason(obs: JobObs, now: float, b: Bounds) -> str:
+    """Why the job must start again from its checkpoint, or "": no live
+    worker is left (every one was killed, none exited with an error), its
+    master was lost with a host and no host of the job is left, or no step
+    was committed for the stall time-out."""
+    if obs.phase not in RELOCATABLE or obs.progress.get("state") == "finished":
+        return ""
+    if obs.master == "lost" and not obs.relocate_to:
+        return "its master was lost with its host and no other host of the job is left"
+    if obs.phase != RUNNING or obs.master_gone or obs.change:
+        return ""
+    if obs.workers_seen and not obs.live_workers and not obs.workers_clean and not obs.workers_erred:
+        return "no live worker is left (every worker was killed or lost)"
+    if b.stall_s > 0 and obs.formed and obs.step_at and now > obs.step_at + b.stall_s:
+        return f"stalled: no step committed for {now - obs.step_at:.0f} s ({settings.STALL_TIMEOUT_S.name}={b.stall_s:g})"
+    return ""
+
+
+def give_up_reason(obs: JobObs, now: float, b: Bounds) -> str:
+    """Why the liveness contract ends the job as failed now, or "" (the
+    reason is what ``tidal job ID`` shows)."""
+    if obs.give_up:
+        return obs.give_up
+    if obs.phase != RUNNING or obs.ever_formed or obs.master_gone:
+        return ""
+    if obs.workers_seen and not obs.live_workers and obs.workers_clean:
+        return NEVER_INIT
+    if obs.started_at and now > obs.started_at + b.start_s:
+        return (f"no generation formed within {b.start_s:g} s of the start ({settings.START_TIMEOUT_S.name}): the workers "
+                f"did not call tidal.runtime.init() or could not reach the job master; {obs.live_workers} of "
+                f"{obs.workers_seen} workers still running")
+    return ""
+
+
+def _restart_or_give_up(obs: JobObs, now: float, b: Bounds) -> str | None:
+    why = restart_reason(obs, now, b)
+    if why:
+        return "restart" if obs.restarts < b.restarts else "give_up"
+    return "give_up" if give_up_reason(obs, now, b) else None
+
+
+def ended_reason(obs: JobObs, now: float, b: Bounds) -> str:
+    """The failure reason behind a ``give_up`` event."""
+    why = give_up_reason(obs, now, b)
+    if why:
+        return why
+    why = restart_reason(obs, now, b)
+    return f"{why}; restarted {obs.restarts} times already ({settings.RESTART_LIMIT.name}={b.restarts})" if why else ""
+
+
+def judge(obs: JobObs, now: float, timeout_s: float, bounds: Bounds | None = None) -> str | None:
     """The observed event of this tick for ``obs.phase``, or None (then the
     plan may ask for something, see :func:`intent`)."""
+    b = bounds if bounds is not None else Bounds(change_s=timeout_s)
     p = obs.phase
     if p in TERMINAL:
         return None
     if obs.cancel_requested and p != CANCELLING:
         return "cancel"
     if p == CANCELLING:
-        return "gone" if obs.live == 0 else None
-    if p == SUSPENDING:
         if obs.live == 0:
-            return "finished" if obs.finished_ok else "suspended"
+            return "gone"
+        return "gone_late" if now > obs.since + b.cancel_s else None
+    if p in (SUSPENDING, RESTARTING):
+        if obs.live == 0:
+            return "finished" if obs.finished_ok else ("suspended" if p == SUSPENDING else "restarted")
         return "overdue" if now > obs.since + timeout_s else None
     if p in RELOCATABLE and obs.master == "lost" and obs.relocate_to:
         return "master_lost"
+    if p in OOM_FAILS and obs.give_up:
+        return "give_up"
+    ev = _restart_or_give_up(obs, now, b) if p == RUNNING or obs.master == "lost" else None
+    if ev is not None:
+        return ev
     if p in WITH_MASTER and obs.master_gone:
         return "master_exit"
     if p in OOM_FAILS and obs.oom_failed:
         return "out_of_memory"
     if p == ENDING:
-        return None if obs.live_workers else ("finished" if obs.finished_ok else "failed")
+        if not obs.live_workers:
+            return "finished" if obs.finished_ok else "failed"
+        return "overdue" if now > obs.since + b.ending_s else None
     if p == RUNNING and obs.workers_erred and obs.progress.get("state") != "finished":
         return "workers_failed"
+    if p == RUNNING and obs.ever_formed and obs.workers_seen and not obs.live_workers and obs.workers_clean \
+            and not obs.master_gone:
+        return "workers_done"
     late = now > obs.since + timeout_s
     if p == STARTING:
         return "master_up" if obs.master_url else None
@@ -222,7 +350,9 @@ def judge(obs: JobObs, now: float, timeout_s: float) -> str | None:
             return "gate_open"
         return "lapsed" if obs.change_gpus == "blocked" or late else None
     if p == JOINING:
-        return "joined" if obs.joined else ("timeout" if late else None)
+        if obs.joined:
+            return "joined"
+        return "newcomers_gone" if obs.newcomers_gone else ("timeout" if late else None)
     if p == SHRINKING:
         if obs.leavers_live == 0:
             return "left"
@@ -250,5 +380,5 @@ def intent(obs: JobObs, kind: str | None, gpus: str) -> str | None:
     if kind in ("shrink", "move"):
         return "shrink"  # a move shrinks first; the plan of a later tick grows it
     if kind == "grow":
-        return {"free": "grow", "donated": "grow_early"}.get(gpus)
+        return None if obs.backoff else {"free": "grow", "donated": "grow_early"}.get(gpus)
     return None

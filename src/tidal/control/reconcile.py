@@ -13,12 +13,14 @@ from typing import Mapping
 
 from sqlalchemy import select, update
 
+from tidal import settings
 from tidal.control import effects, intents
 from tidal.control.db import GPU, Job, Process
-from tidal.control.effects import Context, release_dead_workers, set_phase
+from tidal.control.effects import Context, release_dead_workers, release_idle, set_phase
 from tidal.control.observe import gpu_availability, observe, quiet_jobs
 from tidal.control.phases import (
-    DONOR, IN_FLIGHT, RUNNING, STARTING, TERMINAL, WARMING, JOINING, SHRINKING, advance, answer_event, intent, judge,
+    DONOR, ENDING, IN_FLIGHT, RUNNING, STARTING, TERMINAL, WARMING, JOINING, SHRINKING, Bounds, advance, answer_event,
+    intent, judge,
 )
 from tidal.scheduler.diff import JobDelta
 
@@ -27,7 +29,15 @@ log = logging.getLogger(__name__)
 #: phases whose dead workers give their GPUs back at once
 _RELEASES_DEAD = frozenset({STARTING, RUNNING, WARMING, JOINING, SHRINKING})
 #: phases that may free GPUs this tick: stepped first, so a taker sees them free
-_FIRST = DONOR | {"ending", "cancelling"}
+_FIRST = DONOR | {"ending", "cancelling", "restarting"}
+#: job states that hold no GPU once their processes are gone
+_HOLD_NONE = (*TERMINAL, "submitted", "pending")
+
+
+def bounds_from_settings(change_timeout_s: float) -> Bounds:
+    """The liveness bounds from :mod:`tidal.settings` (read when a coordinator starts)."""
+    return Bounds(change_s=change_timeout_s, start_s=settings.START_TIMEOUT_S.get(),
+                  stall_s=settings.STALL_TIMEOUT_S.get(), restarts=settings.RESTART_LIMIT.get())
 
 
 def _gids(delta: JobDelta | None) -> list[int]:
@@ -47,6 +57,8 @@ class Reconciler:
     def __init__(self, cx: Context, change_timeout_s: float = 120.0) -> None:
         self.cx = cx
         self.change_timeout_s = change_timeout_s
+        cx.bounds = bounds_from_settings(change_timeout_s)
+        cx.crash_limit, cx.backoff_s = settings.CRASH_LIMIT.get(), settings.CRASH_BACKOFF_S.get()
 
     @property
     def store(self):
@@ -59,7 +71,7 @@ class Reconciler:
             jobs = s.execute(select(Job.id, Job.phase, Job.tags).where(Job.state.notin_(TERMINAL))
                              .order_by(Job.submit_time, Job.id)).all()
             # a job to fail for running out of memory is never quiet (observe() does not see that)
-            quiet = quiet_jobs(s, deltas, now, self.change_timeout_s) - {
+            quiet = quiet_jobs(s, deltas, now, self.change_timeout_s, self.cx.bounds) - {
                 r.id for r in jobs if (r.tags or {}).get("_oom_failed")}
 
         def rank(row) -> int:
@@ -93,6 +105,12 @@ class Reconciler:
                       .execution_options(synchronize_session=False))
             s.execute(update(GPU).where(GPU.reserved_for.in_(ended)).values(reserved_for=None)
                       .execution_options(synchronize_session=False))
+            # GPUs left with jobs that hold none (a cancellation past its bound, a restart while a
+            # node was away) go back once no process of the job may use them
+            stale = s.scalars(select(Job).where(Job.state.in_(_HOLD_NONE),
+                                                Job.id.in_(select(GPU.job_id).where(GPU.job_id.is_not(None))))).all()
+            for j in stale:
+                release_idle(self.cx, s, j, unreserve=False)
 
     def step(self, job_id: str, delta: JobDelta | None, now: float) -> str:
         """Move one job one step; its phase afterwards."""
@@ -104,9 +122,15 @@ class Reconciler:
                 return j.phase
             obs, current = observe(s, j)
             if j.phase in _RELEASES_DEAD and not obs.master_gone:
-                release_dead_workers(self.cx, s, j, current)  # may raise the memory limit, or give up on it
-            obs = dataclasses.replace(obs, oom_failed=str((j.tags or {}).get("_oom_failed", "")))
-            ev = judge(obs, now, self.change_timeout_s)
+                # may raise the memory limit, count a crash, or give up on the job
+                release_dead_workers(self.cx, s, j, current, now)
+                obs, current = observe(s, j)
+            elif j.phase == ENDING:
+                release_idle(self.cx, s, j)  # a finished job's GPUs go back as its processes end
+            tags = j.tags or {}
+            obs = dataclasses.replace(obs, oom_failed=str(tags.get("_oom_failed", "")),
+                                      backoff=now < float(tags.get("_backoff_until") or 0.0))
+            ev = judge(obs, now, self.change_timeout_s, self.cx.bounds)
             if ev is not None:
                 effects.observed_effect(j.phase, ev)(self.cx, s, j, obs, now)
                 set_phase(j, advance(j.phase, ev))
