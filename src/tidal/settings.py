@@ -156,6 +156,18 @@ SECRET_FILE: Setting[str | None] = Setting("TIDAL_SECRET_FILE", _opt_str, None,
 PUBLIC_URL: Setting[str | None] = Setting("TIDAL_PUBLIC_URL", _opt_str, None,
                                           "the URL(s) job masters reach the server at, comma-separated for "
                                           "replicas (default: this server's own address)", "server")
+LEADER_LEASE_S: Setting[float] = Setting("TIDAL_LEADER_LEASE_S", float, 20.0,
+                                         "server replicas over PostgreSQL: a leader whose host goes silent loses "
+                                         "its lease within this many seconds (TCP keepalives and timeouts on "
+                                         "every store connection, both ends) and stops scheduling sooner; at "
+                                         "least 5", "server")
+READY_DB_TIMEOUT_S: Setting[float] = Setting("TIDAL_READY_DB_TIMEOUT_S", float, 2.0,
+                                             "GET /readyz fails when the store does not answer a trivial query "
+                                             "within this many seconds", "server")
+READY_LOOP_S: Setting[float] = Setting("TIDAL_READY_LOOP_S", float, 60.0,
+                                       "a leading replica whose scheduling loop completed no round for this long "
+                                       "(at least 5 ticks) is stuck: GET /readyz fails and it hands the lead on",
+                                       "server")
 RUN_AS: Setting[str | None] = Setting("TIDAL_RUN_AS", _opt_str, None,
                                       "an agent running as root starts job processes as this unprivileged user",
                                       "agent")

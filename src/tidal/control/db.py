@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 import threading
 import time
@@ -51,6 +52,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from tidal import settings
 from tidal.net import LOOPBACK
+
+_log = logging.getLogger(__name__)
 
 
 class Base(DeclarativeBase):
@@ -214,10 +217,47 @@ def _held_by_thread() -> set[str]:
     return _held.urls
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, lease_s: float | None = None) -> Engine:
+    """The store's engine: SQLite (:func:`_sqlite_engine`), or PostgreSQL with
+    every connection bounded for a silent peer (:func:`_postgres_engine`)."""
     if url.startswith("sqlite"):
         return _sqlite_engine(url)
-    return create_engine(url, pool_pre_ping=True)
+    return _postgres_engine(url, lease_s)
+
+
+def _postgres_engine(url: str, lease_s: float | None) -> Engine:
+    """Every connection ends within the leader lease bound ``lease_s``
+    (default ``TIDAL_LEADER_LEASE_S``) once the other end goes silent
+    (:func:`tidal.control.leader.tcp_bounds`): libpq's keepalives and TCP
+    user timeout on this end (connect args; a parameter the URL gives wins),
+    and the same through PostgreSQL's per-session ``tcp_*`` settings on the
+    server's end, so that the server drops a dead leader's session, and its
+    advisory lock, without waiting for the kernel's 2 h keepalive default."""
+    from sqlalchemy.engine import make_url
+
+    from tidal.control.leader import tcp_bounds
+
+    bounds = tcp_bounds(lease_s)
+    given = make_url(url).query
+    eng = create_engine(url, pool_pre_ping=True,
+                        connect_args={k: v for k, v in bounds.client_args().items() if k not in given})
+    gucs = bounds.server_settings()
+
+    def connect(dbapi_conn: Any, _rec: Any) -> None:
+        was, dbapi_conn.autocommit = dbapi_conn.autocommit, True  # each SET on its own, nothing left open
+        try:
+            cur = dbapi_conn.cursor()
+            for name, value in gucs.items():
+                try:
+                    cur.execute(f"SET {name} = {int(value)}")
+                except Exception as e:  # noqa: BLE001 - an older server lacks one: the others still apply
+                    _log.warning("store session: SET %s refused (%s); a silent peer may hold it longer", name, e)
+            cur.close()
+        finally:
+            dbapi_conn.autocommit = was
+
+    event.listen(eng, "connect", connect)
+    return eng
 
 
 def _sqlite_engine(url: str) -> Engine:

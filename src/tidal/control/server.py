@@ -1,7 +1,7 @@
 """``tidal server``: the control plane's REST API (FastAPI, OpenAPI docs at
 ``/docs``) over the store, with the scheduler loop running beside it.
 
-The routes live in :mod:`tidal.control.api` (users, jobs, cluster, internal);
+The routes live in :mod:`tidal.control.api` (users, jobs, cluster, health, internal);
 this module assembles them into an app over one store and one coordinator. A
 bad request gets a 4xx naming the field; the service never crashes on one.
 """
@@ -24,10 +24,10 @@ from sqlalchemy import select
 
 from tidal import settings
 from tidal.control import dashboard, promstats
-from tidal.control.api import cluster, internal, jobs, users
+from tidal.control.api import cluster, health, internal, jobs, users
 from tidal.control.coordinator import Coordinator
 from tidal.control.credentials import Credentials
-from tidal.control.leader import Elector, lease_for
+from tidal.control.leader import Elector, LoopClock, fence, lease_for
 from tidal.control.db import Node, Store
 from tidal.core.errors import InputError
 from tidal.net import advertise_addr, bind_addr
@@ -55,14 +55,18 @@ def create_app(
     admin_token = admin_token or secrets.token_urlsafe(24)
     credentials = credentials or Credentials()
     store.add_user("admin", admin=True, token=admin_token)
-    # every replica serves the API over the shared store; the one holding the lease schedules
-    elector = Elector(lease_for(store.engine))
+    # every replica serves the API over the shared store; the one holding the lease schedules, and
+    # hands it on when its loop is stuck (the loop's age is sampled from the coordinator's round counter)
+    loop = LoopClock(lambda: coord.rounds, max(settings.READY_LOOP_S.get(), 5 * tick_s))
+    elector = Elector(lease_for(store.engine), on_change=loop.reset, stuck=loop.stuck)
     coord = Coordinator(store, policy, server_url=server_url, tick_s=tick_s, home=home, leading=elector.leading)
     coord.cx.credentials = credentials
+    fence(store.engine, elector)  # a leader whose lease lapsed mid-round writes nothing more
     app = FastAPI(title="Tidal control plane", version="0.1.0", lifespan=_lifespan(start_loop),
                   description="Submit elastic training jobs; the scheduler reshapes them.")
     app.state.store, app.state.coordinator, app.state.credentials = store, coord, credentials
-    app.state.elector = elector
+    app.state.elector, app.state.loop_clock = elector, loop
+    app.state.db_probe = health.DbProbe(store, settings.READY_DB_TIMEOUT_S.get())
     app.state.logs_dir = home / "logs"
     app.state.register_lock = threading.Lock()
     app.state.heartbeat_clock = internal.HeartbeatClock(time.time())
@@ -71,7 +75,7 @@ def create_app(
     app.add_exception_handler(Exception, _any_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(InputError, _bad_input)
-    for module in (users, jobs, cluster, internal):
+    for module in (users, jobs, cluster, health, internal):
         app.include_router(module.router)
     dashboard.mount(app)  # the web dashboard at /dashboard/ (docs/dashboard.md)
     _reset_after_restart(store)

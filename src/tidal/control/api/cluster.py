@@ -1,4 +1,4 @@
-"""The cluster's state: nodes and GPUs, the event log, health and metrics."""
+"""The cluster's state: nodes and GPUs, the event log and metrics (health: :mod:`.health`)."""
 
 from __future__ import annotations
 
@@ -50,12 +50,6 @@ def events(_: AdminDep, store: StoreDep,
     with store.session(write=False) as s:
         return [{"id": e.id, "time": e.time, "kind": e.kind, "job": e.job_id, "node": e.node, "gpu": e.gpu,
                  **(e.detail or {})} for e in s.scalars(select(Event).where(Event.id > since).order_by(Event.id))]
-
-
-@router.get("/healthz")
-def healthz(request: Request) -> dict[str, Any]:
-    """Up; ``leader``: whether this replica schedules (the others serve the API)."""
-    return {"status": "ok", "leader": request.app.state.elector.is_leading}
 
 
 def optional_user(request: Request, store: StoreDep) -> Principal | None:
