@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
@@ -209,62 +210,214 @@ def agent(
         a.shutdown()
 
 
-def _port_free(port: int) -> bool:
-    """Nothing listens on the loopback ``port`` (so the server that answers there is ours)."""
+def _port_problem(port: int) -> Optional[str]:
+    """Why the server cannot listen on the loopback ``port`` (taken, out of
+    range, privileged), or None (so the server that answers there is ours)."""
+    import errno
+
     from tidal.net import LOOPBACK
 
+    if not 1 <= port <= 65535:
+        return f"--port {port}: a port is 1-65535"
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no owner
         try:
             sock.bind((LOOPBACK, port))
-        except OSError:
-            return False
-    return True
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return (f"--port {port}: in use (another `tidal up` or `tidal server`?): stop it, "
+                        "or choose another with --port")
+            return f"--port {port}: cannot listen there ({e.strerror}); choose another with --port"
+    return None
+
+
+def _up_problem(gpus: int, nodes: int, policy: str, home: Path) -> Optional[str]:
+    """Why ``tidal up`` cannot start with these options, or None."""
+    from tidal.control.local import MAX_GPUS_PER_NODE, MAX_NODES
+    from tidal.scheduler.registry import is_policy, policy_names
+
+    if nodes < 1:
+        return f"--nodes {nodes}: need at least 1"
+    if nodes > MAX_NODES:
+        return f"--nodes {nodes}: the embedded cluster runs at most {MAX_NODES} (each node is a process here)"
+    if gpus < 1:
+        return f"--gpus {gpus}: need at least 1"
+    if gpus % nodes:
+        return f"--gpus {gpus} does not divide into {nodes} nodes (each node gets as many GPUs)"
+    if gpus // nodes > MAX_GPUS_PER_NODE:
+        return (f"--gpus {gpus}: at most {MAX_GPUS_PER_NODE} per node, so at most {MAX_GPUS_PER_NODE * nodes} "
+                f"with {nodes} node(s)")
+    if not is_policy(policy):
+        return f"--policy {policy}: unknown; known: {', '.join(policy_names())}"
+    if home.exists() and not home.is_dir():
+        return f"--home {home}: not a directory"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"--home {home}: cannot create it ({e.strerror})"
+    if not os.access(home, os.W_OK | os.X_OK):
+        return f"--home {home}: not writable"
+    return None
+
+
+def _lock_home(home: Path) -> Any:
+    """Hold ``home/up.lock`` while this ``tidal up`` runs (an open file), or
+    exit 2 naming the one that holds it: two clusters on one store would
+    fight over its jobs."""
+    import fcntl
+
+    fh = open(home / "up.lock", "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.seek(0)
+        holder = fh.read().strip() or "?"
+        fh.close()
+        err.print("[red]error:[/] " + escape(f"--home {home}: another `tidal up` (pid {holder}) runs on it; "
+                                              "stop it, or use another --home"))
+        raise typer.Exit(2)
+    fh.truncate(0)
+    fh.write(str(os.getpid()))
+    fh.flush()
+    return fh
 
 
 @app.command()
 def up(
-    gpus: int = typer.Option(8, "--gpus", help="Virtual GPUs in all."),
+    gpus: int = typer.Option(8, "--gpus", help="Virtual GPUs in all, split evenly over the nodes."),
     nodes: int = typer.Option(2, "--nodes", help="Agents (nodes)."),
     policy: str = typer.Option("edf", "--policy", help="Scheduling policy (names as in `tidal simulate`)."),
-    port: int = typer.Option(8470, "--port", min=1, max=65535, help="The server's port."),
+    port: int = typer.Option(8470, "--port", help="The server's port (1-65535)."),
     home: Optional[Path] = typer.Option(None, "--home", help="State directory (default $TIDAL_HOME)."),
 ) -> None:
     """Start an embedded cluster (server + local agents with virtual GPUs) and
-    keep it running until Ctrl-C."""
-    from tidal import settings
-    from tidal.control.local import LocalCluster
+    keep it running until Ctrl-C (or SIGTERM): the running jobs are then
+    suspended with a checkpoint and the next `tidal up` on the same home
+    resumes them; a second Ctrl-C stops at once.
 
-    if gpus % nodes:
-        err.print("[red]error:[/] " + escape(f"--gpus {gpus} does not divide into {nodes} nodes"))
+    Example: tidal up --gpus 8 --nodes 2
+    """
+    from tidal.control.local import LocalCluster, layout_conflict
+
+    h = Path(home or settings.home()).absolute()
+    problem = (_up_problem(gpus, nodes, policy, h) or _port_problem(port)
+               or layout_conflict(h, nodes, gpus // nodes))
+    if problem:
+        err.print("[red]error:[/] " + escape(problem))
         raise typer.Exit(2)
-    if not _port_free(port):
-        err.print("[red]error:[/] " + escape(f"port {port} is in use (another `tidal up` or `tidal server`?): "
-                                              "stop it, or choose another with --port"))
-        raise typer.Exit(2)
-    h = home or settings.home()
-    c = LocalCluster(h, nodes=nodes, gpus_per_node=gpus // nodes, policy=policy, port=port, tick_s=1.0)
+    lock = _lock_home(h)
+    _log_to(h / "server.log")
+    os.environ[settings.HOME.name] = str(h)  # the server in this process, and the agents, use this home
+    c = LocalCluster(h, nodes=nodes, gpus_per_node=gpus // nodes, policy=policy, port=port, tick_s=1.0,
+                     in_process=True)
     import signal
 
-    def _term(*_args) -> None:  # `kill` stops the cluster like Ctrl-C
+    def _term(*_args: Any) -> None:  # `kill` stops the cluster like Ctrl-C
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _term)
     # Ctrl-C even when started from a shell's background, which starts it with SIGINT ignored
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        _run_until_stopped(c, policy)
+    finally:
+        lock.close()
+
+
+def _log_to(path: Path) -> None:
+    """This process's log records (the server's among them) go to ``path``,
+    as a `tidal server` process's output would; the terminal keeps ``up``'s own lines."""
+    import logging
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+
+
+def _run_until_stopped(c: Any, policy: str) -> None:
+    """Start ``c``, wait for Ctrl-C, then stop it (gracefully once, at once on a second Ctrl-C)."""
+    started = False
+    try:
         c.start()
         user_token = c.api().add_user("user", rotate=True)  # a restart with the same home re-issues it
-        (Path(h) / "token").write_text(user_token)
-        console.print(f"Tidal cluster up: {c.url} — {nodes} node(s) × {gpus // nodes} virtual GPU(s), policy {policy}")
-        console.print(f"state in {h}; user token in {Path(h) / 'token'}; admin token in {Path(h) / 'admin.token'}")
-        console.print("submit with: tidal submit job.yaml   (Ctrl-C stops the cluster)")
+        (c.home / "token").write_text(user_token)
+        started = True
+        _say(f"Tidal cluster up: {c.url} — {c.nodes} node(s) × {c.gpus_per_node} virtual GPU(s), "
+                      f"policy {policy}")
+        _say(f"state in {c.home}; user token in {c.home / 'token'}; admin token in {c.home / 'admin.token'}")
+        _say_resuming(c)
+        _say("submit with: tidal submit job.yaml   (Ctrl-C suspends the running jobs and stops the cluster)")
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
-        console.print("stopping…")
+        if started:
+            _stop_gracefully(c)
+        else:
+            _say("stopping…")
+    except (RuntimeError, TimeoutError) as e:
+        err.print("[red]error:[/] " + escape(f"the cluster did not start: {e}; see {c.home / 'server.log'} "
+                                              "and the agent-N.log files there"))
+        raise typer.Exit(1)
     finally:
-        c.stop()
+        _stop_at_last(c)
+
+
+def _say_resuming(c: Any) -> None:
+    """Name the suspended jobs waiting in the store: the policy starts them
+    again, and each loads its checkpoint."""
+    from tidal.control.local import suspended_jobs
+
+    ids = suspended_jobs(c.embedded.store)
+    if ids:
+        _say(f"{len(ids)} suspended job(s) resume from their checkpoints: {', '.join(ids)}")
+
+
+def _stop_gracefully(c: Any) -> None:
+    """Suspend the running jobs (:func:`tidal.control.local.drain`) and say
+    how each was left; a second Ctrl-C gives up on the ones still running."""
+    from tidal.control.local import DRAIN_TIMEOUT_S, drain
+
+    try:
+        res = drain(c.embedded, _say)
+    except KeyboardInterrupt:
+        left = c.embedded.coordinator.draining_left()
+        _say("stopping at once" + (f": {len(left)} job(s) not suspended lose their processes and will "
+                                            f"fail: {', '.join(left)}" if left else ""))
+        return
+    if res.suspended:
+        _say(f"suspended {len(res.suspended)} job(s) with a checkpoint: {', '.join(res.suspended)}; "
+                      f"`tidal up --home {c.home}` resumes them")
+    for jid, state in sorted(res.ended.items()):
+        _say(f"{jid}: {state} meanwhile")
+    if res.refused:
+        _say(f"not suspended (their master refused): {', '.join(sorted(res.refused))}; "
+                      "they lose their processes and will fail")
+    if res.unsettled:
+        _say(f"not suspended within {DRAIN_TIMEOUT_S:.0f} s: {', '.join(res.unsettled)}; stopping at once, "
+                      "they lose their processes and will fail")
+
+
+def _say(text: str) -> None:
+    """One line of ``tidal up``'s, never wrapped (a log or a pipe reads it whole)."""
+    console.print(escape(text), soft_wrap=True)
+
+
+def _stop_at_last(c: Any) -> None:
+    """Stop the agents and the server. A Ctrl-C meanwhile is noted, not
+    obeyed: the agents stop their processes first (at most ~20 s)."""
+    import signal
+
+    def _busy(*_args: Any) -> None:
+        _say("still stopping the agents and the server…")
+
+    signal.signal(signal.SIGINT, _busy)
+    signal.signal(signal.SIGTERM, _busy)
+    _say("stopping the agents and the server…")
+    c.stop()
+    _say("stopped")
 
 
 @app.command()

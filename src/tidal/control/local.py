@@ -1,20 +1,41 @@
 """An embedded cluster on this machine: one server and N agents with virtual
-GPUs, as processes (``tidal up``, ``tidal demo`` and the end-to-end tests)."""
+GPUs, as processes (``tidal up``, ``tidal demo`` and the end-to-end tests).
+
+``tidal up`` runs the server inside its own process (:class:`EmbeddedServer`)
+so that it holds the coordinator: a Ctrl-C drains it (:func:`drain`: every
+running job is suspended with a checkpoint and goes back to ``pending``)
+before the agents and the server stop, and the next ``tidal up`` on the same
+home resumes those jobs. The demo and the tests run the server as a process
+of its own, which they can kill and restart.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from tidal import settings
 from tidal.control.client import Api
 from tidal.net import LOOPBACK
+
+log = logging.getLogger(__name__)
+
+#: the most virtual GPUs one node registers with (the server's registration takes 1-1024)
+MAX_GPUS_PER_NODE = 1024
+#: the most nodes ``tidal up`` starts: each is an agent process on this machine
+MAX_NODES = 64
+#: how long a graceful stop waits for the running jobs to suspend before stopping at once
+DRAIN_TIMEOUT_S = 60.0
 
 
 def free_port() -> int:
@@ -34,7 +55,10 @@ class LocalCluster:
         tick_s: float = 1.0,
         port: int | None = None,
         db_url: str | None = None,
+        in_process: bool = False,
     ) -> None:
+        """``in_process``: the server runs in this process (:class:`EmbeddedServer`,
+        ``tidal up``), else as a process of its own."""
         self.home = Path(home)
         self.home.mkdir(parents=True, exist_ok=True)
         self.nodes, self.gpus_per_node = nodes, gpus_per_node
@@ -44,6 +68,7 @@ class LocalCluster:
         self.db_url = db_url
         self.admin_token = secrets.token_urlsafe(24)
         self.server: subprocess.Popen | None = None
+        self.embedded: EmbeddedServer | None = EmbeddedServer(self) if in_process else None
         self.agents: list[subprocess.Popen] = []
         # its "nodes" are processes on this machine: one disk, so checkpoints are shared by all of them
         self.env = {**os.environ, settings.HOME.name: str(self.home), "OMP_NUM_THREADS": "1",
@@ -56,15 +81,20 @@ class LocalCluster:
                                     stderr=subprocess.STDOUT, start_new_session=True)
 
     def start_server(self, timeout_s: float = 60.0) -> None:
-        args = ["server", "--port", str(self.port), "--policy", self.policy, "--tick", str(self.tick_s)]
-        if self.db_url:
-            args += ["--db", self.db_url]
-        self.server = self._spawn(args, "server", **{settings.ADMIN_TOKEN.name: self.admin_token})
+        if self.embedded is not None:
+            self.embedded.start()
+        else:
+            args = ["server", "--port", str(self.port), "--policy", self.policy, "--tick", str(self.tick_s)]
+            if self.db_url:
+                args += ["--db", self.db_url]
+            self.server = self._spawn(args, "server", **{settings.ADMIN_TOKEN.name: self.admin_token})
         api = Api(self.url, self.admin_token)
         deadline = time.time() + timeout_s
         while not api.healthy():
-            if self.server.poll() is not None:
+            if self.server is not None and self.server.poll() is not None:
                 raise RuntimeError(f"server exited with {self.server.returncode}; see {self.home / 'server.log'}")
+            if self.embedded is not None and not self.embedded.running():
+                raise RuntimeError(f"the server stopped while starting; see {self.home / 'server.log'}")
             if time.time() > deadline:
                 raise TimeoutError("server did not come up")
             time.sleep(0.2)
@@ -91,6 +121,8 @@ class LocalCluster:
         return Api(self.url, token or self.admin_token)
 
     def stop_server(self) -> None:
+        if self.embedded is not None:
+            self.embedded.stop()
         if self.server and self.server.poll() is None:
             self.server.terminate()
             try:
@@ -131,3 +163,165 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class EmbeddedServer:
+    """The server of a :class:`LocalCluster` inside this process: the app of
+    ``tidal server`` (:func:`tidal.control.server.create_app`) served by
+    uvicorn in a thread, on loopback, with the cluster's home, port, policy
+    and admin token. Holding it gives the coordinator (:attr:`coordinator`),
+    which a graceful stop drains."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.app: Any = None
+        self._uvicorn: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def coordinator(self) -> Any:
+        """The scheduler loop (:class:`tidal.control.coordinator.Coordinator`)."""
+        return self.app.state.coordinator
+
+    @property
+    def store(self) -> Any:
+        """The store (:class:`tidal.control.db.Store`)."""
+        return self.app.state.store
+
+    def start(self) -> None:
+        """Build the app over the home's store and serve it in a thread
+        (:meth:`running` turns False if it cannot listen)."""
+        import uvicorn
+
+        from tidal.control.credentials import Credentials
+        from tidal.control.db import Store
+        # the same app and files as `tidal server` (its private-file writer too)
+        from tidal.control.server import _private, create_app, secret_path
+
+        c = self.cluster
+        os.umask(0o077)  # as `tidal server`: the store, logs and checkpoints are this user's only
+        store = Store(c.db_url or f"sqlite:///{c.home / 'tidal.db'}")
+        credentials = Credentials.from_file(secret_path(c.home))
+        for name, text in (("admin.token", c.admin_token), ("agent.token", credentials.agent_token())):
+            _private(c.home / name, text)
+        self.app = create_app(store, policy=c.policy, admin_token=c.admin_token, credentials=credentials,
+                              tick_s=c.tick_s, home=c.home, server_url=c.url)
+        # log_config=None: the server's records go where this process sends its logging
+        config = uvicorn.Config(self.app, host=LOOPBACK, port=c.port, log_level="warning", log_config=None,
+                                timeout_graceful_shutdown=5)
+        self._uvicorn = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._uvicorn.run, name="tidal-server", daemon=True)
+        self._thread.start()
+
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Stop serving (the coordinator stops with the app)."""
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+
+
+@dataclass
+class DrainResult:
+    """Where a graceful stop left the jobs that ran when it began."""
+
+    suspended: list[str] = field(default_factory=list)  # pending again, with a checkpoint
+    refused: dict[str, str] = field(default_factory=dict)  # job -> its master's answer (e.g. no checkpoint dir)
+    unsettled: list[str] = field(default_factory=list)  # still running when the time was up
+    ended: dict[str, str] = field(default_factory=dict)  # job -> the state it ended in meanwhile
+
+
+def drain(server: EmbeddedServer, say: Callable[[str], None], timeout_s: float = DRAIN_TIMEOUT_S,
+          poll_s: float = 0.5) -> DrainResult:
+    """Suspend every running job of ``server``'s cluster with a checkpoint
+    (the coordinator's own suspension; they go back to ``pending`` and the
+    next start of the cluster resumes them), saying what it does through
+    ``say``. Returns when every job settled, or only jobs whose master refused
+    are left, or after ``timeout_s``. The coordinator starts nothing from
+    now on. A KeyboardInterrupt (a second Ctrl-C) ends the wait at once."""
+    coord = server.coordinator
+    coord.drain()
+    coord.wake()
+    first = sorted(coord.draining_left())
+    if not first:
+        say("stopping: no job is running")
+        return DrainResult()
+    say(f"stopping: suspending {len(first)} running job(s) with a checkpoint: {', '.join(first)} "
+        "(Ctrl-C again to stop at once)")
+    start = time.monotonic()
+    refused: dict[str, str] = {}
+    next_note = start + 10.0
+    while True:
+        left = set(coord.draining_left())
+        for jid, answer in sorted(_refusals(server.store, left - set(refused)).items()):
+            refused[jid] = answer
+            say(f"{jid} cannot be suspended (its master refused: {answer}); it will be stopped and fail")
+        now = time.monotonic()
+        if left <= set(refused) or now - start >= timeout_s:
+            break
+        if now >= next_note:
+            waiting = sorted(left - set(refused))
+            say(f"waiting for {len(waiting)} job(s) to checkpoint: {', '.join(waiting)} ({now - start:.0f} s)")
+            next_note = now + 10.0
+        coord.wake()
+        time.sleep(poll_s)
+    states = job_states(server.store, first)
+    return DrainResult(suspended=[j for j in first if states.get(j) == "pending"], refused=refused,
+                       unsettled=sorted(left - set(refused)),
+                       ended={j: st for j, st in states.items() if st in ("completed", "failed", "cancelled")})
+
+
+def _refusals(store: Any, ids: set[str]) -> dict[str, str]:
+    """The jobs of ``ids`` whose master refused a suspension, with its answer."""
+    from tidal.control.db import Job
+
+    out: dict[str, str] = {}
+    with store.session(write=False) as s:
+        for jid in ids:
+            j = s.get(Job, jid)
+            answer = (j.tags or {}).get("_unsuspendable") if j is not None else None
+            if answer:
+                out[jid] = str(answer)
+    return out
+
+
+def job_states(store: Any, ids: list[str]) -> dict[str, str]:
+    """The state of each job of ``ids`` (those the store knows)."""
+    from tidal.control.db import Job
+
+    with store.session(write=False) as s:
+        return {jid: j.state for jid in ids if (j := s.get(Job, jid)) is not None}
+
+
+def layout_conflict(home: Path, nodes: int, gpus_per_node: int) -> str | None:
+    """Why ``nodes`` agents with ``gpus_per_node`` GPUs each cannot rejoin the
+    cluster kept in ``home`` (a node keeps its GPU count), or None."""
+    db = home / "tidal.db"
+    if not db.exists():
+        return None
+    from tidal.control.db import Node, Store
+
+    store = Store(f"sqlite:///{db}")
+    try:
+        with store.session(write=False) as s:
+            known = {n.name: n.num_gpus for n in s.query(Node).all()}
+    finally:
+        store.engine.dispose()
+    clash = [f"{name} has {known[name]}" for name in (f"node-{i}" for i in range(nodes))
+             if name in known and known[name] != gpus_per_node]
+    if not clash:
+        return None
+    return (f"the cluster in {home} was made with other nodes ({', '.join(clash)} GPU(s), not {gpus_per_node}); "
+            "start it with the same --gpus and --nodes, or use another --home")
+
+
+def suspended_jobs(store: Any) -> list[str]:
+    """Pending jobs that were suspended with a checkpoint (they resume from it)."""
+    from tidal.control.db import Job
+
+    with store.session(write=False) as s:
+        return sorted(j.id for j in s.query(Job).filter(Job.state == "pending") if "_resume_step" in (j.tags or {}))
