@@ -234,6 +234,24 @@ def _resources(j: Job) -> dict[str, Any]:
     return {**worker_resources(j), "ooms": int((j.tags or {}).get("_ooms", 0))}
 
 
+def job_reason(j: Job, now: float) -> str:
+    """Why the job is where it is, as the liveness contract says it
+    (docs/control.md, "Liveness"): the failure reason of an ended job, a
+    restart's cause, or a worker being replaced after an error; "" when
+    nothing is to be said."""
+    if j.state in ("failed", "cancelled", "completed", "dropped"):
+        return j.exit_info or j.drop_reason or ""
+    tags = j.tags or {}
+    if j.state == "restarting" or (j.state == "pending" and (j.progress or {}).get("state") == "restarting"):
+        return str(tags.get("_reason") or "")
+    crash = tags.get("_crash") or {}
+    wait = float(tags.get("_backoff_until") or 0.0) - now
+    if crash and wait > 0:
+        return (f"a worker exited with an error ({crash.get('count')} in a row): {crash.get('line')}; "
+                f"replaced in {wait:.0f} s")
+    return ""
+
+
 def job_json(s: Session, store: Store, j: Job, detail: bool = False) -> dict[str, Any]:
     """A job as the API shows it; ``detail`` adds its spec, progress and processes."""
     progress = j.progress or {}
@@ -244,14 +262,14 @@ def job_json(s: Session, store: Store, j: Job, detail: bool = False) -> dict[str
         "target": j.target, "step": progress.get("step", 0),
         "iterations": jobspec.get("iterations"), "world_size": progress.get("world_size", 0),
         "rescales": j.rescales, "drop_reason": j.drop_reason, "pinned": j.spec.get("pinned"),
-        "deadline": jobspec.get("deadline"),
+        "deadline": jobspec.get("deadline"), "reason": job_reason(j, time.time()),
     }
     if detail:
         out.update(spec=j.spec.get("submission", {}), progress=j.progress, master_url=j.master_url,
                    exit_info=j.exit_info, resources=_resources(j), autoconf=j.autoconf)
         out["processes"] = [
             {"name": w.name, "kind": w.kind, "node": w.node, "gpu": w.gpu, "state": w.state, "pid": w.pid,
-             "exit_code": w.exit_code, "resources": dict(w.resources or {})}
+             "exit_code": w.exit_code, "resources": dict(w.resources or {}), "error": w.error or ""}
             for w in s.scalars(select(Process).where(Process.job_id == j.id).order_by(Process.id))
         ]
     return out
