@@ -135,6 +135,17 @@ FAULTS: Setting[str | None] = Setting("TIDAL_FAULTS", _opt_str, None,
                                       "(see tidal.runtime.faults)", "worker")
 FAULT_LOG: Setting[str | None] = Setting("TIDAL_FAULT_LOG", _opt_str, None,
                                          "append a JSON line per injected fault to this file", "worker")
+MAX_STEPS: Setting[int] = Setting("TIDAL_MAX_STEPS", int, 0,
+                                  "the job's termination condition: training ends at this global step whatever "
+                                  "the script's own loop says (a job spec's iterations; tidal run --max-steps); "
+                                  "0: the script's loop decides", "worker")
+MASTER_WAIT_S: Setting[float] = Setting("TIDAL_MASTER_WAIT_S", float, 30.0,
+                                        "seconds a starting worker keeps trying to reach its job master before "
+                                        "it gives up (one line, exit 1)", "worker")
+JOIN_TIMEOUT_S: Setting[float] = Setting("TIDAL_JOIN_TIMEOUT_S", float, 90.0,
+                                         "seconds a started worker has to register with its job master (tidal "
+                                         "run warns at half of it, then fails; a scale-out's newcomers are given "
+                                         "up after it)", "master")
 
 # -- control plane --------------------------------------------------------------------
 JOB_TOKEN: Setting[str] = Setting("TIDAL_JOB_TOKEN", _str, "",

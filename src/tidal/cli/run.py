@@ -43,6 +43,9 @@ def run(
     replace_host: Optional[str] = typer.Option(
         None, "--replace-host", metavar="HOST",
         help="With --join: the new workers replace HOST's workers in one switch (a migration)."),
+    max_steps: Optional[int] = typer.Option(
+        None, "--max-steps", min=1,
+        help="End the job at this global step whatever the script's own loop says ($TIDAL_MAX_STEPS)."),
 ) -> None:
     """Run SCRIPT as an elastic job with a local job master (torchrun-like),
     or with --join add this host's workers to one running elsewhere."""
@@ -55,14 +58,20 @@ def run(
     if replication not in MODES:
         raise typer.BadParameter(f"one of {', '.join(MODES)}", param_hint="--replication")
     if join:
+        import os
+
+        from tidal import settings
         from tidal.runtime.join import join_job
+
+        if max_steps:
+            os.environ[settings.MAX_STEPS.name] = str(max_steps)  # the workers started here inherit it
 
         raise typer.Exit(join_job(join, script, list(ctx.args), workers, timeout_s=timeout or 120.0, out=typer.echo,
                                   replace_host=replace_host))
     rc = run_job(script, list(ctx.args), workers, max_size=max_workers, job=job, state_url=state,
                  switch_lead_s=switch_lead, timeout_s=timeout, out=typer.echo, straggler_policy=straggler_policy,
                  replication=replication, hang_timeout_s=hang_timeout, bind=bind, advertise=advertise_addr,
-                 port=port)
+                 port=port, max_steps=max_steps)
     raise typer.Exit(rc)
 
 

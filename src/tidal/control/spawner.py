@@ -28,16 +28,20 @@ LIVE = ("pending", "running")
 def worker_env(job: Job, worker_id: str, home: Path) -> dict[str, str]:
     """A worker's environment: where its master is, its id, the job's
     checkpoint directory (suspend/resume and consistent recovery; on several
-    machines it must be shared storage, or set in the job's own env), then the
-    job's own variables."""
+    machines it must be shared storage, or set in the job's own env), the
+    job's termination condition (the spec's ``iterations``: training ends at
+    that step whatever the script's loop says; with ``epochs`` the script's
+    ``job.epochs(N)`` ends it), then the job's own variables."""
     sub: dict[str, Any] = job.spec.get("submission", {})
     resume = (job.tags or {}).get("_resume_step")
+    iterations = sub.get("iterations")
     return {
         settings.MASTER_URL.name: job.master_url,
         settings.WORKER_ID.name: worker_id,
         "OMP_NUM_THREADS": "1",
         settings.CHECKPOINT_DIR.name: str(home / "checkpoints" / job.id),
         **({settings.RESUME_STEP.name: str(int(resume))} if resume is not None else {}),
+        **({settings.MAX_STEPS.name: str(int(iterations))} if iterations else {}),
         **sub.get("env", {}),
     }
 

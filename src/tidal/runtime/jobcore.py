@@ -51,6 +51,7 @@ class JobCore:
         self.stragglers: list[dict[str, Any]] = []
         self.hung: list[dict[str, Any]] = []
         self.lost = LostWorkers()  # workers dropped before their first step
+        self.saved_step = 0  # the progress step of the last saved snapshot
 
     # ------------------------------------------------------------------ persistence
     def to_json(self) -> dict[str, Any]:
@@ -73,12 +74,14 @@ class JobCore:
         self.lost.records = list(s.get("dropped") or [])
         if s.get("shards"):
             self.shards = ShardManager.from_snapshot(s["shards"])
+        self.saved_step = int(self.group.progress.get("step", 0))
         log.info("master resumed at gen %s step %s", self.group.gen and self.group.gen.gen,
                  self.group.progress.get("step"))
 
     def save(self) -> None:
         if self.backend is not None:
             self.backend.save(self.to_json())
+            self.saved_step = int(self.group.progress.get("step", 0))
 
     # ------------------------------------------------------------------ the change in progress
     def advance(self, event: Event) -> None:
@@ -319,6 +322,15 @@ class JobCore:
                 for w, why in self.health.hung(g.gen.members, gone, leaving, now)]
         self.hung += recs
         return recs
+
+
+def save_progress(core: JobCore) -> None:
+    """Save the snapshot before a step beyond the saved one is reported, so
+    a master restarted from it (``--resume``, or on another host) never
+    reports less than this one did: rank 0's progress reaches the master
+    through the store and is not a transition that saves by itself."""
+    if core.backend is not None and int(core.group.progress.get("step", 0)) > core.saved_step:
+        core.save()
 
 
 def job_status(core: JobCore, url: str) -> Status:

@@ -45,13 +45,62 @@ def resolve_master(job: str) -> str:
     return json.loads(f.read_text())["url"]
 
 
+NO_INIT = "the script never called tidal.runtime.init()"
+
+
+class _Starts:
+    """The first workers of ``tidal run`` until each registered with the
+    master: while the job forms, one that exited without registering (0: it
+    never called ``tidal.runtime.init()``; an error: its last line) or has not
+    registered within ``join_timeout_s`` (a warning at half of it) fails the
+    run instead of leaving the master waiting for it."""
+
+    def __init__(self, master: Any, spawner: LocalSpawner, out: Callable[[str], None], join_timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.master, self.spawner, self.out, self.clock = master, spawner, out, clock
+        self.timeout_s = join_timeout_s
+        self.registered: set[str] = set()
+        self.warned = False
+
+    def failure(self, codes: dict[str, int | None], state: str) -> str | None:
+        """Why the run fails now; None: it goes on."""
+        waiting = [w for w in codes if w not in self.registered]
+        if state != "forming" or not waiting:
+            return None
+        self.registered |= {w for w, r in self.master.snapshot()["workers"].items() if "registered_at" in r}
+        waiting = [w for w in waiting if w not in self.registered]
+        for w in waiting:
+            if codes[w] is not None and codes[w] > 0:  # killed by a signal (< 0): dropped, the job goes on
+                why = self.spawner.last_error(w) or "no error message"
+                return f"worker {w} failed before it registered with the job master (exit code {codes[w]}): {why}"
+        quit_ = [w for w in waiting if codes[w] == 0]
+        if quit_:
+            return (f"worker(s) {', '.join(quit_)} exited without registering with the job master: {NO_INIT} "
+                    "(or never started training: job.epochs(), its loader)")
+        now, name = self.clock(), settings.JOIN_TIMEOUT_S.name
+        late = [w for w in waiting if codes[w] is None and now - self.spawner.started.get(w, now) >= self.timeout_s]
+        if late:
+            return (f"worker(s) {', '.join(late)} did not register with the job master within {self.timeout_s:g} s "
+                    f"(${name}); the script must call tidal.runtime.init() and start training")
+        slow = [w for w in waiting if codes[w] is None and now - self.spawner.started.get(w, now) >= self.timeout_s / 2]
+        if slow and not self.warned:
+            self.warned = True
+            self.out(f"tidal run: warning: worker(s) {', '.join(slow)} have not registered with the job master "
+                     f"{self.timeout_s / 2:g} s after they started; the run fails at {self.timeout_s:g} s (${name})")
+        return None
+
+
 class _RunWatch:
     """What ``tidal run`` prints while it hosts the master: progress lines,
     failed, hung and dropped workers; and when it stops (every worker
-    process exited, and no other host's worker is still a member)."""
+    process exited, and no other host's worker is still a member, or
+    :class:`_Starts` found a reason to fail: then :attr:`failure` says it)."""
 
-    def __init__(self, master: Any, spawner: LocalSpawner, out: Callable[[str], None], t0: float) -> None:
+    def __init__(self, master: Any, spawner: LocalSpawner, out: Callable[[str], None], t0: float,
+                 join_timeout_s: float) -> None:
         self.master, self.spawner, self.out, self.t0 = master, spawner, out, t0
+        self.starts = _Starts(master, spawner, out, join_timeout_s)
+        self.failure: str | None = None
         self.reported: set[str] = set()
         self.seen_failed: set[str] = set()  # failed, reported once the master had a periodic step to classify it
         self.dropped = 0  # dropped-worker records printed
@@ -71,6 +120,9 @@ class _RunWatch:
     def stop(self) -> bool:
         codes = self.spawner.exit_codes()
         st = self.master.status()
+        self.failure = self.starts.failure(codes, st.state)
+        if self.failure is not None:
+            return True
         for d in st.dropped[self.dropped:]:  # lost before their first step: no survivor reports them
             w, c = d["worker_id"], codes.get(d["worker_id"])
             self.reported.add(w)
@@ -119,6 +171,14 @@ def _bad_run(script: str, size: int, max_size: int | None) -> str | None:
     return None
 
 
+def _worker_env(max_steps: int | None) -> dict[str, str]:
+    """The workers' environment: this process's, with the job's step limit if given."""
+    env = dict(os.environ)
+    if max_steps:
+        env[settings.MAX_STEPS.name] = str(int(max_steps))
+    return env
+
+
 def run_job(
     script: str,
     args: Sequence[str] = (),
@@ -137,11 +197,13 @@ def run_job(
     bind: str | None = None,
     advertise: str | None = None,
     port: int = 0,
+    max_steps: int | None = None,
 ) -> int:
     """Run one elastic job of ``size`` workers to completion; returns the
     exit code. ``bind``/``advertise``/``port``: where the master listens and
     the address it gives workers (:mod:`tidal.net`; other hosts join with
-    ``tidal run --join ADVERTISE:PORT``)."""
+    ``tidal run --join ADVERTISE:PORT``). ``max_steps``: the job ends at this
+    global step whatever the script's loop says (``$TIDAL_MAX_STEPS``)."""
     from tidal.runtime.master import JobMaster
     from tidal.runtime.server import MasterServer
 
@@ -154,12 +216,12 @@ def run_job(
     except (ValueError, OSError) as e:
         out(f"tidal run: --state {state_url}: {e}")
         return 2
-    spawner = LocalSpawner(script, args)
-    bind = bind_addr(bind)
+    spawner = LocalSpawner(script, args, env=_worker_env(max_steps))
+    bind, join_s = bind_addr(bind), settings.JOIN_TIMEOUT_S.get()
     adv = advertise_addr(bind, explicit=advertise or settings.ADVERTISE_ADDR.get())
     master = JobMaster(job, size, backend=backend, spawner=spawner, switch_lead_s=switch_lead_s, max_size=max_size,
                        straggler_policy=straggler_policy, replication=replication, hang_timeout_s=hang_timeout_s,
-                       first_worker=size, store_host=adv)
+                       first_worker=size, store_host=adv, join_timeout_s=join_s)
     server = MasterServer(master, host=bind, port=port, advertise=adv).start()
     spawner.master_url = server.url
     jf = jobs_dir() / f"{job}.json"
@@ -168,12 +230,12 @@ def run_job(
     out(f"tidal run: job {job} master {server.url} workers {size}")
     spawner.spawn([WorkerLaunch(f"w{i}") for i in range(size)])
     t0 = time.time()
-    watch = _RunWatch(master, spawner, out, t0)
+    watch = _RunWatch(master, spawner, out, t0, join_s)
     rc = 0
     try:
         if not host_master(master, stop=watch.stop, on_status=watch.on_status, on_hung=watch.on_hung,
-                           status_every_s=progress_every_s, timeout_s=timeout_s):
-            out("tidal run: timeout; stopping the job")
+                           status_every_s=progress_every_s, timeout_s=timeout_s) or watch.failure:
+            out(f"tidal run: {watch.failure or 'timeout'}; stopping the job")
             spawner.terminate()
             rc = 1
     except KeyboardInterrupt:
@@ -325,6 +387,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="add --workers workers on this host to the running job whose master is at HOST:PORT")
     r.add_argument("--replace-host", default=None, metavar="HOST",
                    help="with --join: the new workers replace HOST's workers in one switch (a migration)")
+    r.add_argument("--max-steps", type=int, default=None,
+                   help="end the job at this global step whatever the script's loop says ($TIDAL_MAX_STEPS)")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     m = sub.add_parser("master", help="host only the job master (workers are started elsewhere)")
@@ -347,6 +411,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.cmd == "run" and a.max_steps:
+        os.environ[settings.MAX_STEPS.name] = str(a.max_steps)  # every worker started here (--join too)
     if a.cmd == "run" and a.join:
         from tidal.runtime.join import join_job
 

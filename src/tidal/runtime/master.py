@@ -32,7 +32,7 @@ from tidal.runtime.change import Abandon, Change, ChangeKind
 from tidal.runtime.data import ShardManager
 from tidal.runtime.generations import Generations
 from tidal.runtime.health import kill_worker
-from tidal.runtime.jobcore import JobCore, job_status, refuse
+from tidal.runtime.jobcore import JobCore, job_status, refuse, save_progress
 from tidal.runtime.messages import Generation, ScaleAnswer, Status
 from tidal.runtime.persistence import StateBackend
 from tidal.runtime.replication import MODES
@@ -140,10 +140,8 @@ class JobMaster:
         self.url = ""
         self.moved_to: str | None = None
         self._lock = threading.Lock()
-        if resume and backend is not None:
-            snap = backend.load()
-            if snap:
-                self.core.restore(snap)
+        if resume and backend is not None and (snap := backend.load()):
+            self.core.restore(snap)
 
     @classmethod
     def from_snapshot(cls, snap: dict[str, Any], **kw: Any) -> "JobMaster":
@@ -337,7 +335,9 @@ class JobMaster:
 
     # ------------------------------------------------------------------ reads
     def status(self) -> Status:
+        """The job's status; progress it reports was saved first (:func:`save_progress`)."""
         with self._lock:
+            save_progress(self.core)
             return job_status(self.core, self.url)
 
     def store_info(self) -> dict[str, Any]:

@@ -23,6 +23,8 @@ import os
 import subprocess
 import sys
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
@@ -133,6 +135,8 @@ class LocalSpawner:
         self.gpus = list(gpus) if gpus is not None else local_gpus(self.env)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.slots: dict[str, int] = {}  # worker -> LOCAL_RANK (its GPU index with GPUs)
+        self.started: dict[str, float] = {}  # worker -> when it was started (monotonic clock)
+        self._tails: dict[str, tuple[deque[str], threading.Thread]] = {}  # its last stderr lines, their reader
         self._lock = threading.Lock()
         self.master_url = master_url
 
@@ -161,10 +165,16 @@ class LocalSpawner:
         for x, slot in zip(launches, slots):
             env = dict(self.env, **{settings.MASTER_URL.name: self.master_url, settings.WORKER_ID.name: x.worker_id,
                                     "LOCAL_RANK": str(slot)})
-            p = subprocess.Popen([sys.executable, "-u", self.script, *self.args], env=env)
+            p = subprocess.Popen([sys.executable, "-u", self.script, *self.args], env=env, stderr=subprocess.PIPE)
+            tail: deque[str] = deque(maxlen=8)
+            relay = threading.Thread(target=_relay, args=(p.stderr, tail), name=f"tidal-stderr-{x.worker_id}",
+                                     daemon=True)
+            relay.start()
             with self._lock:
                 self.procs[x.worker_id] = p
                 self.slots[x.worker_id] = slot
+                self.started[x.worker_id] = time.monotonic()
+                self._tails[x.worker_id] = (tail, relay)
             log.info("started worker %s (pid %d, LOCAL_RANK %d)", x.worker_id, p.pid, slot)
 
     def kill(self, worker_id: str) -> None:
@@ -176,6 +186,15 @@ class LocalSpawner:
     def exit_codes(self) -> dict[str, int | None]:
         with self._lock:
             return {w: p.poll() for w, p in self.procs.items()}
+
+    def last_error(self, worker_id: str) -> str:
+        """The last non-blank line an exited worker wrote to stderr (a
+        traceback's exception line), or ""."""
+        with self._lock:
+            tail, relay = self._tails.get(worker_id, (deque(), None))
+        if relay is not None:
+            relay.join(timeout=2.0)  # the process exited: its pipe is drained soon
+        return tail[-1] if tail else ""
 
     def terminate(self, grace_s: float = 10.0) -> None:
         """SIGTERM every live worker, SIGKILL after ``grace_s``."""
@@ -189,3 +208,17 @@ class LocalSpawner:
                 p.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def _relay(stream: Any, tail: deque[str]) -> None:
+    """Pass a worker's stderr on to this process's, keeping its last non-blank lines."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        try:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        except (OSError, ValueError):  # our stderr is gone: keep draining the pipe
+            pass
+        if line.strip():
+            tail.append(line.rstrip())
+    stream.close()

@@ -45,14 +45,14 @@ import operator
 import os
 import pickle
 import time
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, NoReturn, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from tidal import settings
 from tidal.runtime.checkpoint import Checkpointer
-from tidal.runtime.client import MasterClient, url_file
+from tidal.runtime.client import MasterClient, MasterUnavailable, url_file
 from tidal.runtime.devices import backend_for, local_device, params_device
 from tidal.runtime.heartbeat import Heartbeat
 from tidal.runtime.lifecycle import Lifecycle
@@ -112,6 +112,7 @@ class Job:
         self._loader: ElasticLoader | None = None
         self._epoch: int | None = None  # the epoch job.epochs() is in
         self._rank0_calls: tuple[int, int] = (-1, 0)  # (generation, calls made in it)
+        self.max_steps = settings.MAX_STEPS.get()  # the job's termination condition (0: the script's loop)
 
     # ------------------------------------------------------------------ views
     state = _view("train.elastic", "The registered :class:`ElasticState`.")
@@ -216,18 +217,19 @@ class Job:
 
     def epochs(self, count: int) -> Iterator[int]:
         """``for epoch in job.epochs(N)``: joins the job, then yields the
-        epochs left (a newcomer starts at the job's current epoch). The
-        script's per-epoch code after the loader loop runs on every worker
-        before any switch."""
+        epochs left (a newcomer starts at the job's current epoch), and ends
+        at the job's step limit (``$TIDAL_MAX_STEPS``) if that comes first.
+        The script's per-epoch code after the loader loop runs on every
+        worker before any switch."""
         ld = self._loader
         if ld is None:
             raise RuntimeError("create the loader before job.epochs(): loader = job.loader(...)")
-        self.life.start()
+        self._start()
         e = self.cursor // ld.n
-        while e < count and not (self.finished or self.left):
+        while e < count and not self._over():
             self._epoch = e
             yield e
-            if self.finished or self.left:
+            if self._over():
                 break
             self.runner.commit(epoch_end=(e + 1) * ld.n)  # the loop left early: skip the epoch's rest
             e += 1
@@ -240,10 +242,43 @@ class Job:
         if self.client is not None:
             raise RuntimeError("iterate the loader inside `for epoch in job.epochs(N):` so that a worker "
                                "that joins later starts at the job's current epoch")
-        self.life.start()
+        self._start()
         return self.cursor // ld.n
 
+    def _start(self) -> None:
+        """Join the job (once). A worker that cannot reach its master within
+        ``$TIDAL_MASTER_WAIT_S`` exits 1 with one line; one that finds the job
+        over before it joined (a scale-out racing the end) exits 0 quietly:
+        the script's code after training must not run on an untrained model."""
+        if self.life.started:
+            return
+        if self.client is not None:
+            _reach_master(self.client, self.worker_id)
+        try:
+            self.life.start()
+        except MasterUnavailable as e:
+            _give_up(self.worker_id, f"its job master stopped answering while it joined ({e})", 1)
+        if self.finished and self.membership.seat.gen is None:
+            self.close()
+            _give_up(self.worker_id, "the job finished before it joined; exiting", 0)
+
+    def _over(self) -> bool:
+        """The job is over for this worker: it finished, left, or reached the step limit."""
+        return self.finished or self.left or self._at_limit()
+
+    def _at_limit(self) -> bool:
+        """The job's termination condition (``$TIDAL_MAX_STEPS``) holds at this
+        batch boundary: every rank commits the same steps, so every rank stops
+        at the same one."""
+        return bool(self.max_steps) and self.train.step >= self.max_steps and not self.runner.window.open
+
     def _boundary(self, ld: ElasticLoader, epoch: int) -> bool:
+        if self.max_steps and not (self.finished or self.left or self.runner.window.failed):
+            self.runner.commit()  # the step just taken counts (committing again later is a no-op)
+            if self._at_limit():
+                log.info("worker %s: the job's step limit %d reached (%s)", self.worker_id, self.max_steps,
+                         settings.MAX_STEPS.name)
+                return False
         return self.life.boundary(ld, epoch)
 
     # ------------------------------------------------------------------ steps
@@ -347,6 +382,26 @@ def _master_client(url: str) -> MasterClient:
     if not path:
         return MasterClient(url)
     return MasterClient(url, patience_s=90.0, locate=url_file(path))
+
+
+def _reach_master(client: MasterClient, worker_id: str) -> None:
+    """Before registering: the master answers within ``$TIDAL_MASTER_WAIT_S``
+    (not the client's longer patience, meant for a master that moves while
+    the job trains) and the job is not over."""
+    wait = settings.MASTER_WAIT_S.get()
+    try:
+        st = client.request("GET", "/status", patience_s=wait)[1]
+    except MasterUnavailable as e:
+        _give_up(worker_id, f"its job master at {client.url} did not answer within {wait:g} s "
+                            f"(${settings.MASTER_WAIT_S.name}): {e}", 1)
+    if st.get("state") == "finished":
+        _give_up(worker_id, "the job finished before it joined; exiting", 0)
+
+
+def _give_up(worker_id: str, why: str, code: int) -> NoReturn:
+    """End this worker before it trained, with one log line and no traceback."""
+    (log.warning if code == 0 else log.error)("worker %s: %s", worker_id, why)
+    raise SystemExit(code)
 
 
 def init(master_url: str | None = None, worker_id: str | None = None, **kw: Any) -> Job:

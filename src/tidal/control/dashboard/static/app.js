@@ -167,8 +167,9 @@ function relTime(t, now) {
 }
 
 function progressOf(j) {
-  if (j.state === "completed") return 1;
-  return j.iterations ? Math.min(1, (j.step || 0) / j.iterations) : 0;
+  // the step it reached (a finished job: the step it ended at) of its iterations; a script may end first
+  if (!j.iterations) return j.state === "completed" ? 1 : 0;
+  return Math.min(1, (j.step || 0) / j.iterations);
 }
 
 function rows(tbody, list, make) {
