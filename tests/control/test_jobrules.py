@@ -12,7 +12,7 @@ from tidal.core.errors import InputError
 
 
 @pytest.mark.parametrize("key", ["PYTHONPATH", "PYTHONSTARTUP", "LD_PRELOAD", "LD_LIBRARY_PATH", "PATH", "HOME",
-                                 "TIDAL_MASTER_URL", "TIDAL_JOB_TOKEN", "TIDAL_CHECKPOINT_DIR", "TIDAL_HOME",
+                                 "TIDAL_MASTER_URL", "TIDAL_JOB_TOKEN", "TIDAL_WORKER_ID", "TIDAL_HOME",
                                  "TIDAL_ADMIN_TOKEN", "CUDA_VISIBLE_DEVICES", "BASH_ENV", "DATA_DIR"])
 def test_loader_interpreter_and_control_plane_variables_are_refused(key):
     assert not env_key_allowed(key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -25,6 +26,14 @@ log = logging.getLogger("tidal.agent")
 _SECRETS = frozenset({settings.TOKEN.name, settings.ADMIN_TOKEN.name, settings.JOB_TOKEN.name})
 
 MASTER_RESTARTS = 3  # a job master that keeps crashing is then reported failed
+
+#: a report's ``error`` is cut to this many characters (the server keeps no more)
+MAX_ERROR = 2000
+#: OS errors of a launch that may pass (the node short of processes, memory or file handles): the
+#: launch is tried again at the next heartbeats, :data:`LAUNCH_TRIES` times in all; any other
+#: failure (E2BIG, ENOENT, EACCES, a NUL byte, ...) would fail again and is reported at once
+TRANSIENT = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EINTR})
+LAUNCH_TRIES = 3
 
 #: starts one process row: ``launch(row, argv, env, cwd, log_path)`` -> its handle; the process
 #: appends its stdout and stderr to ``log_path`` and leads its own session
@@ -65,6 +74,48 @@ def start_limited(limiter: Limiter, launcher: Launcher, w: dict[str, Any], argv:
     return handle, pl
 
 
+def one_line(text: str, limit: int = MAX_ERROR) -> str:
+    """``text`` as one line of at most ``limit`` characters that JSON, UTF-8
+    and the store all take: lone surrogates and control characters escaped
+    (``\\udc80``, ``\\x00``), a long text cut in its middle."""
+    if len(text) > 4 * limit:  # only its ends can show: a 128 KiB argument costs no more than they do
+        text = text[:2 * limit] + text[-2 * limit:]
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    text = "".join(c if c >= " " and c != "\x7f" else ("\\x%02x" % ord(c)) for c in text)
+    if len(text) > limit:
+        keep = (limit - 5) // 2
+        text = f"{text[:keep]} ... {text[len(text) - keep:]}"
+    return text
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every text in it encodable as UTF-8 (a lone surrogate,
+    which no JSON parser on the server may take, becomes ``\\udcXX``)."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {json_safe(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def launch_error(e: BaseException) -> str:
+    """The one-line reason of a failed launch, e.g. ``launch failed: [Errno 7]
+    Argument list too long: '/usr/bin/python3'``."""
+    text = str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+    return one_line(f"launch failed: {text}")
+
+
+def ended_report(wid: int, state: str, error: str = "") -> dict[str, Any]:
+    """The report of a process row that never ran: ``failed`` with the
+    reason its launch failed (in ``error`` and as its one log line), or
+    ``exited`` when it was told to stop before it started. Its exit code
+    is None: it never ran, so it has none."""
+    return {"id": wid, "state": state, "pid": 0, "exit_code": None, "log": f"tidal agent: {error}\n" if error else "",
+            **({"error": error} if error else {})}
+
+
 def detect_gpus() -> int:
     """Number of NVIDIA GPUs through NVML, 0 when there is none (or no NVML)."""
     try:
@@ -77,6 +128,93 @@ def detect_gpus() -> int:
             pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - no driver, no library: no GPUs
         return 0
+
+
+def gpu_utils(virtual: bool, num_gpus: int, procs: dict[int, Proc]) -> dict[int, float]:
+    """Each GPU's utilisation (0-1) through NVML; with virtual GPUs, 1 for
+    those a process runs on."""
+    if virtual:
+        busy = {int(p.gpu) for p in procs.values() if p.gpu.lstrip("-").isdigit()}
+        return {i: (1.0 if i in busy else 0.0) for i in range(num_gpus)}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return {i: float(pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(i)).gpu) / 100
+                    for i in range(num_gpus)}
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def write_url(path: Path, url: str) -> bool:
+    """Write ``url`` to ``path`` atomically; False (logged) if it cannot be."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(url)
+        os.replace(tmp, path)
+    except (OSError, ValueError) as e:  # tried again at the next heartbeat
+        log.error("cannot write %s: %s", path, e)
+        return False
+    return True
+
+
+def process_env(w: dict[str, Any], node: str, master_file: Path, address: str) -> dict[str, str]:
+    """The environment a process row runs with: the agent's own without its
+    credentials (a job's processes get their job's from the server), the
+    row's, and where this node and the job's master are."""
+    env = {k: v for k, v in os.environ.items() if k not in _SECRETS}
+    env.update({k: str(v) for k, v in (w.get("env") or {}).items()})
+    env[settings.NODE.name] = node
+    env[settings.MASTER_FILE.name] = str(master_file)
+    # a job master started here listens on this node's address (loopback on one host)
+    env[settings.BIND_ADDR.name] = env[settings.ADVERTISE_ADDR.name] = address
+    return env
+
+
+def stop_step(p: Proc, now: float) -> None:
+    """One step of stopping a process: SIGTERM, then SIGKILL once 10 s passed."""
+    if not p.stop_sent:
+        p.handle.send_signal(signal.SIGTERM)
+        p.stop_sent = now
+    elif now - p.stop_sent > 10:
+        p.handle.kill()
+
+
+class Starter:
+    """Starts the process rows of one node: ``launcher`` inside ``limiter``'s
+    limits, the output appended to ``workdir/logs/JOB/NAME.log``, a gated
+    row behind its gate file (:mod:`tidal.agent.prewarm`)."""
+
+    def __init__(self, node: str, address: str, workdir: Path, launcher: Launcher, limiter: Limiter) -> None:
+        self.node, self.address, self.workdir = node, address, workdir
+        self.launcher, self.limiter = launcher, limiter
+
+    def master_file(self, job: str) -> Path:
+        """Where this node's workers of ``job`` read its master's URL."""
+        return self.workdir / "masters" / f"{job}.url"
+
+    def start(self, w: dict[str, Any], offset: int | None, restarts: int) -> Proc:
+        """Start row ``w``; raises what kept it from starting. Its log is
+        shipped from ``offset`` (None: from the log's end)."""
+        d = self.workdir / "logs" / w["job"]
+        d.mkdir(parents=True, exist_ok=True)
+        log_path = d / f"{w['name']}.log"
+        start = offset if offset is not None else (log_path.stat().st_size if log_path.exists() else 0)
+        env = process_env(w, self.node, self.master_file(w["job"]), self.address)
+        argv, gate = list(w["argv"]), None
+        if w.get("gated"):
+            gates = self.workdir / "gates"
+            gates.mkdir(exist_ok=True)
+            gate = str(gates / f"{w['id']}")
+            argv = [argv[0], "-u", "-m", "tidal.agent.prewarm", gate, "--", *argv]
+        handle, pl = start_limited(self.limiter, self.launcher, w, argv, env, w.get("cwd") or None, log_path)
+        return Proc(int(w["id"]), w["job"], w["name"], str(w.get("kind") or "worker"), handle, log_path,
+                    offset=start, gpu=env.get("CUDA_VISIBLE_DEVICES", "-1"), gate=gate, restarts=restarts, spec=w,
+                    limits=pl)
 
 
 class Refused(RuntimeError):
@@ -123,12 +261,14 @@ class Agent:
         for p in self.procs.values():
             self.limiter.watch(p.limits, p.handle)
         self.acked: set[int] = set()  # exited processes the server knows about (never relaunched)
+        self.tries: dict[int, int] = {}  # launches of a row that failed with a transient OS error
         self._stop = threading.Event()
         self.registered = False
         self._urls: dict[str, str] = {}  # the master URL last written per job
         # an unreachable server is retried for one interval, then on the next tick
         self.join_token = token
         self.http = JsonHttp(self.server, token=token, timeout_s=10.0, patience_s=interval_s)
+        self.starter = Starter(name, self.address, self.workdir, launcher, self.limiter)
 
     # -- transport ----------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -161,13 +301,16 @@ class Agent:
                 log.warning("server answered %s; retrying", e.status)
             except (Unavailable, OSError) as e:
                 log.warning("server unreachable (%s); processes keep running", e)
+            except Exception:  # noqa: BLE001 - a bug, or an answer it cannot read: the agent stays up
+                log.exception("heartbeat failed; processes keep running")
             self._stop.wait(self.interval_s)
         self.shutdown()
 
     def tick(self) -> None:
         reports = self._collect()
         self._save()  # an exit seen is reported also by the next run of this agent
-        ans = self._post(f"/internal/agents/{self.name}/heartbeat", {"procs": reports, "utils": self._utils()})
+        ans = self._post(f"/internal/agents/{self.name}/heartbeat",
+                         json_safe({"procs": reports, "utils": gpu_utils(self.virtual, self.num_gpus, self.procs)}))
         # acknowledged: exit reports are delivered, log chunks too
         for r in reports:
             r["log"] = ""
@@ -190,21 +333,37 @@ class Agent:
         process that ended is ``failed`` with exit code None (unknown)."""
         out = []
         for p in list(self.procs.values()):
-            code = p.handle.poll()
-            if code not in (None, 0) and self._restart_master(p, code):
-                continue  # the same process row runs again; its new pid is reported next tick
-            text = self._read_log(p)
-            state = "running" if code is None else ("exited" if code == 0 else "failed")
-            rep = {"id": p.id, "state": state, "pid": p.handle.pid,
-                   "exit_code": None if code == EXIT_UNKNOWN else code, "log": text}
-            if code is not None:  # out of memory: the server raises the job's limit (docs/resources.md)
-                rep["oom"] = self.limiter.finished(p.limits, None if code == EXIT_UNKNOWN else code)
-                del self.procs[p.id]
-                self.finished[p.id] = rep
-            else:
+            try:
+                rep = self._report(p)
+            except Exception:  # noqa: BLE001 - one process never keeps the others' reports from the server
+                log.exception("cannot report %s/%s (pid %d)", p.job, p.name, p.handle.pid)
+                continue
+            if rep is not None:
                 out.append(rep)
         out.extend(self.finished.values())
         return out
+
+    def _report(self, p: Proc) -> dict[str, Any] | None:
+        """The report of a live process; None when it ended (its report is
+        then kept in :attr:`finished` until delivered) or was restarted."""
+        code = p.handle.poll()
+        if code not in (None, 0) and self._restart_master(p, code):
+            return None  # the same process row runs again; its new pid is reported next tick
+        data = p.handle.read_log(p.log_path, p.offset, 256 * 1024)
+        p.offset += len(data)
+        text = data.decode(errors="replace")
+        state = "running" if code is None else ("exited" if code == 0 else "failed")
+        rep = {"id": p.id, "state": state, "pid": p.handle.pid,
+               "exit_code": None if code == EXIT_UNKNOWN else code, "log": text}
+        if code is None:
+            return rep
+        if p.error:
+            rep["error"] = p.error
+        # out of memory: the server raises the job's limit (docs/resources.md)
+        rep["oom"] = self.limiter.finished(p.limits, None if code == EXIT_UNKNOWN else code)
+        del self.procs[p.id]
+        self.finished[p.id] = rep
+        return None
 
     def _restart_master(self, p: Proc, code: int) -> bool:
         """A job master that crashed (killed, or an exception) and was not told
@@ -220,92 +379,82 @@ class Agent:
         log.warning("job master %s/%s exited with %s; restarting it (%d/%d)", p.job, p.name, code, done + 1,
                     MASTER_RESTARTS)
         argv = list(w["argv"]) + ([] if "--resume" in w["argv"] else ["--resume"])
-        self._launch({**w, "argv": argv}, offset=p.offset, restarts=done + 1)
+        failure = self._launch({**w, "argv": argv}, offset=p.offset, restarts=done + 1)
+        if failure is not None:  # reported as it ended, with why it was not restarted
+            p.error = one_line(f"exited with {code}; restart {launch_error(failure)}")
+            return False
         return True
 
-    def _read_log(self, p: Proc) -> str:
-        data = p.handle.read_log(p.log_path, p.offset, 256 * 1024)
-        p.offset += len(data)
-        return data.decode(errors="replace")
-
-    def _utils(self) -> dict[int, float]:
-        if self.virtual:
-            busy = {int(p.gpu) for p in self.procs.values() if p.gpu.lstrip("-").isdigit()}
-            return {i: (1.0 if i in busy else 0.0) for i in range(self.num_gpus)}
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            try:
-                return {i: float(pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(i)).gpu) / 100
-                        for i in range(self.num_gpus)}
-            finally:
-                pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            return {}
-
     def _reconcile(self, wanted: list[dict[str, Any]]) -> None:
+        """Launch, stop or ungate each row the server wants here; a row that fails
+        (its launch, or any error) is logged and reported failed unless it runs."""
         now = time.time()
         for w in wanted:
-            wid = int(w["id"])
-            p = self.procs.get(wid)
-            if w["desired"] == "stop":
-                if p is not None:
-                    if not p.stop_sent:
-                        p.handle.send_signal(signal.SIGTERM)
-                        p.stop_sent = now
-                    elif now - p.stop_sent > 10:
-                        p.handle.kill()
-                continue
-            if p is None and wid not in self.acked and wid not in self.finished:
-                self._launch(w)
-            elif p is not None and p.gate and not w.get("gated"):
-                Path(p.gate).touch()  # the GPU is this job's now: train
+            try:
+                self._reconcile_row(w, now)
+            except Exception as e:  # noqa: BLE001 - one row never stops the others
+                wid = w.get("id") if isinstance(w, dict) else None
+                log.exception("process row %s: cannot handle it", wid)
+                if isinstance(wid, int) and not self._known(wid):
+                    self._end(wid, "failed", one_line(f"agent error: {type(e).__name__}: {e}"))
 
-    def _master_file(self, job: str) -> Path:
-        return self.workdir / "masters" / f"{job}.url"
+    def _known(self, wid: int) -> bool:  # it runs here or ended here: it is never launched again
+        return wid in self.procs or wid in self.acked or wid in self.finished
+
+    def _reconcile_row(self, w: dict[str, Any], now: float) -> None:
+        wid = int(w["id"])
+        p = self.procs.get(wid)
+        if p is None and self._known(wid):
+            return  # it ended here: its report is on its way
+        if w["desired"] == "stop":
+            if p is not None:
+                stop_step(p, now)
+            elif w.get("state", "pending") == "pending":
+                self._end(wid, "exited")  # never started: nothing to stop (a cancel completes)
+            return
+        if p is None:
+            self._launch_row(w)
+        elif p is not None and p.gate and not w.get("gated"):
+            Path(p.gate).touch()  # the GPU is this job's now: train
+
+    def _launch_row(self, w: dict[str, Any]) -> None:
+        """Launch a row once: a failed launch is reported failed with its reason,
+        never tried again (but for a transient OS error, :data:`TRANSIENT`)."""
+        wid = int(w["id"])
+        failure, tries = self._launch(w), self.tries.pop(wid, 0) + 1
+        if failure is not None and wid not in self.procs:
+            if isinstance(failure, OSError) and failure.errno in TRANSIENT and tries < LAUNCH_TRIES:
+                self.tries[wid] = tries  # tried again at the next heartbeat
+            else:
+                self._end(wid, "failed", launch_error(failure))
+
+    def _end(self, wid: int, state: str, error: str = "") -> None:
+        """Row ``wid``, which never ran, ended: reported at the next heartbeat."""
+        self.tries.pop(wid, None)
+        self.finished[wid] = ended_report(wid, state, error)
+        self._save()
+        log.log(logging.ERROR if error else logging.INFO, "row %d ended, never ran: %s", wid, error or "stopped")
 
     def _write_master_urls(self, masters: dict[str, str]) -> None:
         """Where each job's master is now, for this node's workers
         (``$TIDAL_MASTER_FILE``): a master restarted on another host after
         its own died is found there. Written atomically, only on change."""
         for job, url in masters.items():
-            path = self._master_file(job)
-            if self._urls.get(job) == url:
-                continue
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(url)
-            os.replace(tmp, path)
-            self._urls[job] = url
+            if self._urls.get(job) != url and write_url(self.starter.master_file(job), url):
+                self._urls[job] = url
 
-    def _launch(self, w: dict[str, Any], offset: int | None = None, restarts: int = 0) -> None:
-        d = self.workdir / "logs" / w["job"]
-        d.mkdir(parents=True, exist_ok=True)
-        log_path = d / f"{w['name']}.log"
-        start = offset if offset is not None else (log_path.stat().st_size if log_path.exists() else 0)
-        # the agent's own credentials never reach a job's processes; they get their job's from the server
-        env = {k: v for k, v in os.environ.items() if k not in _SECRETS}
-        env.update({k: str(v) for k, v in (w.get("env") or {}).items()})
-        env[settings.NODE.name] = self.name
-        env[settings.MASTER_FILE.name] = str(self._master_file(w["job"]))
-        # a job master started here listens on this node's address (loopback on one host)
-        env[settings.BIND_ADDR.name] = env[settings.ADVERTISE_ADDR.name] = self.address
-        cwd = w.get("cwd") or None
-        argv, gate = list(w["argv"]), None
-        if w.get("gated"):
-            gates = self.workdir / "gates"
-            gates.mkdir(exist_ok=True)
-            gate = str(gates / f"{w['id']}")
-            argv = [argv[0], "-u", "-m", "tidal.agent.prewarm", gate, "--", *argv]
-        handle, pl = start_limited(self.limiter, self.launcher, w, argv, env, cwd, log_path)
-        self.procs[int(w["id"])] = Proc(int(w["id"]), w["job"], w["name"], str(w.get("kind") or "worker"),
-                                        handle, log_path, offset=start,
-                                        gpu=env.get("CUDA_VISIBLE_DEVICES", "-1"), gate=gate, restarts=restarts,
-                                        spec=w, limits=pl)
+    def _launch(self, w: dict[str, Any], offset: int | None = None, restarts: int = 0) -> Exception | None:
+        """Start row ``w`` (never raises): None once it runs, else what kept it from
+        starting (``OSError`` from exec: E2BIG, ENOENT, EACCES; ``ValueError``: a NUL)."""
+        try:
+            p = self.starter.start(w, offset, restarts)
+        except Exception as e:  # noqa: BLE001 - whatever the row holds, the agent carries on
+            log.error("cannot launch %s/%s: %s", w.get("job"), w.get("name"), one_line(f"{type(e).__name__}: {e}"))
+            return e
+        self.procs[p.id] = p
         self._save()
-        log.info("launched %s/%s pid %d (CUDA_VISIBLE_DEVICES=%s)", w["job"], w["name"], handle.pid,
-                 env.get("CUDA_VISIBLE_DEVICES", ""))
+        log.info("launched %s/%s pid %d (CUDA_VISIBLE_DEVICES=%s)", p.job, p.name, p.handle.pid, p.gpu)
+        return None
 
     def shutdown(self) -> None:
         """Stop every process (SIGTERM, SIGKILL after 10 s); their exits are

@@ -163,6 +163,7 @@ class Proc:
     limits: Placement | None = None  # its memory and CPU limits (tidal.agent.limits)
     reported: str = ""
     stop_sent: float = 0.0
+    error: str = ""  # why it ended, when its exit code does not say (e.g. its restart failed); not kept on disk
 
     def record(self) -> dict[str, Any]:
         return {"id": self.id, "job": self.job, "name": self.name, "kind": self.kind, "pid": self.handle.pid,

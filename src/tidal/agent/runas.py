@@ -13,14 +13,18 @@ docs/security.md.
 
 from __future__ import annotations
 
+import logging
 import os
 import pwd
+import stat
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from tidal import settings
 from tidal.agent.proctable import Child, Handle
+
+log = logging.getLogger("tidal.agent")
 
 
 class RunAs:
@@ -41,10 +45,31 @@ class RunAs:
         self.user, self.uid, self.gid = user, pw.pw_uid, pw.pw_gid
 
     def private_dir(self, path: Path) -> None:
-        """``path`` (and missing parents) for this user only: 0700, owned by it."""
-        path.mkdir(parents=True, exist_ok=True)
-        os.chown(path, self.uid, self.gid)
-        path.chmod(0o700)
+        """``path`` (and missing parents) for this user only: 0700, owned by
+        it. A job's env may name its checkpoint directory, so the agent (root)
+        hands over only a directory it just made or one the user owns
+        already; any other (``/etc``, another user's, a symbolic link) is
+        left as it is, and the job finds out whether it may write there."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir()
+            made = True
+        except FileExistsError:
+            made = False
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            log.warning("checkpoint directory %s is a symbolic link: left as it is", path)
+            return
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if (made and st.st_uid == os.geteuid()) or st.st_uid == self.uid:
+                os.fchown(fd, self.uid, self.gid)
+                os.fchmod(fd, 0o700)
+            else:
+                log.warning("checkpoint directory %s belongs to uid %d, not to %s: left as it is", path, st.st_uid,
+                            self.user)
+        finally:
+            os.close(fd)
 
     def __call__(self, w: dict[str, Any], argv: list[str], env: dict[str, str], cwd: str | None,
                  log_path: Path) -> Handle:

@@ -11,6 +11,14 @@ serverless jobs), read by :func:`parse_gpu_request` alone:
 Per-worker limits (docs/resources.md), enforced by the agents:
   resources: {memory: 2Gi, cpus: 1.5}
 
+What can never start is refused here, naming the field (:func:`launchable`):
+a NUL byte or a lone surrogate (not UTF-8) in ``script``, ``args``,
+``workdir`` or ``env``; a control character (below 0x20, or 0x7f) in the
+``script`` or ``workdir`` path; one argument or ``KEY=value`` longer than
+Linux's per-string exec limit (:data:`MAX_ARG_BYTES`); all of them together
+over a share of the exec limit (:func:`exec_budget`); an env key that is no
+name (empty, or with ``=``).
+
 Auto-configuration (DLRover's premise: users size jobs badly; docs/autoconf.md):
   resources: auto    or no GPU count at all: the control plane sizes the job
                      (:mod:`tidal.control.autoconf`); ``{auto: true, cpus: 1}``
@@ -19,17 +27,60 @@ Auto-configuration (DLRover's premise: users size jobs badly; docs/autoconf.md):
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tidal.core.errors import InputError
 from tidal.core.job import JobSpec
 
 MAX_GPUS = 100_000  # a bound on every GPU count a spec may ask for (the cluster's size is checked later)
+
+#: the longest argument or ``KEY=value`` string Linux's exec takes, in bytes without its terminating
+#: NUL (MAX_ARG_STRLEN: 32 pages of 4 KiB); a longer one fails with E2BIG on every host
+MAX_ARG_BYTES = 32 * 4096 - 1
+#: the share of the exec limit (arguments and environment together) a job's script, arguments and
+#: environment may take; the rest is for the interpreter, the agent's and the control plane's variables
+EXEC_SHARE = 0.25
+_EXEC_LIMIT = 2 * 2**20  # Linux's usual limit (a quarter of an 8 MiB stack), when sysconf does not say
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def exec_budget() -> int:
+    """Bytes a job's own script, arguments and environment may take at exec
+    (pointers included): :data:`EXEC_SHARE` of ``sysconf(SC_ARG_MAX)``, at
+    most of Linux's usual 2 MiB (the agents' hosts may have no more)."""
+    try:
+        limit = os.sysconf("SC_ARG_MAX")
+    except (ValueError, OSError):
+        limit = -1
+    return int(EXEC_SHARE * (min(limit, _EXEC_LIMIT) if limit > 0 else _EXEC_LIMIT))
+
+
+def launchable(text: str, what: str, *, path: bool = False) -> int:
+    """The bytes ``text`` takes at exec; raises ``ValueError`` naming ``what``
+    when no host can start a process with it: a NUL byte, a lone surrogate,
+    more than :data:`MAX_ARG_BYTES`, or in a ``path`` a control character.
+    The text itself is never echoed (it may be 200 KiB long)."""
+    if "\x00" in text:
+        raise ValueError(f"{what}: holds a NUL byte (at character {text.index(chr(0))}), which exec cannot pass")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what}: holds a lone surrogate ({ascii(text[e.start])} at character {e.start}), "
+                         "which is not valid UTF-8") from None
+    if size > MAX_ARG_BYTES:
+        raise ValueError(f"{what}: {size} bytes, over the {MAX_ARG_BYTES} an exec takes in one string "
+                         "(MAX_ARG_STRLEN); pass large data in a file")
+    bad = _CONTROL.search(text) if path else None
+    if bad is not None:
+        raise ValueError(f"{what}: holds a control character ({ascii(bad.group())} at character {bad.start()}); "
+                         "a path may not")
+    return size
 
 GpuValue = int | str | list[int] | None
 
@@ -178,6 +229,35 @@ class JobSubmission(BaseModel):
     def _gpus(cls, v: Any) -> GpuValue:
         return parse_gpu_request(v).value()
 
+    @field_validator("script", "workdir")
+    @classmethod
+    def _path(cls, v: str, info: ValidationInfo) -> str:
+        launchable(v, str(info.field_name), path=True)
+        return v
+
+    @field_validator("args")
+    @classmethod
+    def _args(cls, v: list[str]) -> list[str]:
+        for i, a in enumerate(v):
+            launchable(a, f"args[{i}]")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            launchable(key, "env key")
+            if not key or "=" in key:
+                raise ValueError(f"env key {key[:40]!r}: not a variable name (empty, or with '=')")
+            launchable(f"{key}={value}", f"env.{key[:40]}")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        launchable(v, "model")
+        return v
+
     @field_validator("resources", mode="before")
     @classmethod
     def _auto_resources(cls, v: Any) -> Any:
@@ -198,6 +278,15 @@ class JobSubmission(BaseModel):
             raise ValueError("epochs needs dataset_size")
         if self.min_gpus and self.max_gpus and self.min_gpus > self.max_gpus:
             raise ValueError("min_gpus > max_gpus")
+        return self._fits_exec()
+
+    def _fits_exec(self) -> "JobSubmission":
+        """Script, arguments and environment together within :func:`exec_budget`."""
+        used = sum(len(a.encode()) + 9 for a in (self.script, *self.args))  # each with its NUL and pointer
+        used += sum(len(k.encode()) + len(v.encode()) + 10 for k, v in self.env.items())
+        if used > exec_budget():
+            raise ValueError(f"script, args and env take {used} bytes at exec, over the {exec_budget()} a job may "
+                             "use (a share of the host's ARG_MAX); pass large data in a file")
         return self
 
     def total_iterations(self) -> int:

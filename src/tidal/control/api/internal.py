@@ -26,6 +26,13 @@ router = APIRouter(prefix="/internal", tags=["internal"])
 
 NODE_TIMEOUT_S = 10.0
 MAX_LOG_CHUNK = 256 * 1024
+MAX_ERROR = 2000  # characters of a process's error kept (its agent cuts it to as many)
+
+
+def storable(text: str) -> str:
+    """``text`` as the store and a UTF-8 file take it: a lone surrogate
+    becomes ``\\udcXX`` and a NUL ``\\x00`` (PostgreSQL refuses it)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
 
 class RegisterRequest(BaseModel):
@@ -60,6 +67,18 @@ class ProcReport(BaseModel):
     exit_code: int | None = None
     log: str = ""
     oom: OomReport | None = None
+    # why it ended when its exit code does not say, e.g. "launch failed: [Errno 13] Permission denied: ..."
+    error: str = Field("", description=f"one line, cut to {MAX_ERROR} characters")
+
+    @field_validator("log")
+    @classmethod
+    def _storable_log(cls, v: str) -> str:
+        return v.encode("utf-8", "backslashreplace").decode("utf-8")
+
+    @field_validator("error")
+    @classmethod
+    def _short_error(cls, v: str) -> str:
+        return storable(v[:MAX_ERROR])[:MAX_ERROR]
 
 
 class HeartbeatRequest(BaseModel):
@@ -148,12 +167,15 @@ def _apply_reports(s: Session, store: Store, node: str, reports: list[ProcReport
         if w.state == "lost" and rep.state == "running":
             continue  # its node was down and it was given up: it is being stopped, not resumed
         state, code = rep.state, rep.exit_code
-        if state == "failed" and code is None:
+        if state == "failed" and code is None and not rep.error:
             if w.state in ("exited", "failed"):
                 continue  # a restarted agent's repeat of an exit already recorded
             state, code = _unknown_exit(s, w)
+        if rep.error:  # e.g. its launch failed: the coordinator fails the job with it
+            w.error = rep.error
         if w.state != state:
-            store.log(s, f"proc.{state}", w.job_id, node=node, gpu=w.gpu, proc=w.name, pid=rep.pid, exit_code=code)
+            store.log(s, f"proc.{state}", w.job_id, node=node, gpu=w.gpu, proc=w.name, pid=rep.pid, exit_code=code,
+                      **({"error": rep.error} if rep.error else {}))
             if state == "failed" and rep.oom is not None and w.kind == "worker":
                 _record_oom(s, store, w, rep.oom)
             finished |= state in ("exited", "failed", "lost")
@@ -265,7 +287,8 @@ def _wanted_processes(s: Session, node: str, creds: Credentials) -> list[dict[st
     return [{"id": w.id, "job": w.job_id, "name": w.name, "kind": w.kind, "argv": w.argv, "cwd": w.cwd,
              "env": {**(w.env or {}), settings.JOB_TOKEN.name: creds.job_token(w.job_id),
                      **({"CUDA_VISIBLE_DEVICES": str(gpu_index[w.gpu])} if w.gpu is not None else {})},
-             "desired": w.desired, "gated": w.gated, "resources": dict(w.resources or {})} for w in procs]
+             "desired": w.desired, "gated": w.gated, "resources": dict(w.resources or {}), "state": w.state}
+            for w in procs]
 
 
 def _master_urls(s: Session, jobs: set[str]) -> dict[str, str]:
@@ -330,19 +353,28 @@ def master_up(job_id: JobId, body: dict[str, Any], store: StoreDep, coord: Coord
     return {"ok": True}
 
 
+def _is_step(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v < 2**63
+
+
 @router.post("/jobs/{job_id}/status")
 def job_status(job_id: JobId, body: dict[str, Any], store: StoreDep, _: JobCredDep) -> dict[str, Any]:
-    """The job master's latest status (progress, step)."""
+    """The job master's latest status (progress, step), stored as reported,
+    except that the step never goes back: a report below the stored step
+    (a master that moved to another host and has not caught up) keeps it."""
     _plain_json(body, "status")
-    step = body.get("step", 0)
-    if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 <= step < 2**63:
+    if not _is_step(body.get("step", 0)):
         raise HTTPException(422, detail=[{"loc": ["body", "step"], "msg": "a step count (0 or more)",
                                           "type": "value_error"}])
     with store.session() as s:
         j = _any_job(s, job_id)
         _fence(s, job_id, body)
-        j.progress = {k: v for k, v in body.items() if k != "node"}
-        j.done = float(body.get("step", j.done))  # checked above
+        progress = {k: v for k, v in body.items() if k != "node"}
+        stored = (j.progress or {}).get("step")
+        if _is_step(stored) and ("step" not in progress or progress["step"] < stored):
+            progress["step"] = stored
+        j.progress = progress
+        j.done = float(progress.get("step", j.done))  # checked above
     return {"ok": True}
 
 
