@@ -135,7 +135,11 @@ def test_scale_pins_the_count_the_policy_uses(env):
     coord.round()  # admits and starts it on every GPU of the 4-GPU node (EDF: the best count)
     assert len(client.get(f"/v1/jobs/{jid}", headers=hdr(t["alice"])).json()["gpus"]) == 4
     jid2 = client.post("/v1/jobs", json=GOOD, headers=hdr(t["alice"])).json()["id"]
-    assert client.post(f"/v1/jobs/{jid2}/scale", json={"gpus": 0}, headers=hdr(t["alice"])).status_code == 422
+    assert client.post(f"/v1/jobs/{jid2}/scale", json={"gpus": -1}, headers=hdr(t["alice"])).status_code == 422
+    assert client.post(f"/v1/jobs/{jid2}/scale", json={"gpus": 3}, headers=hdr(t["alice"])).json()["pinned"] == 3
+    # 0 releases the pin; pin again
+    assert client.post(f"/v1/jobs/{jid2}/scale", json={"gpus": 0}, headers=hdr(t["alice"])).json()["pinned"] is None
+    assert client.get(f"/v1/jobs/{jid2}", headers=hdr(t["alice"])).json()["pinned"] is None
     assert client.post(f"/v1/jobs/{jid2}/scale", json={"gpus": 3}, headers=hdr(t["alice"])).json()["pinned"] == 3
     with store.session() as s:  # the first job is done; its GPUs are free again
         store.release_gpus(s, jid, store.job_gpus(s, jid))

@@ -234,3 +234,21 @@ def test_drain_suspends_every_running_job_and_starts_none(env):
     assert ("suspend", ()) in [(i, ()) for i, _ in masters.asked]
     assert job(store, a).state == "suspending" and job(store, "b").state in ("submitted", "pending")
     assert coord.draining_left() == ["a"]
+
+
+def test_a_pinned_job_is_never_suspended_until_released(env):
+    store, policy, masters, coord = env
+    a = run(store, policy, coord, submit(store, "a"), (0, 1)) or "a"
+    formed(store, a)
+    with store.session() as s:
+        j = s.get(Job, a)
+        j.spec = {**j.spec, "pinned": 2}
+    policy.place[a] = ()  # the policy would preempt it (EDF for an earlier deadline)
+    masters.asked.clear()
+    coord.round()
+    assert job(store, a).state == "running" and not masters.asked and gpus(store, a) == [0, 1]
+    with store.session() as s:  # tidal scale a 0: released
+        j = s.get(Job, a)
+        j.spec = {k: v for k, v in j.spec.items() if k != "pinned"}
+    coord.round()
+    assert [i for i, _ in masters.asked] == ["suspend"] and job(store, a).state == "suspending"

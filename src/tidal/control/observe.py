@@ -54,7 +54,8 @@ def observe(s: Session, j: Job, procs: Sequence[Process] | None = None) -> tuple
         live_workers=sum(1 for p in live if p.kind == "worker"),
         leavers_live=sum(1 for p in live if p.id in leavers),
         change_gpus=gpu_availability(s, j.id, gids) if gids and change.get("early") else "",
-        unsuspendable=bool((j.tags or {}).get("_unsuspendable")),
+        # a master that refused a suspension, or a user's pin (tidal scale ID N): the job keeps its GPUs
+        unsuspendable=bool((j.tags or {}).get("_unsuspendable") or (j.spec or {}).get("pinned")),
         relocate_to=relocation_target(s, current) if master is not None and master.state == "lost" else "",
         workers_erred=workers_erred(current),
         give_up=str(tags.get("_give_up") or launch_error([p for p in procs if first is not None and p.id >= first.id])),

@@ -44,7 +44,7 @@ PINNABLE = ("submitted", "pending", "running", "resizing")
 
 
 class ScaleRequest(BaseModel):
-    gpus: int = Field(..., ge=1)
+    gpus: int = Field(..., ge=0, description="pin the job at this many GPUs; 0 releases the pin")
 
 
 KEY_HEADER = "Idempotency-Key"
@@ -150,12 +150,19 @@ def get_job(job_id: JobId, p: UserDep, store: StoreDep) -> dict[str, Any]:
 
 @router.post("/{job_id}/scale")
 def scale(job_id: JobId, req: ScaleRequest, p: UserDep, store: StoreDep, coord: CoordinatorDep) -> dict[str, Any]:
-    """Pin the job at ``gpus`` GPUs: the policy uses that count from now on."""
+    """Pin the job at ``gpus`` GPUs until released (``gpus`` 0): the policy
+    sizes it at that count and never suspends it while it holds GPUs (as
+    ``kubectl scale`` holds a replica count)."""
     total = _total_gpus(store)
     with store.session() as s:
         j = own_job(s, job_id, p)
         if j.state not in PINNABLE:
             raise HTTPException(409, f"job {job_id} is {j.state}")
+        if req.gpus == 0:
+            j.spec = {k: v for k, v in j.spec.items() if k != "pinned"}
+            store.log(s, "job.unpinned", job_id, by=p.name)
+            coord.wake()
+            return {"id": job_id, "pinned": None}
         over = bool(total) and req.gpus > total  # no node registered yet: only the job's own range counts
         if over or not job_spec(j).can_run_at(req.gpus):
             why = f"the cluster has {total} GPUs" if over else "the job cannot run at that size"
