@@ -114,6 +114,12 @@ DEVICE: Setting[str | None] = Setting("TIDAL_DEVICE", _opt_str, None,
 COLLECTIVE_TIMEOUT_S: Setting[float] = Setting("TIDAL_COLLECTIVE_TIMEOUT_S", float, 1800.0,
                                                "how long a collective may wait for a live peer (a dead peer "
                                                "fails it at once); see docs/runtime.md, Timeouts", "worker")
+SILENT_TIMEOUT_S: Setting[float] = Setting("TIDAL_SILENT_TIMEOUT_S", float, 10.0,
+                                           "a member whose liveness beats stopped this many seconds while a peer "
+                                           "still beats is cut off (a silent host): the job master aborts its "
+                                           "generation and the others leave their collective and re-form without "
+                                           "it (0: wait for the hang timeout or the collective timeout); see "
+                                           "docs/runtime.md, Failures", "master")
 OVERLAP: Setting[bool] = Setting("TIDAL_OVERLAP", _bool, True,
                                  "bucketed gradient all-reduce overlapped with backward (0: after backward)",
                                  "worker")
@@ -216,6 +222,9 @@ START_TIMEOUT_S: Setting[float] = Setting("TIDAL_START_TIMEOUT_S", float, 90.0,
                                           "a started job whose workers do not form a first generation within "
                                           "this long fails (the script never calls tidal.runtime.init())",
                                           "server")
+CHANGE_TIMEOUT_S: Setting[float] = Setting("TIDAL_CHANGE_TIMEOUT_S", float, 120.0,
+                                           "a change in flight (a scale-out's newcomers joining, a shrink, a "
+                                           "suspension, a restart) is judged late after this long", "server")
 NODE_GRACE_S: Setting[float] = Setting("TIDAL_NODE_GRACE_S", float, 60.0,
                                        "an agent silent this long is down: its processes are lost (before "
                                        "that, its node only takes no new work)", "server")

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from sqlalchemy import func, select, update
 
+from tidal import settings
 from tidal.control.autoconf import AutoConf, apply_autoconf
 from tidal.control.db import GPU, Job, Store
 from tidal.control.effects import Context, set_phase
@@ -76,7 +77,7 @@ class Coordinator:
         server_url: str = "",
         tick_s: float = 2.0,
         overheads: OverheadModel | None = None,
-        change_timeout_s: float = 120.0,
+        change_timeout_s: float | None = None,
         home: Path | None = None,
         busy_tick_s: float = 0.5,
         leading: Callable[[], bool] | None = None,
@@ -89,7 +90,8 @@ class Coordinator:
         self.cx = Context(store, server_url=server_url)
         if home is not None:
             self.cx.home = Path(home)
-        self.reconciler = Reconciler(self.cx, change_timeout_s)
+        self.reconciler = Reconciler(self.cx, settings.CHANGE_TIMEOUT_S.get() if change_timeout_s is None
+                                     else change_timeout_s)
         self.autoconf = AutoConf(store)  # sizes jobs submitted without a GPU count (docs/autoconf.md)
         self._wake = threading.Event()
         self._stop = threading.Event()
