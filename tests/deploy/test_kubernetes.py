@@ -4,8 +4,10 @@ Every overlay, and the overlays with the opt-in components, is rendered with
 ``kubectl kustomize`` and each manifest validated against the Kubernetes 1.30
 OpenAPI schemas that ``kubernetes-validate`` ships (strict: an unknown field
 is an error). Then what a user relies on: the server's probes and Service
-reach the port it listens on, the agents find the server by the Service's
-name, every Secret, ConfigMap, volume claim and service account a pod names
+reach the port it listens on (liveness on /healthz, readiness on /readyz),
+the server runs several replicas on several nodes with a lease bound that the
+bundled database's TCP keepalives honour, the agents find the server by the
+Service's name, every Secret, ConfigMap, volume claim and service account a pod names
 is in the render, the agent gets the node's GPUs, images are pinned, nothing
 runs privileged, and the shell and Python embedded in the manifests (the
 credentials check, the agent's liveness probe, the switch label wrapper)
@@ -222,10 +224,15 @@ def test_server_probes_and_service_reach_the_port_it_listens_on(docs):
     dep, c, svc = server_parts(docs)
     listen = int(arg_after(c["args"], "--port"))
     assert arg_after(c["args"], "--host") == "0.0.0.0"
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    # liveness (and startup) on the cheap /healthz; readiness on /readyz, which asks the database
+    paths = {"startupProbe": "/healthz", "livenessProbe": "/healthz", "readinessProbe": "/readyz"}
+    for probe, path in paths.items():
         get = c[probe]["httpGet"]
-        assert get["path"] == "/healthz", probe
+        assert get["path"] == path, probe
         assert container_port(c, get["port"]) == listen, probe
+    # the probe waits longer than the server waits for the database
+    db_timeout = float(configmap_env(docs, c).get(settings.READY_DB_TIMEOUT_S.name, settings.READY_DB_TIMEOUT_S.default))
+    assert c["readinessProbe"]["timeoutSeconds"] > db_timeout
     (port,) = svc["spec"]["ports"]
     assert port["port"] == 8470
     assert container_port(c, port["targetPort"]) == listen
@@ -242,11 +249,63 @@ def test_server_is_scraped_by_prometheus_on_its_metrics(docs):
     assert ann["prometheus.io/path"] == "/metrics"
 
 
-def test_server_is_one_replica_replaced_not_rolled(docs):
+def test_the_probed_paths_are_the_servers_routes(tmp_path):
+    from tidal.control.db import Store
+    from tidal.control.server import create_app
+
+    from fastapi.testclient import TestClient
+
+    client = TestClient(create_app(Store(f"sqlite:///{tmp_path / 's.db'}"), home=tmp_path, start_loop=False))
+    for path in ("/healthz", "/readyz", "/metrics"):  # no token, as a kubelet or Prometheus asks
+        assert client.get(path).status_code == 200, path
+
+
+def test_server_runs_several_replicas_on_several_nodes(docs):
+    """Replicas over PostgreSQL (leader election), spread over nodes, sharing
+    their home (the logs), rolled one at a time, kept by a disruption budget."""
     dep, c, _ = server_parts(docs)
-    assert dep["spec"]["replicas"] == 1
-    assert dep["spec"]["strategy"]["type"] == "Recreate"  # never two schedulers on one store
+    assert dep["spec"]["replicas"] >= 2
+    roll = dep["spec"]["strategy"]
+    assert roll["type"] == "RollingUpdate" and roll["rollingUpdate"]["maxUnavailable"] == 0
     assert c["resources"]["requests"] and c["resources"]["limits"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    (term,) = pod_spec(dep)["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= labels.items()
+    claim = next(v for v in pod_spec(dep)["volumes"] if v["name"] == "home")["persistentVolumeClaim"]["claimName"]
+    assert one(docs, "PersistentVolumeClaim", claim)["spec"]["accessModes"] == ["ReadWriteMany"]
+    pdb = one(docs, "PodDisruptionBudget", "tidal-server")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    # the store is PostgreSQL (a SQLite file has one replica): the URL of every overlay says so
+    import base64
+
+    db = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].startswith("tidal-db-"))
+    assert urlparse(base64.b64decode(db["data"]["url"]).decode()).scheme == "postgresql+psycopg"
+
+
+def _lease_s(docs: list[dict]) -> float:
+    _, c, _ = server_parts(docs)
+    raw = configmap_env(docs, c).get(settings.LEADER_LEASE_S.name)
+    return float(raw) if raw else settings.LEADER_LEASE_S.default
+
+
+def test_the_lease_bound_is_set_and_the_bundled_postgres_ends_silent_sessions_within_it(docs):
+    """The server's lease bound is in its settings; the bundled PostgreSQL
+    drops a silent client's session (and its advisory lock) within it, by
+    keepalives alone and by its TCP user timeout, for every client."""
+    lease = _lease_s(docs)
+    assert 5 <= lease <= 30
+    if not any(d["kind"] == "StatefulSet" for d in docs):
+        pytest.skip("no bundled database in this variant (the server sets the same per session)")
+    pg = container(pod_spec(one(docs, "StatefulSet", "tidal-postgres")), "postgres")
+    args = pg["args"]
+    conf = dict(a.split("=", 1) for flag, a in zip(args[::2], args[1::2]) if flag == "-c")
+    assert len(conf) * 2 == len(args), args
+    idle, interval, count = (int(conf[f"tcp_keepalives_{k}"]) for k in ("idle", "interval", "count"))
+    user_timeout_s = int(conf["tcp_user_timeout"]) / 1000
+    assert idle + interval * count <= lease
+    assert 0 < user_timeout_s + interval <= lease
 
 
 def test_server_credentials_and_database_come_from_secrets(docs):
