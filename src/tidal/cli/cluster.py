@@ -339,21 +339,18 @@ def _log_to(path: Path) -> None:
 
 def _run_until_stopped(c: Any, policy: str) -> None:
     """Start ``c``, wait for Ctrl-C, then stop it (gracefully once, at once on a second Ctrl-C)."""
-    started = False
     try:
         c.start()
         user_token = c.api().add_user("user", rotate=True)  # a restart with the same home re-issues it
         (c.home / "token").write_text(user_token)
-        started = True
-        _say(f"Tidal cluster up: {c.url} — {c.nodes} node(s) × {c.gpus_per_node} virtual GPU(s), "
-                      f"policy {policy}")
+        _say(f"Tidal cluster up: {c.url} — {c.nodes} node(s) × {c.gpus_per_node} virtual GPU(s), policy {policy}")
         _say(f"state in {c.home}; user token in {c.home / 'token'}; admin token in {c.home / 'admin.token'}")
         _say_resuming(c)
         _say("submit with: tidal submit job.yaml   (Ctrl-C suspends the running jobs and stops the cluster)")
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
-        if started:
+        if c.embedded.running():  # jobs may run already: the policy resumes suspended ones as agents join
             _stop_gracefully(c)
         else:
             _say("stopping…")
@@ -385,19 +382,19 @@ def _stop_gracefully(c: Any) -> None:
     except KeyboardInterrupt:
         left = c.embedded.coordinator.draining_left()
         _say("stopping at once" + (f": {len(left)} job(s) not suspended lose their processes and will "
-                                            f"fail: {', '.join(left)}" if left else ""))
+                                   f"fail: {', '.join(left)}" if left else ""))
         return
     if res.suspended:
         _say(f"suspended {len(res.suspended)} job(s) with a checkpoint: {', '.join(res.suspended)}; "
-                      f"`tidal up --home {c.home}` resumes them")
+             f"`tidal up --home {c.home}` resumes them")
     for jid, state in sorted(res.ended.items()):
         _say(f"{jid}: {state} meanwhile")
     if res.refused:
         _say(f"not suspended (their master refused): {', '.join(sorted(res.refused))}; "
-                      "they lose their processes and will fail")
+             "they lose their processes and will fail")
     if res.unsettled:
         _say(f"not suspended within {DRAIN_TIMEOUT_S:.0f} s: {', '.join(res.unsettled)}; stopping at once, "
-                      "they lose their processes and will fail")
+             "they lose their processes and will fail")
 
 
 def _say(text: str) -> None:
@@ -502,7 +499,7 @@ def _step(j: dict) -> str:
 
 JOB_COLS = (Col("id"), Col("state"), Col("GPUs", justify="right"), Col("step", 1, justify="right"),
             Col("user", 2), Col("JCT s", 2, justify="right"), Col("rescales", 3, justify="right"),
-            Col("submitted", 3))
+            Col("submitted", 3), Col("reason", 1, wrap=True))
 
 
 def jobs_table(jobs: list[dict], wide: bool = False) -> Table:
@@ -510,7 +507,7 @@ def jobs_table(jobs: list[dict], wide: bool = False) -> Table:
     for j in jobs:
         jct = (j["end_time"] - j["submit_time"]) if j.get("end_time") and j["state"] == "completed" else None
         rows.append([j["id"], j["state"], str(len(j["gpus"])), _step(j), j["user"], f"{jct:.1f}" if jct else "-",
-                     str(j["rescales"]), _fmt_t(j["submit_time"])])
+                     str(j["rescales"]), _fmt_t(j["submit_time"]), j.get("reason") or ""])
     return fit("jobs", JOB_COLS, rows, console.width, wide)
 
 
@@ -544,6 +541,8 @@ def job_cmd(job_id: str, server_url: Optional[str] = ServerOpt, token: Optional[
     console.print(jobs_table([j], wide))
     if j.get("exit_info"):
         console.print(f"ended: {escape(j['exit_info'])}")
+    elif j.get("reason"):
+        console.print(f"{j['state']}: {escape(j['reason'])}")
     rows = []
     for e in j["events"]:
         detail = {k: v for k, v in e.items() if k not in ("time", "kind") and v is not None}
@@ -650,6 +649,14 @@ def user(name: str, rotate: bool = typer.Option(False, "--rotate", metavar="", h
 
 
 def cluster_scale(job_id: str, gpus: int, server_url: Optional[str], token: Optional[str]) -> None:
-    """``tidal scale ID N`` for a job of the live cluster: pin it at N GPUs."""
+    """``tidal scale ID N`` for a job of the live cluster: pin it at N GPUs
+    until ``tidal scale ID 0`` releases it."""
+    if gpus < 0:
+        err.print(f"[red]error:[/] N {gpus}: give a GPU count, or 0 to release the pin")
+        raise typer.Exit(2)
     ans = _request(server_url, token, lambda api: api.scale(job_id, gpus))
-    console.print(f"{ans['id']}: pinned at {ans['pinned']} GPU(s)")
+    if ans["pinned"] is None:
+        console.print(f"{ans['id']}: pin released; the policy sizes it again")
+    else:
+        console.print(f"{ans['id']}: pinned at {ans['pinned']} GPU(s) until `tidal scale {ans['id']} 0`; the policy "
+                      "will not suspend it")
