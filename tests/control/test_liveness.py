@@ -124,7 +124,7 @@ def test_a_job_left_without_a_live_worker_restarts_from_its_checkpoint(env):
     agent(store, a, "failed", kind="worker", exit_code=-9)  # every worker killed (OOM killer, kill -9)
     coord.round()
     j = job(store, a)
-    assert j.state == "restarting" and j.tags["_restarts"] == 1 and "no live worker" in j.tags["_reason"]
+    assert j.state == "restarting" and j.tags["_restarts"] == 1 and "killed or lost" in j.tags["_reason"]
     assert all(p.desired == "stop" for p in procs(store, a, "master"))
     agent(store, a, "exited", kind="master", exit_code=-15)
     coord.round()
@@ -252,3 +252,24 @@ def test_a_pinned_job_is_never_suspended_until_released(env):
         j.spec = {k: v for k, v in j.spec.items() if k != "pinned"}
     coord.round()
     assert [i for i, _ in masters.asked] == ["suspend"] and job(store, a).state == "suspending"
+
+
+def test_no_survivor_to_give_a_newcomer_the_state_restarts_or_fails(env):
+    store, policy, masters, coord = env
+    a = run(store, policy, coord, submit(store, "a"), (0, 1)) or "a"
+    formed(store, a)
+    policy.place[a] = (0, 1, 2)
+    coord.round()  # a newcomer w2 is starting
+    report(store, a, state="running", world_size=2)
+    agent(store, a, "failed", names={"w0", "w1"}, exit_code=-9)  # every member killed; w2 still pending
+    for _ in range(2):
+        coord.round()
+    j = job(store, a)
+    assert j.state == "restarting" and [p.desired for p in procs(store, a) if p.state == "pending"] == ["stop"]
+
+    b = run(store, policy, coord, submit(store, "b"), (3,)) or "b"
+    formed(store, b, members=("w0",))
+    write_log(coord, b, "w0", "ZeroDivisionError: division by zero\n")
+    agent(store, b, "failed", names={"w0"}, exit_code=1)  # its only member erred
+    coord.round()
+    assert "ZeroDivisionError" in job(store, b).exit_info

@@ -58,6 +58,7 @@ def observe(s: Session, j: Job, procs: Sequence[Process] | None = None) -> tuple
         unsuspendable=bool((j.tags or {}).get("_unsuspendable") or (j.spec or {}).get("pinned")),
         relocate_to=relocation_target(s, current) if master is not None and master.state == "lost" else "",
         workers_erred=workers_erred(current),
+        members_gone=members_gone(current, j.progress or {}),
         give_up=str(tags.get("_give_up") or launch_error([p for p in procs if first is not None and p.id >= first.id])),
         workers_seen=len(workers),
         workers_clean=bool(workers) and all(p.state == "exited" and p.exit_code == 0 for p in workers),
@@ -115,6 +116,23 @@ def workers_erred(current: Sequence[Process]) -> bool:
     if not workers or any(p.state in ("pending", "running", "lost") for p in workers):
         return False
     return any(p.state == "failed" and (p.exit_code or 0) > 0 for p in workers)
+
+
+def members_gone(current: Sequence[Process], progress: Mapping[str, Any]) -> str:
+    """How the last generation the master reported ended, when none of its
+    members runs any more (newcomers may still wait: nobody is left to give
+    them the state): "erred" if one exited with an error, "killed" if all
+    were killed or lost; "" while a member runs, before any generation, or
+    after the job finished."""
+    members = set(progress.get("members") or ())
+    if not members or progress.get("state") in ("finished", "suspended", "restarting"):
+        return ""
+    mine = [p for p in current if p.kind == "worker" and p.name in members]
+    if not mine or any(p.state in ("pending", "running") for p in mine):
+        return ""
+    if any(p.state == "failed" and (p.exit_code or 0) > 0 for p in mine):
+        return "erred"
+    return "killed" if any(p.state in ("failed", "lost") for p in mine) else ""  # else all exited 0
 
 
 def relocation_target(s: Session, current: Sequence[Process]) -> str:

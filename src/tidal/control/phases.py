@@ -104,7 +104,7 @@ TRANSITIONS: Mapping[tuple[str, str], str] = {
     (PRESTARTING, "taken"): STARTING,
     (PRESTARTING, "gate_open"): RUNNING,
     (PRESTARTING, "lapsed"): PENDING,
-    (RUNNING, "workers_failed"): ENDING,
+    **{(p, "workers_failed"): ENDING for p in RELOCATABLE},
     **{(p, "out_of_memory"): ENDING for p in OOM_FAILS},
     **{(p, "give_up"): ENDING for p in OOM_FAILS},
     (RUNNING, "workers_done"): ENDING,
@@ -181,6 +181,7 @@ class JobObs:
     unsuspendable: bool = False  # its master refused a suspension once
     relocate_to: str = ""  # an up node running the job's workers, where a lost master can restart
     workers_erred: bool = False  # every worker of this incarnation ended, the failed ones with an error
+    members_gone: str = ""  # no member of the last generation runs: "erred" (one with an error) | "killed"
     oom_failed: str = ""  # why the job gives up after out-of-memory kills ("": it does not)
     give_up: str = ""  # why the liveness contract ends the job now: a launch error, a crash loop ("": no)
     workers_seen: int = 0  # workers of this incarnation, ended or not
@@ -258,7 +259,11 @@ def restart_reason(obs: JobObs, now: float, b: Bounds) -> str:
         return ""
     if obs.master == "lost" and not obs.relocate_to:
         return "its master was lost with its host and no other host of the job is left"
-    if obs.phase != RUNNING or obs.master_gone or obs.change:
+    if obs.master_gone:
+        return ""
+    if obs.members_gone == "killed":
+        return "no member of the job's generation is left to carry its state (every one was killed or lost)"
+    if obs.phase != RUNNING or obs.change:
         return ""
     if obs.workers_seen and not obs.live_workers and not obs.workers_clean and not obs.workers_erred:
         return "no live worker is left (every worker was killed or lost)"
@@ -320,7 +325,7 @@ def judge(obs: JobObs, now: float, timeout_s: float, bounds: Bounds | None = Non
         return "master_lost"
     if p in OOM_FAILS and obs.give_up:
         return "give_up"
-    ev = _restart_or_give_up(obs, now, b) if p == RUNNING or obs.master == "lost" else None
+    ev = _restart_or_give_up(obs, now, b) if p in RELOCATABLE else None
     if ev is not None:
         return ev
     if p in WITH_MASTER and obs.master_gone:
@@ -331,7 +336,8 @@ def judge(obs: JobObs, now: float, timeout_s: float, bounds: Bounds | None = Non
         if not obs.live_workers:
             return "finished" if obs.finished_ok else "failed"
         return "overdue" if now > obs.since + b.ending_s else None
-    if p == RUNNING and obs.workers_erred and obs.progress.get("state") != "finished":
+    if (p == RUNNING and obs.workers_erred or p in RELOCATABLE and obs.members_gone == "erred") \
+            and obs.progress.get("state") != "finished":
         return "workers_failed"
     if p == RUNNING and obs.ever_formed and obs.workers_seen and not obs.live_workers and obs.workers_clean \
             and not obs.master_gone:
