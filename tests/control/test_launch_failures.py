@@ -151,6 +151,9 @@ def test_a_lone_surrogate_in_a_report_never_breaks_the_heartbeat(server, tmp_pat
     r = c.post("/internal/agents/n0/heartbeat", content=body, headers={**HDR, "Content-Type": "application/json"})
     assert r.status_code == 200, r.text
     assert "bad \\udc80 line" in (home / "logs" / "s" / "w0.log").read_text()
+    bogus = json.dumps({"procs": [{"id": ids["w1"], "state": "\udc80"}]})
+    r = c.post("/internal/agents/n0/heartbeat", content=bogus, headers={**HDR, "Content-Type": "application/json"})
+    assert r.status_code == 422
     # the agent's own report holding one (e.g. read back from its process table) is delivered
     agent = agent_for(url, tmp_path, Counting())
     agent.finished[ids["w0"]] = {"id": ids["w0"], "state": "failed", "pid": 0, "exit_code": None,

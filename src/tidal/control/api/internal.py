@@ -8,7 +8,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, field_validator
@@ -62,7 +62,7 @@ class OomReport(BaseModel):
 
 class ProcReport(BaseModel):
     id: int
-    state: str
+    state: Literal["running", "exited", "failed"]  # as the agent saw it (the server may judge it lost)
     pid: int = 0
     exit_code: int | None = None
     log: str = ""
