@@ -98,13 +98,22 @@ class MasterClient:
             try:
                 return self.http.call(method, path, body, patience_s=min(LOCATE_EVERY_S, left))
             except Unavailable:
-                new = self.locate()
-                if new and new.rstrip("/") != self.url:
-                    log.warning("job master moved: %s -> %s", self.url, new)
-                    self.url = new
+                if self.relocate():
                     continue
                 if time.monotonic() >= deadline:
                     raise
+
+    def relocate(self) -> bool:
+        """Ask ``locate`` where the master is now (a worker whose store
+        connection failed: the master's host may be gone, and the agent
+        rewrote ``$TIDAL_MASTER_FILE``); True if it moved and the client
+        follows it."""
+        new = self.locate() if self.locate is not None else None
+        if not new or new.rstrip("/") == self.url:
+            return False
+        log.warning("job master moved: %s -> %s", self.url, new)
+        self.url = new
+        return True
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         return self.request("POST", path, body or {})[1]

@@ -11,6 +11,8 @@ build the process group they pass a gate: each adds itself to
 ``<prefix>arrived`` and the last one sets ``<prefix>state`` to ``commit``,
 unless the master set it to ``abort`` first because a member died before it
 arrived (one atomic compare-and-set decides, so every member sees the same).
+After it formed, ``<prefix>abort`` (the reason) tells its members to leave
+their collectives: a member went silent.
 
 :class:`Generations` is not thread-safe: the job master calls it under its lock.
 """
@@ -141,6 +143,12 @@ class Generations:
             return False
         self.aborted.add(g.gen)
         return True
+
+    def abort_formed(self, g: Generation, reason: str) -> None:
+        """Abort ``g`` after it formed (a member went silent): its members'
+        beat threads read ``<prefix>abort`` and leave their collectives
+        (:mod:`tidal.runtime.abortable`), then report the failure as usual."""
+        self.store.set(g.prefix + "abort", reason)
 
     def is_aborted(self, g: Generation) -> bool:
         return g.gen in self.aborted

@@ -8,6 +8,13 @@ process), or that has been in the compute phase of a step for that long
 while a peer waits in the all-reduce of the same step. Killing it makes its
 peers' collective fail at once, so the usual recovery (a forced scale-in,
 EDL §4.2) runs instead of waiting for the process group's timeout.
+
+A member whose beats stopped for ``silent_timeout_s`` (``$TIDAL_SILENT_TIMEOUT_S``)
+while a peer still beats is *cut off* (:meth:`HealthMonitor.cut_off`): a
+silent host may not be killable, so besides the kill the master aborts the
+generation and the others leave their collective
+(:mod:`tidal.runtime.abortable`). The no-beat rule of :meth:`HealthMonitor.hung`
+uses the smaller of the two timeouts.
 """
 
 from __future__ import annotations
@@ -43,14 +50,27 @@ class HealthMonitor:
     """Liveness clocks of a job's members. Owned by the master's periodic
     step (under the master's lock); ``hang_timeout_s`` 0 never judges."""
 
-    def __init__(self, hang_timeout_s: float) -> None:
+    def __init__(self, hang_timeout_s: float, silent_timeout_s: float | None = None) -> None:
         self.hang_timeout_s = float(hang_timeout_s)
+        self.silent_timeout_s = float(settings.SILENT_TIMEOUT_S.get() if silent_timeout_s is None
+                                      else silent_timeout_s)
         self._beats: dict[str, _Beat] = {}
         self._last: float | None = None
 
+    @property
+    def observed_at(self) -> float | None:
+        """When :meth:`observe` last ran (the master's monotonic clock)."""
+        return self._last
+
+    @property
+    def no_beat_s(self) -> float:
+        """How long a member may go without a beat before it is judged
+        (the smaller positive timeout; 0: never)."""
+        return min((t for t in (self.hang_timeout_s, self.silent_timeout_s) if t > 0), default=0.0)
+
     def observe(self, beats: Mapping[str, bytes | None], now: float) -> None:
         """Take the members' current raw beats (None: never beat) at ``now``."""
-        if self._last is not None and now - self._last > self.hang_timeout_s / 2:
+        if self._last is not None and now - self._last > (self.no_beat_s or self.hang_timeout_s) / 2:
             # this check itself did not run for a while (the host stalled, the lock was
             # held): what looks like silence may be ours, so start the clocks again
             for b in self._beats.values():
@@ -84,7 +104,7 @@ class HealthMonitor:
             b = self._beats[w]
             if w in gone or w in leaving or b.raw is None:
                 continue  # never beat (e.g. a newcomer still receiving its state): not judged
-            if now - b.changed > self.hang_timeout_s:
+            if now - b.changed > (self.no_beat_s or self.hang_timeout_s):
                 found.append((w, f"no liveness beat for {now - b.changed:.1f}s"))
             elif b.state is not None and b.state[1] == "compute" and b.state[0] in waiting \
                     and now - waiting[b.state[0]] > self.hang_timeout_s:
@@ -93,6 +113,19 @@ class HealthMonitor:
         if len(found) == len([w for w in members if w not in gone]):
             return []  # everyone silent at once: the master's view is stale (e.g. it just restarted), not a hang
         return found
+
+    def cut_off(self, members: Iterable[str], leaving: set[str], now: float) -> dict[str, float]:
+        """Members (not ``leaving``) whose beat stopped more than
+        ``silent_timeout_s`` ago, with how long, while another member beat
+        within the last 3 s: its host went silent (a cut link, a stopped or
+        dead machine). None while every member is quiet: then the master's
+        own view is stale (it stalled, or it was cut off itself)."""
+        if self.silent_timeout_s <= 0:
+            return {}
+        quiet = {w: now - b.changed for w in members if w not in leaving
+                 and (b := self._beats.get(w)) is not None and b.raw is not None}
+        cut = {w: q for w, q in quiet.items() if q > self.silent_timeout_s}
+        return cut if cut and any(q <= 3.0 for q in quiet.values()) else {}
 
     def silent(self, now: float, quiet_s: float = 3.0, phase: str | None = None) -> set[str]:
         """Workers that have beaten before but not in the last ``quiet_s``

@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from tidal.runtime import abortable
 from tidal.runtime.client import MasterClient
 from tidal.runtime.membership import Agreement, Membership
 from tidal.runtime.messages import Generation, SwitchPlan
@@ -209,20 +210,33 @@ class Heartbeat:
 
     def _beat(self) -> None:
         """Write (beat count, step, phase) to the master's store, where its
-        hung-worker check watches it. A stopped process stops beating; a
-        training thread stuck in compute keeps the same (step, "compute")
-        while its peers wait in "sync"."""
+        hung-worker check watches it, and read whether the master aborted
+        this worker's generation (a member went silent: the training thread
+        leaves its collective, :mod:`tidal.runtime.abortable`). A stopped
+        process stops beating; a training thread stuck in compute keeps the
+        same (step, "compute") while its peers wait in "sync"."""
         self.beats += 1
         self.follow_master()
-        ep, (what, step) = self.endpoint, self.phase
+        ep, (what, step), g = self.endpoint, self.phase, self.membership.seat.gen
         assert ep is not None
         try:
             store = self.membership.stores.get(ep.host, ep.port, tag="beat")
             store.set(ep.alive_key(self.membership.worker_id), json.dumps([self.beats, step, what]))
-        except Exception as e:  # noqa: BLE001 - the master may be restarting
+            if g is not None and not abortable.SIGNAL.requested(g.gen) and store.check([g.prefix + "abort"]):
+                abortable.SIGNAL.request(g.gen, bytes(store.get(g.prefix + "abort")).decode())
+        except Exception as e:  # noqa: BLE001 - the master may be restarting, or its host is gone
             log.debug("liveness beat failed: %s", e)
             self.membership.stores.drop(ep.host, ep.port, "beat")
-            self.follow_master()
+            self.relocate()
+
+    def relocate(self) -> None:
+        """The master's store failed: if the master moved to another host
+        (``$TIDAL_MASTER_FILE`` names a new address), follow it now rather
+        than at this worker's next HTTP call, which may be minutes away."""
+        client = self.membership.client
+        if client is not None:
+            client.relocate()
+        self.follow_master()
 
     def follow_master(self) -> None:
         """The master client found the master at a new address (it restarted
@@ -269,7 +283,7 @@ class Heartbeat:
                 ep = self.endpoint
                 assert ep is not None
                 self.membership.stores.drop(ep.host, ep.port, "hb")
-                self.follow_master()
+                self.relocate()
                 time.sleep(0.2)
                 continue
             last = time.perf_counter()

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from tidal import settings
 from tidal.net import socket_env
+from tidal.runtime import abortable
 from tidal.runtime.client import MasterClient
 from tidal.runtime.messages import Generation, SwitchPlan
 from tidal.runtime.state import RescaleHook, TrainState
@@ -234,8 +235,8 @@ class Gate:
                     continue
                 if a["status"] == "finished":
                     return None
-                if a["status"] == "assigned" and int(a["generation"]["gen"]) != g.gen:
-                    return b"cancel"  # re-planned meanwhile
+                if a["status"] == "assigned" and Generation.from_json(a["generation"]) != g:
+                    return b"cancel"  # re-planned meanwhile, or the master moved: its store is elsewhere
 
     def _reconnect(self, g: Generation, store: Any, why: str) -> Any:
         """The store connection was lost (a master restart): a new client, or the old one if none yet."""
@@ -400,6 +401,7 @@ class Membership:
         os.environ.update(socket_env(g.store_host))  # the interface that routes to the job's hosts
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=g.world_size,
                                 timeout=self.pg_timeout)
+        abortable.SIGNAL.enter(g.gen)  # the master may abort it from now on (a member went silent)
         self.seat = Seat(g, rank, g.world_size)
 
     def sync_state(self, train: TrainState, src: int = 0, sources: dict[int, int] | None = None) -> None:
@@ -422,11 +424,19 @@ class Membership:
 
     def fail(self, step: int, gen: int, error: Exception | str) -> None:
         """A collective failed: record it and tear the broken group down now
-        (its sockets close, so peers blocked on this worker fail fast too)."""
-        self.failures.append({"detected_at": time.time(), "step": step, "gen": gen})
+        (its sockets close, so peers blocked on this worker fail fast too).
+        A group the master aborted because a member went silent is
+        abandoned instead (:func:`~tidal.runtime.abortable.abandon_group`):
+        destroying it would wait for that member."""
+        aborted = abortable.SIGNAL.pending()
+        self.failures.append({"detected_at": time.time(), "step": step, "gen": gen,
+                              **({"aborted": aborted} if aborted else {})})
         log.warning("worker %s: %s; recovering", self.worker_id, error)
         try:
-            dist.destroy_process_group()
+            if aborted is not None:
+                abortable.abandon_group(self.backend)
+            else:
+                dist.destroy_process_group()
         except Exception as e:  # noqa: BLE001
             log.debug("destroy after failure: %s", e)
 

@@ -5,7 +5,9 @@ failure to the master and waits. The survivors that report within a window
 (or until every member not known dead has reported) form the next
 generation. These are the pure steps; the master applies them.
 :class:`LostWorkers` drops the workers lost before their first step, whom
-no collective reports.
+no collective reports, and aborts a formed generation one of whose members
+is cut off (silent, or known dead with no survivor reporting): a silent host
+fails no collective, so the survivors are told to leave theirs.
 """
 
 from __future__ import annotations
@@ -70,8 +72,12 @@ class LostWorkers:
     without them, and a scale-out or migration goes on without its lost
     newcomers (abandoned if none is left). ``records``: who, why, when."""
 
+    DEAD_GRACE_S = 3.0  # a member known dead for this long with no survivor reporting: its host sent no reset
+
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
+        self.aborted: set[int] = set()  # formed generations aborted because a member was cut off
+        self._dead_since: dict[str, float] = {}
 
     def note(self, workers: Iterable[str], what: str, dead: set[str], wall: float, gen: int = 0) -> None:
         """Record (and log) the drop of ``workers``; ``dead``: those whose process failed."""
@@ -83,7 +89,9 @@ class LostWorkers:
 
     def sweep(self, core: "JobCore", dead: set[str], gone: set[str], wall: float) -> None:
         """Drop the lost workers ``gone`` (``dead``: those whose process
-        failed) that have not taken a step yet."""
+        failed) that have not taken a step yet; abort a formed generation
+        with a member cut off (:meth:`cut_off`)."""
+        self.cut_off(core, dead, wall)
         g = core.group
         if not gone or core.finished:
             return
@@ -103,6 +111,32 @@ class LostWorkers:
             g.abort(plan.target)  # nobody builds it; too late if every member passed the gate already
         if core.change is not None and core.change.kind in NEWCOMER_KINDS and not set(members) & gone:
             self._newcomers(core, dead, gone, wall)
+
+    def cut_off(self, core: "JobCore", dead: set[str], wall: float) -> None:
+        """Abort the current generation (once) when it formed and a member is
+        cut off: its beats stopped for the silent timeout while a peer
+        beats (:meth:`HealthMonitor.cut_off`), or its process is known dead
+        (``dead``; e.g. lost with the previous master's host) and no
+        survivor reported a failure within :data:`DEAD_GRACE_S`. The
+        survivors leave their collective and report it; the recovery then
+        forms their generation without the cut-off member."""
+        g, now = core.group, core.health.observed_at
+        self._dead_since = {w: self._dead_since.get(w, wall) for w in dead}
+        if g.gen is None or core.finished or core.recovery is not None or now is None \
+                or g.gen.gen in self.aborted or not g.is_committed(g.gen):
+            return
+        leaving = set(g.plan.leavers) if g.plan is not None else set()
+        why = {w: f"no liveness beat for {q:.1f}s"
+               for w, q in core.health.cut_off(g.gen.members, leaving, now).items()}
+        why.update({w: f"its process is gone ({wall - self._dead_since[w]:.1f}s ago) and no peer reported"
+                    for w in g.gen.members if w in dead and wall - self._dead_since[w] > self.DEAD_GRACE_S})
+        if not why:
+            return
+        self.aborted.add(g.gen.gen)
+        reason = "; ".join(f"{w}: {r}" for w, r in sorted(why.items()))
+        log.warning("generation %d: cut off (%s); aborting it so the others re-form without them",
+                    g.gen.gen, reason)
+        g.abort_formed(g.gen, reason)
 
     def _forming(self, core: "JobCore", dead: set[str], gone: set[str], wall: float) -> None:
         """Before the first generation: drop the lost ones and form it with

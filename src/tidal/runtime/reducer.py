@@ -33,19 +33,28 @@ reduced; each micro-batch's incoming gradient is scaled by its own weight
 before it is accumulated (a pre-accumulation hook), so a window of uneven
 micro-batches still sums to the exact fixed-size gradient, and the synced
 backward that closes the window reduces without scaling again.
+
+A silent peer (a cut host, a stopped process) cannot hold the training
+thread for the collective timeout: every collective is launched with
+``async_op=True`` and waited for through :func:`tidal.runtime.abortable.wait`,
+which gives up when the master aborts the generation. The step then fails
+like one whose peer died; the buckets the abandoned collectives still hold
+are replaced by fresh ones, so a late completion cannot write into the next
+step's gradients.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from tidal.runtime import abortable
 from tidal.runtime.devices import params_device
 
 log = logging.getLogger(__name__)
@@ -79,6 +88,11 @@ class _Bucket:
         self.buf = torch.zeros(self.n + tail, dtype=params[0].dtype, device=params[0].device)
         self._views()
 
+    def renew(self) -> None:
+        """A fresh buffer (zeros): an abandoned collective keeps the old one."""
+        self.buf = torch.zeros_like(self.buf)
+        self._views()
+
     def _views(self) -> None:
         self.views: list[torch.Tensor] = []
         off = 0
@@ -105,8 +119,9 @@ class GradReducer:
 
     def __init__(self, params: list[torch.nn.Parameter], listener: SyncListener | None = None,
                  bucket_cap_mb: float = 25.0, overlap: bool = True, first_bucket_mb: float = 1.0,
-                 grad_views: bool = True) -> None:
+                 grad_views: bool = True, aborted: Callable[[], str | None] = abortable.SIGNAL.pending) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self.aborted = aborted  # why the master aborted this generation (None: it did not)
         self.device = params_device(self.params)  # buckets and the control tensor live here
         self.listener = listener
         self.buckets = _make_buckets(self.params, int(bucket_cap_mb * 2**20), int(min(first_bucket_mb, bucket_cap_mb) * 2**20))
@@ -211,6 +226,8 @@ class GradReducer:
         try:
             self._reduce()
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError/DistBackendError subclasses
+            if isinstance(e, abortable.GenerationAborted):
+                self._abandon()
             if self.listener is None:
                 raise
             failure = RuntimeError(f"{type(e).__name__}: {e}")  # without the traceback, which holds the group
@@ -221,6 +238,19 @@ class GradReducer:
         for p in self.params:
             p.grad = None  # a dropped step: an optimizer step the script still takes changes nothing
         self.listener.sync_failed(failure)
+
+    def _abandon(self) -> None:
+        """The generation was aborted: its pending collectives stay alive
+        (never waited for, never freed) with the buffers they hold; the
+        buckets get fresh ones."""
+        abortable.keep_forever(*(b.work for b in self.buckets if b.work is not None))
+        for b in self.buckets:
+            b.work = None
+            b.renew()
+
+    def _wait(self, work: Any) -> None:
+        """Wait for one collective, giving up if the generation is aborted."""
+        abortable.wait(work, self.aborted, nccl=self.device.type == "cuda")
 
     def _reduce(self) -> None:
         for b in self.buckets[self._next :]:
@@ -240,11 +270,11 @@ class GradReducer:
                 self._launch(b)
             c = torch.tensor(control, dtype=torch.float64, device=self.device)
             if self.distributed:
-                dist.all_reduce(c)
+                self._wait(dist.all_reduce(c, async_op=True))
         self._next = len(self.buckets)
         for b in self.buckets:
             if b.work is not None:
-                b.work.wait()
+                self._wait(b.work)
                 b.work = None
         reduced = self._get_tail(len(control)) if self.merge else c.tolist()
         skip = self._globally_unused(unused) if reduced[0] > 0 else set()
@@ -291,7 +321,7 @@ class GradReducer:
         for p in unused:
             used[self.index[id(p)]] = 0.0
         if self.distributed:
-            dist.all_reduce(used)
+            self._wait(dist.all_reduce(used, async_op=True))
         flags = used.tolist()
         return {id(p) for p in self.params if flags[self.index[id(p)]] == 0.0}
 
