@@ -14,9 +14,10 @@ calls :meth:`JobMaster.check_health` every 0.1 s. All state lives in the
 core and is guarded by one non-re-entrant lock, which each public method
 takes once (the core never locks); the spawner (maybe an HTTP call to the
 control plane) is called outside it. Reads (``status``, ``assignment``,
-``store_info``, ``snapshot``) never change state: picking up rank 0's
-progress, abandoning a change whose newcomers did not come and ending a
-recovery's window happen in the periodic step; requests from workers
+``store_info``, ``snapshot``) never change state (``status`` saves the
+progress it is about to report, so a restarted master never reports less):
+picking up rank 0's progress, abandoning a change whose newcomers did not
+come and ending a recovery's window happen in the periodic step; requests from workers
 (register, failed, switched, left) advance what they must themselves.
 """
 

@@ -255,9 +255,11 @@ class Job:
         if self.client is not None:
             _reach_master(self.client, self.worker_id)
         try:
-            self.life.start()
+            with _patience(self.client, settings.MASTER_WAIT_S.get()):
+                self.life.start()
         except MasterUnavailable as e:
-            _give_up(self.worker_id, f"its job master stopped answering while it joined ({e})", 1)
+            _give_up(self.worker_id, f"its job master stopped answering while it joined "
+                                     f"(${settings.MASTER_WAIT_S.name}): {e}", 1)
         if self.finished and self.membership.seat.gen is None:
             self.close()
             _give_up(self.worker_id, "the job finished before it joined; exiting", 0)
@@ -396,6 +398,22 @@ def _reach_master(client: MasterClient, worker_id: str) -> None:
                             f"(${settings.MASTER_WAIT_S.name}): {e}", 1)
     if st.get("state") == "finished":
         _give_up(worker_id, "the job finished before it joined; exiting", 0)
+
+
+@contextlib.contextmanager
+def _patience(client: MasterClient | None, seconds: float) -> Iterator[None]:
+    """While joining, a master that does not answer is given up on after
+    ``seconds``; once a member, the client's own patience applies again (a
+    master that moves to another host while the job trains is waited for)."""
+    http = getattr(client, "http", None)
+    if http is None or not hasattr(http, "patience_s"):
+        yield
+        return
+    old, http.patience_s = http.patience_s, min(http.patience_s, seconds)
+    try:
+        yield
+    finally:
+        http.patience_s = old
 
 
 def _give_up(worker_id: str, why: str, code: int) -> NoReturn:
