@@ -14,7 +14,14 @@ Prints one JSON line:
 * ``api_p95_ms`` / ``api_p95_ms_failover``: submission latency over the burst
   and within 5 s after the kill (a client moves on to the other replica);
 * ``trained_on``: steps the running job made after the kill (it keeps training);
-* ``gpu_twice``: assignments of a GPU already held, in the audit trail (must be 0).
+* ``gpu_twice``: assignments of a GPU already held, in the audit trail (must be 0);
+* ``new_leader_ready``: the new leader's ``GET /readyz`` answered 200 (store
+  reachable, its scheduling loop going round); ``lease_s``: the lease bound.
+
+A kill closes the leader's connections at once. A leader whose host goes
+silent instead (powered off, link cut: no reset) is the scenario of
+tests/multihost/test_leader_silent.py (network namespaces; docs/control.md,
+"Several server replicas"): a follower leads within ``TIDAL_LEADER_LEASE_S``.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.control.client import Api, ApiError
+from tidal.control.leader import lease_bound
 
 DEMO_JOB = Path(__file__).resolve().parents[1] / "src" / "tidal" / "control" / "demo_job.py"
 
@@ -118,6 +126,13 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out waiting for {what}")
             time.sleep(0.1)
+
+    def ready(self, i: int) -> bool:
+        """Replica ``i``'s ``GET /readyz`` answers 200."""
+        try:
+            return Api(self.urls[i], self.admin).http.call("GET", "/readyz", None, patience_s=0.5)[0] == 200
+        except Exception:  # noqa: BLE001 - not ready (a 503 raises too)
+            return False
 
     def leader(self) -> int | None:
         for i, url in enumerate(self.urls):
@@ -220,6 +235,7 @@ def measure(jobs: int, clients: int, work: Path) -> dict[str, Any]:
         acked, lat, failed = submit_burst(c.both, user.http.token, jobs, clients, 0.4, kill)
         c.wait(lambda: c.leader() == 1 - lead, 30, "the other replica to lead")
         failover_s = time.monotonic() - t_kill[0]
+        ready = c.ready(1 - lead)
         listed = {j["id"] for j in user.jobs() if j["name"].startswith("burst")}
         c.wait(lambda: user.job(job)["step"] > step_at_kill[0] + 5, 60, "the job to train on")
         trained = user.job(job)["step"] - step_at_kill[0]
@@ -230,7 +246,8 @@ def measure(jobs: int, clients: int, work: Path) -> dict[str, Any]:
                 "acknowledged_lost": len(set(acked.values()) - listed),
                 "duplicated": len(listed) - len(set(acked.values()) & listed), "failed": failed,
                 "api_p95_ms": pct([ms for _, ms in lat], 95), "api_p95_ms_failover": pct(after, 95),
-                "trained_on": trained, "gpu_twice": gpu_twice(events)}
+                "trained_on": trained, "gpu_twice": gpu_twice(events), "new_leader_ready": ready,
+                "lease_s": lease_bound()}
     finally:
         if c is not None:
             c.stop()

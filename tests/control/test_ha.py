@@ -3,7 +3,7 @@ replicas over a real PostgreSQL, an agent and a training job; the leader is
 killed with -9 in the middle of a burst of submissions (the scenario of
 benchmarks/failover.py, which this test runs). A follower leads within 5 s,
 no acknowledged submission is lost or made twice, no GPU is given twice,
-and the running job keeps training."""
+the running job keeps training and the new leader is ready."""
 
 from __future__ import annotations
 
@@ -30,3 +30,4 @@ def test_killing_the_leader_mid_burst_loses_nothing(tmp_path, pg_url):
     assert res["acknowledged_lost"] == 0 and res["duplicated"] == 0, res
     assert res["failed"] == 0, res  # the client moved on to the other replica
     assert res["gpu_twice"] == 0 and res["trained_on"] > 0, res
+    assert res["new_leader_ready"], res  # its /readyz: the store answers, its loop goes round

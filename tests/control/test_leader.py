@@ -100,6 +100,8 @@ def test_every_store_connection_is_bounded_on_both_ends(pg_url):
 
 
 class FakeLease(Lease):
+    shared = True
+
     def __init__(self) -> None:
         self.free, self.mine, self.answers, self.released = True, False, True, 0
 
@@ -160,6 +162,12 @@ def test_a_leader_whose_loop_is_stuck_hands_the_lead_on():
     assert not e.leading() and lease.free
     clock.t += 2
     assert e.leading() and not loop.stuck()  # nobody took it: it leads again, its loop's clock restarted
+    e.close()
+    lease.shared = False  # the only replica (SQLite) keeps leading: there is nobody to hand the lead on to
+    e = Elector(lease, loop.reset, lease_s=20, stuck=loop.stuck, clock=clock)
+    assert e.leading() and loop.age() == 0
+    clock.t += 30
+    assert loop.stuck() and e.leading()
     e.close()
 
 

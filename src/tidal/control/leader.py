@@ -109,7 +109,10 @@ def tcp_bounds(lease_s: float | None = None) -> TcpBounds:
 
 
 class Lease(abc.ABC):
-    """The right to schedule. ``try_acquire`` never blocks for long."""
+    """The right to schedule. ``try_acquire`` never blocks for long.
+    ``shared``: other replicas may take it (handing it on helps)."""
+
+    shared = False
 
     @abc.abstractmethod
     def try_acquire(self) -> bool: ...
@@ -160,6 +163,8 @@ class AdvisoryLease(Lease):
     """A PostgreSQL session-level advisory lock on its own connection (one
     of ``engine``'s, so it carries the engine's TCP bounds:
     :func:`tidal.control.db.make_engine`)."""
+
+    shared = True
 
     def __init__(self, engine: Engine, name: str) -> None:
         self.engine, self.key = engine, zlib.crc32(name.encode())  # a stable 32-bit key per lock name
@@ -227,7 +232,7 @@ class Elector:
     is trusted for ``TRUST * L`` from the moment it was asked for; past that
     the replica no longer leads (``is_leading``), even while the confirmation
     hangs on a dead link. ``stuck()`` true while leading (its scheduling loop
-    is stuck) makes it release the lock and leave it to the followers for L."""
+    is stuck) makes it release a shared lock and leave it to the followers for L."""
 
     def __init__(self, lease: Lease, on_change: Callable[[bool], None] | None = None, *,
                  lease_s: float | None = None, stuck: Callable[[], bool] | None = None,
@@ -260,7 +265,7 @@ class Elector:
             with self._state:
                 self._confirmed = max(self._confirmed, asked)
         self._set(ok)
-        if ok and self.stuck():
+        if ok and self.lease.shared and self.stuck():
             self.step_down("its scheduling loop completed no round for too long")
             return False
         return self.is_leading
