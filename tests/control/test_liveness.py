@@ -267,6 +267,7 @@ def test_no_survivor_to_give_a_newcomer_the_state_restarts_or_fails(env):
     j = job(store, a)
     assert j.state == "restarting" and [p.desired for p in procs(store, a) if p.state == "pending"] == ["stop"]
 
+    policy.place[a] = ()
     b = run(store, policy, coord, submit(store, "b"), (3,)) or "b"
     formed(store, b, members=("w0",))
     write_log(coord, b, "w0", "ZeroDivisionError: division by zero\n")

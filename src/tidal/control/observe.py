@@ -150,12 +150,12 @@ def relocation_target(s: Session, current: Sequence[Process]) -> str:
 
 
 def _giving_up(s: Session, holder: str, cache: dict[str, set[int]]) -> set[int]:
-    """GPUs a job is giving back (shrinking: the change's GPUs; suspending: all)."""
+    """GPUs a job is giving back (shrinking: the change's GPUs; suspending, restarting: all)."""
     if holder not in cache:
         j = s.get(Job, holder)
         out: set[int] = set()
         if j is not None and j.phase in DONOR:
-            if j.phase == SUSPENDING:
+            if j.phase in (SUSPENDING, RESTARTING):
                 out = set(s.scalars(select(GPU.gid).where(GPU.job_id == holder)))
             else:
                 out = set((j.change or {}).get("gids", ()))

@@ -82,7 +82,7 @@ IN_FLIGHT = frozenset({PRESTARTING, STARTING, WARMING, JOINING, SHRINKING, SUSPE
                        RESTARTING})
 
 #: phases in which a job gives GPUs back (early initialisation may reserve them)
-DONOR = frozenset({SHRINKING, SUSPENDING})
+DONOR = frozenset({SHRINKING, SUSPENDING, RESTARTING})
 
 _LIVE = frozenset(STATE_OF) - TERMINAL
 
