@@ -246,10 +246,10 @@ class JobSubmission(BaseModel):
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         for key, value in v.items():
-            launchable(key, "env key")
+            launchable(key, f"env key {ascii(key[:40])}")
             if not key or "=" in key:
-                raise ValueError(f"env key {key[:40]!r}: not a variable name (empty, or with '=')")
-            launchable(f"{key}={value}", f"env.{key[:40]}")
+                raise ValueError(f"env key {ascii(key[:40])}: not a variable name (empty, or with '=')")
+            launchable(f"{key}={value}", f"env[{ascii(key[:40])}]")
         return v
 
     @field_validator("model")
