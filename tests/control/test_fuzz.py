@@ -179,7 +179,8 @@ def test_job_routes_never_get_5xx(api, data, who, route):
 
 
 @settings(FUZZ, max_examples=100)
-@given(data=st.data(), who=WHO, route=st.sampled_from(["users", "events", "cluster", "list", "health", "metrics"]))
+@given(data=st.data(), who=WHO,
+       route=st.sampled_from(["users", "events", "cluster", "list", "health", "ready", "metrics"]))
 def test_user_and_cluster_routes_never_get_5xx(api, data, who, route):
     client, _, _ = api
     if route == "users":
@@ -190,7 +191,8 @@ def test_user_and_cluster_routes_never_get_5xx(api, data, who, route):
         params = data.draw(st.fixed_dictionaries({}, optional={"since": INT64_QUERY}))
         r = client.get("/v1/events", params=params, headers=auth(who))
     else:
-        path = {"cluster": "/v1/cluster", "list": "/v1/jobs", "health": "/healthz", "metrics": "/metrics"}[route]
+        path = {"cluster": "/v1/cluster", "list": "/v1/jobs", "health": "/healthz", "ready": "/readyz",
+                "metrics": "/metrics"}[route]
         r = client.get(path, headers=auth(who))
     check(r, route)
 
@@ -220,7 +222,7 @@ def test_every_route_of_the_schema_is_fuzzed(api):
     fuzzed = {("post", "/v1/jobs"), ("get", "/v1/jobs"), ("get", "/v1/jobs/{job_id}"),
               ("post", "/v1/jobs/{job_id}/scale"), ("post", "/v1/jobs/{job_id}/cancel"),
               ("get", "/v1/jobs/{job_id}/logs"), ("post", "/v1/users/{name}"), ("get", "/v1/events"),
-              ("get", "/v1/cluster"), ("get", "/healthz"), ("get", "/metrics"),
+              ("get", "/v1/cluster"), ("get", "/healthz"), ("get", "/readyz"), ("get", "/metrics"),
               ("post", "/internal/agents/register"), ("post", "/internal/agents/{name}/heartbeat"),
               ("post", "/internal/jobs/{job_id}/kill"), ("post", "/internal/jobs/{job_id}/master"),
               ("post", "/internal/jobs/{job_id}/status"), ("post", "/internal/jobs/{job_id}/master-state"),
