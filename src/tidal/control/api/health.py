@@ -7,7 +7,8 @@
   within ``TIDAL_READY_DB_TIMEOUT_S`` and, on the leader, the scheduling loop
   started a round within its bound (``TIDAL_READY_LOOP_S``, at least 5 ticks;
   :class:`tidal.control.leader.LoopClock`); otherwise 503 with the reasons.
-  Neither needs a token and neither says more than this (docs/security.md).
+  Neither needs a token and neither says more than this (docs/security.md):
+  a store error is named by its type; the details go to the server's log.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ class DbProbe:
             with self.store.session(write=False) as s:
                 s.execute(text("SELECT 1"))
         except Exception as e:  # noqa: BLE001 - the answer is the error
-            first = (str(e).splitlines() or [""])[0][:200]
-            ans.error = f"store error: {type(e).__name__}: {first}"
+            # the details (addresses, names) go to the log only: the endpoint needs no token
+            log.warning("readiness: the store answered with an error: %s", e)
+            ans.error = f"store error: {type(e).__name__}"
         ans.ms = 1e3 * (time.perf_counter() - t0)
         ans.done.set()
 
