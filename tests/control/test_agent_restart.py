@@ -59,6 +59,13 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
     return True
 
 
+@pytest.fixture(autouse=True)
+def _node_down_after_10_s(monkeypatch):
+    """These scenarios are about a node declared down: 10 s of silence, not
+    the default grace period (an agent back within it keeps its jobs)."""
+    monkeypatch.setenv("TIDAL_NODE_GRACE_S", "10")
+
+
 @pytest.fixture
 def sleeper():
     p = subprocess.Popen(SLEEPER, stdout=subprocess.DEVNULL, start_new_session=True)

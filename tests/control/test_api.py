@@ -181,9 +181,16 @@ def test_node_down_judgement_survives_a_server_restart(tmp_path):
     beat("n0")
     beat("n0")
     assert states() == {"n0": "up", "n1": "up"}
-    # now n1 really is silent while n0 beats: it goes down
+    # now n1 really is silent while n0 beats: first it takes no new work (its processes go on),
+    # then, past the grace period, it is down
     with store.session() as s:
-        s.execute(update(Node).where(Node.name == "n1").values(last_heartbeat=time.time() - 60))
+        s.execute(update(Node).where(Node.name == "n1").values(last_heartbeat=time.time() - 20))
+    beat("n0")
+    assert states() == {"n0": "up", "n1": "unreachable"}
+    beat("n1")  # back within the grace: up again, nothing lost
+    assert states() == {"n0": "up", "n1": "up"}
+    with store.session() as s:
+        s.execute(update(Node).where(Node.name == "n1").values(last_heartbeat=time.time() - 120))
     beat("n0")
     assert states() == {"n0": "up", "n1": "down"}
 

@@ -25,6 +25,13 @@ from test_e2e import check_exactly_once, job, job_on_4_gpus, procs, replay_gpu_h
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
+@pytest.fixture(autouse=True)
+def _node_down_after_10_s(monkeypatch):
+    """These scenarios are about a node declared down: 10 s of silence, not
+    the default grace period (an agent back within it keeps its jobs)."""
+    monkeypatch.setenv("TIDAL_NODE_GRACE_S", "10")
+
+
 
 
 def test_worker_kill_and_node_loss_are_survived(tmp_path):

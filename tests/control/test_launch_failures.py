@@ -260,10 +260,18 @@ def test_a_masters_reported_step_never_goes_back(api):
                   headers=HDR).status_code == 200
     with store.session(write=False) as s:
         j = s.get(Job, job)
+        first_at = j.progress.pop("step_at")
         assert j.progress == {"state": "changing", "step": 486, "world_size": 1} and j.done == 486
     c.post(f"/internal/jobs/{job}/status", json={"state": "running", "step": 490, "world_size": 2}, headers=HDR)
     with store.session(write=False) as s:
         assert s.get(Job, job).progress["step"] == 490 and s.get(Job, job).done == 490
+        moved_at = s.get(Job, job).progress["step_at"]
+    # the stall judge's clock: when the step last advanced (a report at the same step keeps it)
+    assert moved_at >= first_at
+    c.post(f"/internal/jobs/{job}/status", json={"state": "running", "step": 490, "world_size": 2,
+                                                  "step_at": 1.0}, headers=HDR)
+    with store.session(write=False) as s:
+        assert s.get(Job, job).progress["step_at"] == moved_at
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the run-as launcher needs root")

@@ -44,12 +44,15 @@ def small_job(name: str, gpus: str | int, steps: int = 2000, elastic: bool = Tru
 def live(tmp_path_factory, browser):
     """The cluster, with alice's job training on 2 GPUs."""
     home = tmp_path_factory.mktemp("dashboard") / "home"
-    with LocalCluster(home, nodes=2, gpus_per_node=2, policy="edf", tick_s=1.0) as c:
-        admin = c.api()
-        alice, bob = c.api(admin.add_user("alice")), c.api(admin.add_user("bob"))
-        jid = alice.submit(small_job("train", "1-2"))["id"]
-        wait(lambda: len(alice.job(jid)["gpus"]) == 2 and alice.job(jid)["step"] > 2, 150, "the job to train on 2 GPUs")
-        yield SimpleNamespace(url=f"{c.url}/dashboard/", cluster=c, admin=admin, alice=alice, bob=bob, job=jid)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIDAL_NODE_GRACE_S", "10")  # the node-down test: 10 s of silence, not the default grace
+        with LocalCluster(home, nodes=2, gpus_per_node=2, policy="edf", tick_s=1.0) as c:
+            admin = c.api()
+            alice, bob = c.api(admin.add_user("alice")), c.api(admin.add_user("bob"))
+            jid = alice.submit(small_job("train", "1-2"))["id"]
+            wait(lambda: len(alice.job(jid)["gpus"]) == 2 and alice.job(jid)["step"] > 2, 150,
+                 "the job to train on 2 GPUs")
+            yield SimpleNamespace(url=f"{c.url}/dashboard/", cluster=c, admin=admin, alice=alice, bob=bob, job=jid)
 
 
 def login(page, live, token: str) -> None:

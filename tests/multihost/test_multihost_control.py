@@ -40,6 +40,8 @@ def _env(home: Path) -> dict[str, str]:
         e.pop(k, None)  # each process finds its own interface and address
     # the namespaces share this machine's disk: the job's checkpoint directory is shared storage for them
     e.update(OMP_NUM_THREADS="1", TIDAL_HOME=str(home), PYTHONUNBUFFERED="1", TIDAL_CHECKPOINT_SHARED="1")
+    # these scenarios are about a host declared down: after 10 s of silence, not the default grace
+    e["TIDAL_NODE_GRACE_S"] = "10"
     e["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), e.get("PYTHONPATH", "")])
     return e
 

@@ -126,7 +126,7 @@ def profile_cmd(
 @app.command("scale")
 def scale(
     job: str = typer.Argument(..., help="Job: a live-cluster job id, or the name given to `tidal run` (or its master URL)."),
-    gpus: Optional[int] = typer.Argument(None, help="Live cluster: pin the job at this many GPUs."),
+    gpus: Optional[int] = typer.Argument(None, help="Live cluster: pin the job at this many GPUs until released with 0."),
     workers: Optional[int] = typer.Option(None, "--workers", "-n", help="`tidal run` job: target number of workers."),
     timeout: float = typer.Option(120.0, "--timeout", help="Give up after this many seconds."),
     wait: bool = typer.Option(True, "--wait/--no-wait",
@@ -139,7 +139,7 @@ def scale(
                                     "it: $TIDAL_HOST, $TIDAL_NODE or the host name)."),
 ) -> None:
     """Rescale a job: `tidal scale ID N` for a live-cluster job (pins it at N
-    GPUs), `tidal scale NAME --workers N` for a job started by `tidal run`
+    GPUs, never suspended by the policy, until `tidal scale ID 0`), `tidal scale NAME --workers N` for a job started by `tidal run`
     (scales out or in, retrying while busy), `tidal scale NAME --remove-host H`
     to take a host's workers out of it."""
     if remove_host is not None and gpus is None and workers is None:

@@ -165,7 +165,7 @@ def _reset_after_restart(store: Store) -> None:
     with store.session() as s:
         # the server was away, not the nodes: their heartbeat clocks start now
         # (otherwise the first agent back would have all the others declared down)
-        for n in s.scalars(select(Node).where(Node.state == "up")):
+        for n in s.scalars(select(Node).where(Node.state.in_(("up", "unreachable")))):
             n.last_heartbeat = time.time()
         store.log(s, "server.start")
 

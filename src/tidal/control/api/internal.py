@@ -24,7 +24,8 @@ from tidal.net import LOOPBACK
 
 router = APIRouter(prefix="/internal", tags=["internal"])
 
-NODE_TIMEOUT_S = 10.0
+NODE_TIMEOUT_S = 10.0  # a silent node takes no new work after this long (its processes go on)
+WATCHED = ("up", "unreachable")  # node states judged for silence
 MAX_LOG_CHUNK = 256 * 1024
 MAX_ERROR = 2000  # characters of a process's error kept (its agent cuts it to as many)
 
@@ -227,26 +228,35 @@ def _apply_utils(s: Session, node: str, utils: dict[int, float]) -> None:
 
 
 def _judge_silent_nodes(s: Session, store: Store, clock: HeartbeatClock, now: float) -> bool:
-    """Nodes that stopped heart-beating are down and their processes lost (the
-    jobs' survivors re-form without them); True when a node went down. After
-    a stall of the server's own, every up node's clock restarts instead.
-    Heartbeats and the coordinator's watch (:class:`SilentNodeWatch`) both
-    judge; a node goes down once (a conditional UPDATE)."""
+    """Nodes that stopped heart-beating: after :data:`NODE_TIMEOUT_S` a node
+    is ``unreachable`` (out of the topology: it takes no new work, its
+    processes keep running); after the grace period (``TIDAL_NODE_GRACE_S``)
+    it is down and its processes lost (the jobs' survivors re-form without
+    them, a lost master moves). An agent back within the grace keeps its
+    jobs. True when a node changed. After a stall of the server's own, every
+    node's clock restarts instead. Heartbeats and the coordinator's watch
+    (:class:`SilentNodeWatch`) both judge; each change is a conditional UPDATE."""
     if clock.stalled(now):
-        s.execute(update(Node).where(Node.state == "up").values(last_heartbeat=now))
+        s.execute(update(Node).where(Node.state.in_(WATCHED)).values(last_heartbeat=now))
         return False
+    changed = False
     cutoff = now - NODE_TIMEOUT_S
-    late = s.scalars(select(Node.name).where(Node.state == "up", Node.last_heartbeat < cutoff)).all()
-    down = False
-    for name in late:
+    for name in s.scalars(select(Node.name).where(Node.state == "up", Node.last_heartbeat < cutoff)).all():
         res = s.execute(update(Node).where(Node.name == name, Node.state == "up", Node.last_heartbeat < cutoff)
+                        .values(state="unreachable").execution_options(synchronize_session=False))
+        if res.rowcount == 1:
+            store.log(s, "node.unreachable", node=name)
+            changed = True
+    cutoff = now - max(NODE_TIMEOUT_S, settings.NODE_GRACE_S.get())
+    for name in s.scalars(select(Node.name).where(Node.state.in_(WATCHED), Node.last_heartbeat < cutoff)).all():
+        res = s.execute(update(Node).where(Node.name == name, Node.state.in_(WATCHED), Node.last_heartbeat < cutoff)
                         .values(state="down").execution_options(synchronize_session=False))
         if res.rowcount != 1:
             continue  # it beat meanwhile, or another judge took it down
         store.log(s, "node.down", node=name)
         _lose_node_procs(s, store, name)
-        down = True
-    return down
+        changed = True
+    return changed
 
 
 class SilentNodeWatch:
@@ -353,6 +363,10 @@ def master_up(job_id: JobId, body: dict[str, Any], store: StoreDep, coord: Coord
     return {"ok": True}
 
 
+#: a master's states in which its job trains (the step clock runs)
+FORMED = ("running", "changing")
+
+
 def _is_step(v: Any) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v < 2**63
 
@@ -369,10 +383,15 @@ def job_status(job_id: JobId, body: dict[str, Any], store: StoreDep, _: JobCredD
     with store.session() as s:
         j = _any_job(s, job_id)
         _fence(s, job_id, body)
-        progress = {k: v for k, v in body.items() if k != "node"}
-        stored = (j.progress or {}).get("step")
+        progress = {k: v for k, v in body.items() if k not in ("node", "step_at")}
+        prev = j.progress or {}
+        stored = prev.get("step")
         if _is_step(stored) and ("step" not in progress or progress["step"] < stored):
             progress["step"] = stored
+        # when the step last advanced (server time; the stall judge reads it): a job that just
+        # formed, or resumed, starts its clock now
+        moved = not _is_step(stored) or progress.get("step", 0) > stored or prev.get("state") not in FORMED
+        progress["step_at"] = time.time() if moved or not prev.get("step_at") else prev["step_at"]
         j.progress = progress
         j.done = float(progress.get("step", j.done))  # checked above
     return {"ok": True}

@@ -197,7 +197,7 @@ function renderCluster(s) {
     });
     return el("div", { class: `node ${n.state}`, dataset: { node: n.name, state: n.state } },
               el("div", { class: "node-head" }, el("strong", {}, n.name),
-                 el("span", { class: `badge ${n.state}` }, n.state === "up" ? "up" : "DOWN"),
+                 el("span", { class: `badge ${n.state}` }, n.state === "up" ? "up" : n.state === "unreachable" ? "SILENT" : "DOWN"),
                  el("span", { class: "muted" }, n.address || "")),
               el("div", { class: "gpus" }, ...cells));
   }));
@@ -283,6 +283,7 @@ function renderJob(s) {
     ["Deadline", j.deadline_at ? `${clockTime(j.deadline_at)} (${relTime(j.deadline_at, s.time)})` : "none"],
     ["Predicted finish", j.predicted_finish ? `${clockTime(j.predicted_finish)} (${relTime(j.predicted_finish, s.time)})` : "–"],
     ["Rescales", j.timeline.changes.length], ["Exit", j.exit_info || j.drop_reason || "–"],
+    ["Reason", j.reason || "–"],
   ]);
   renderAdmission(j, s.policy);
   renderTimeline(j, s.time);
