@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.engines.ray import node_gpus, node_name, plan
+from tidal.engines.ray import NodeRetired, NodeTable, RayAgent, node_gpus, node_name, plan
 
 HERE = Path(__file__).resolve().parents[1]
 
@@ -25,6 +25,61 @@ def test_plan_starts_new_alive_nodes_and_stops_dead_or_gone_ones():
     assert node_gpus(start["aaaa1111"]) == 2 and node_gpus(nodes[2]) == 0
     assert plan(set(), []) == ({}, set())
     assert node_name("0123456789abcdef") == "ray-01234567"
+
+
+def _node(node_id: str, alive: bool = True) -> dict:
+    return {"NodeID": node_id, "Alive": alive, "Resources": {"GPU": 2.0}}
+
+
+def test_a_node_marked_down_stays_down_until_ray_lists_a_new_node_id():
+    """Ray's node table faked: a node whose agent went silent (its heartbeat
+    stuck on a dead node's actors while Ray still lists it alive) is retired
+    for good, never beats or starts again under that id; a node Ray lists
+    dead stops beating at once; a node back under a new id is a new node."""
+    ray_nodes = [_node("aaaa1111")]
+    table = NodeTable(lambda: ray_nodes, retire_silent_s=8.0)
+    table.refresh()
+    start, stop = table.plan(set())
+    assert set(start) == {"aaaa1111"} and stop == {}
+    assert table.may_beat("aaaa1111", silent_s=1.0)
+    assert not table.may_beat("aaaa1111", silent_s=8.5)  # the server has marked it down by now
+    assert not table.may_beat("aaaa1111", silent_s=0.1)  # ... and it does not come back up
+    table.refresh()  # Ray still lists it alive: it stays retired
+    assert table.plan({"aaaa1111"}) == ({}, {"aaaa1111": table.retired["aaaa1111"]})
+    assert table.plan(set()) == ({}, {})
+    ray_nodes[:] = [_node("aaaa1111", alive=False), _node("bbbb2222")]  # Ray: dead, and back under a new id
+    table.refresh()
+    start, stop = table.plan(set())
+    assert set(start) == {"bbbb2222"} and stop == {}
+    assert table.may_beat("bbbb2222", silent_s=0.5)
+    ray_nodes[:] = [_node("bbbb2222", alive=False)]
+    table.refresh()
+    assert not table.ray_alive("bbbb2222")
+    assert not table.may_beat("bbbb2222", silent_s=0.1)  # Ray says dead: no beat, however recent the last
+    assert table.plan({"bbbb2222"})[1].keys() == {"bbbb2222"}
+
+
+def test_a_ray_agent_sends_no_heartbeat_once_its_node_is_retired(tmp_path, monkeypatch):
+    """The agent's transport: heartbeats pass while the table allows them,
+    the silence counts from the last one the server took, and a retired
+    node's agent stops instead of beating (registration is not gated)."""
+    from tidal.agent.agent import Agent
+
+    sent: list[str] = []
+    monkeypatch.setattr(Agent, "_post", lambda self, path, body: sent.append(path) or {})
+    ray_nodes = [_node("cccc3333")]
+    table = NodeTable(lambda: ray_nodes, retire_silent_s=8.0)
+    table.refresh()
+    agent = RayAgent("cccc3333", table, "http://127.0.0.1:9", "join", "ray-cccc3333", 2, virtual=True,
+                     workdir=tmp_path / "agent", address="127.0.0.1")
+    agent._post("/internal/agents/register", {})
+    agent._post("/internal/agents/ray-cccc3333/heartbeat", {})
+    assert sent == ["/internal/agents/register", "/internal/agents/ray-cccc3333/heartbeat"]
+    agent.heard_at -= 9.0  # its tick was stuck for 9 s on the actors of a dead node
+    with pytest.raises(NodeRetired):
+        agent._post("/internal/agents/ray-cccc3333/heartbeat", {})
+    assert len(sent) == 2 and agent._stop.is_set()
+    assert "silent" in table.retired["cccc3333"]
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -85,9 +140,17 @@ def test_job_on_ray_nodes_survives_a_ray_node_death(tmp_path, monkeypatch):
         rc.remove_node(victim)
         wait(lambda: any(n["name"] == victim_name and n["state"] != "up" for n in admin.cluster()["nodes"]), 60,
              "Tidal to mark the dead Ray node down")
+        since = max(e["id"] for e in admin.events())
         wait(lambda: user.job(a)["state"] in ("completed", "failed", "cancelled"), 300, "the job to finish", user)
         assert user.job(a)["state"] == "completed", user.job(a)
         assert not any(Path(f"/proc/{pid}").exists() for pid in doomed), "a process outlived its Ray node"
+        # the dead node stayed out: no heartbeat brought it back up, no process started on it since
+        later = [e for e in admin.events() if e["id"] > since and e.get("node") == victim_name]
+        assert not [e for e in later if e["kind"] in ("node.up", "node.rejoin", "proc.running")], later
+        marks = [e["kind"] for e in admin.events() if e.get("node") == victim_name
+                 and e["kind"] in ("node.unreachable", "node.down", "node.up", "node.rejoin")]
+        assert marks and marks[0] in ("node.unreachable", "node.down"), marks
+        assert "node.up" not in marks and "node.rejoin" not in marks, marks  # no down, up, down again
         replay_gpu_holders(admin.events())
         check_exactly_once(rec / "a", 2048, 3)
     finally:
