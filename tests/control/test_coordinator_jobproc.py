@@ -60,3 +60,19 @@ def test_the_reporter_posts_status_and_stops_when_the_job_is_over():
     r3 = Reporter(server, "j", lambda: False)  # type: ignore[arg-type]
     r3.report(status("finished"))
     assert r3.done()
+
+
+def test_the_status_answer_tells_the_master_which_workers_ended():
+    """A worker that died before it registered is known to the master from
+    the server's answer to its next status report (its spawner's exit codes),
+    so the master drops it at once instead of waiting for it."""
+
+    class Answers(Server):
+        def call(self, method, path, body=None, params=None, patience_s=None):
+            self.posts.append((path, body))
+            return 200, {"ok": True, "ended": {"w1": -9, "w3": 1, "w4": 0, "bad": "x"}}
+
+    sp = ControlPlaneSpawner(Answers(), "j", lost=["w0"])  # type: ignore[arg-type]
+    r = Reporter(sp.server, "j", lambda: False, on_ended=sp.note_ended)
+    r.report(status("forming"))
+    assert sp.exit_codes() == {"w0": -9, "w1": -9, "w3": 1}

@@ -293,3 +293,15 @@ def test_run_as_never_hands_over_a_directory_it_did_not_make(tmp_path):
     assert (fresh.stat().st_uid, fresh.stat().st_mode & 0o777) == (nobody.pw_uid, 0o700)
     ra.private_dir(fresh)  # the user's already: kept
     assert fresh.stat().st_uid == nobody.pw_uid
+
+
+def test_the_status_answer_names_the_workers_that_ended_badly(api):
+    c, store = api
+    job = c.post("/v1/jobs", json=GOOD, headers=HDR).json()["id"]
+    with store.session() as s:
+        s.add(Process(job_id=job, name="master", kind="master", node="n", state="running"))
+        for name, state, code in (("w0", "running", None), ("w1", "failed", -9), ("w2", "exited", 0),
+                                  ("w3", "failed", 1), ("w4", "lost", None)):
+            s.add(Process(job_id=job, name=name, kind="worker", node="n", state=state, exit_code=code))
+    r = c.post(f"/internal/jobs/{job}/status", json={"state": "forming", "step": 0, "world_size": 0}, headers=HDR)
+    assert r.json()["ended"] == {"w1": -9, "w3": 1, "w4": -9}

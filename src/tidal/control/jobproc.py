@@ -42,6 +42,7 @@ class ControlPlaneSpawner:
     def __init__(self, server: JsonHttp, job: str, lost: Sequence[str] = ()) -> None:
         self.server, self.job = server, job
         self.lost = tuple(lost)  # workers that died with the host of this job's previous master
+        self.ended: dict[str, int] = {}  # workers the server saw end with an error or a signal (status answers)
 
     def spawn(self, launches: Sequence[WorkerLaunch]) -> None:
         ids = [x.worker_id for x in launches]
@@ -53,9 +54,17 @@ class ControlPlaneSpawner:
         if status >= 400 or not (isinstance(ans, dict) and ans.get("ok")):
             raise RuntimeError(f"no live worker {worker_id} of {self.job}: {ans}")
 
+    def note_ended(self, ended: Any) -> None:
+        """The server's answer to a status report names the job's workers
+        that ended badly (a worker that died before it registered is dropped
+        by the master at once, not after the join time-out)."""
+        if isinstance(ended, dict):
+            self.ended.update({str(w): int(c) for w, c in ended.items() if isinstance(c, int) and c != 0})
+
     def exit_codes(self) -> dict[str, int | None]:
-        # the server sees the processes, not this master; it names those lost with the previous master's host
-        return {w: -9 for w in self.lost}
+        # the server sees the processes, not this master: those lost with the previous master's host, and
+        # those its status answers named
+        return {**{w: -9 for w in self.lost}, **self.ended}
 
 
 class Reporter:
@@ -63,8 +72,9 @@ class Reporter:
     work is over: the job finished, or it was suspended and its workers left."""
 
     def __init__(self, server: JsonHttp, job: str, workers_left: Callable[[], bool],
-                 clock: Callable[[], float] = time.monotonic, node: str = "") -> None:
-        self.server, self.job, self.node = server, job, node
+                 clock: Callable[[], float] = time.monotonic, node: str = "",
+                 on_ended: Callable[[Any], None] = lambda ended: None) -> None:
+        self.server, self.job, self.node, self.on_ended = server, job, node, on_ended
         self.fenced = False  # the server runs this job's master on another host now
         self.workers_left, self.clock = workers_left, clock
         self.last: Status | None = None
@@ -83,6 +93,8 @@ class Reporter:
         if code == 409:
             log.error("this master was replaced: %s", ans)
             self.fenced = True
+        elif code < 400 and isinstance(ans, dict):
+            self.on_ended(ans.get("ended"))
 
     def done(self) -> bool:
         if self.fenced:
@@ -136,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     bind = bind_addr()
     adv = advertise_addr(bind, peer=urlparse(a.server.split(",")[0]).hostname, explicit=settings.ADVERTISE_ADDR.get())
     lost = [w for w in a.lost.split(",") if w]
-    master = JobMaster(a.job, a.size, backend=backend, spawner=ControlPlaneSpawner(server, a.job, lost),
+    spawner = ControlPlaneSpawner(server, a.job, lost)
+    master = JobMaster(a.job, a.size, backend=backend, spawner=spawner,
                        first_worker=a.first_worker, store_host=adv, store_port=int(ports["store"]),
                        resume=a.resume)
     srv = MasterServer(master, host=bind, port=int(ports["http"]), advertise=adv).start()
@@ -155,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         workers: dict[str, Any] = master.snapshot()["workers"]
         return not any(w.get("state") in ("active", "leaving") for w in workers.values())
 
-    reporter = Reporter(server, a.job, workers_left, node=node)
+    reporter = Reporter(server, a.job, workers_left, node=node, on_ended=spawner.note_ended)
     try:
         host_master(master, stop=lambda: reporter.done() or backend.fenced.is_set(),
                     on_status=lambda st: reporter.report(st, master.suspended),
