@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from tidal.runtime import abortable
-from tidal.runtime.client import MasterClient
+from tidal.runtime.client import MasterClient, MasterUnavailable
 from tidal.runtime.membership import Agreement, Membership
 from tidal.runtime.messages import Generation, SwitchPlan
 from tidal.runtime.stragglers import StragglerDetector
@@ -216,14 +216,22 @@ class Heartbeat:
         process stops beating; a training thread stuck in compute keeps the
         same (step, "compute") while its peers wait in "sync"."""
         self.beats += 1
-        self.follow_master()
+        if not self.follow_master():
+            return  # the master moved and is not up yet: try again at the next beat
         ep, (what, step), g = self.endpoint, self.phase, self.membership.seat.gen
         assert ep is not None
+        beat, key = json.dumps([self.beats, step, what]), ep.alive_key(self.membership.worker_id)
+        watch = g is not None and not abortable.SIGNAL.requested(g.gen)
+        abort_key = g.prefix + "abort" if g is not None else ""
+
+        def exchange(store: Any) -> bytes | None:
+            store.set(key, beat)
+            return bytes(store.get(abort_key)) if watch and store.check([abort_key]) else None
+
         try:
-            store = self.membership.stores.get(ep.host, ep.port, tag="beat")
-            store.set(ep.alive_key(self.membership.worker_id), json.dumps([self.beats, step, what]))
-            if g is not None and not abortable.SIGNAL.requested(g.gen) and store.check([g.prefix + "abort"]):
-                abortable.SIGNAL.request(g.gen, bytes(store.get(g.prefix + "abort")).decode())
+            why = self.membership.stores.call(ep.host, ep.port, "beat", exchange)
+            if why is not None and g is not None:
+                abortable.SIGNAL.request(g.gen, why.decode())
         except Exception as e:  # noqa: BLE001 - the master may be restarting, or its host is gone
             log.debug("liveness beat failed: %s", e)
             self.membership.stores.drop(ep.host, ep.port, "beat")
@@ -238,13 +246,14 @@ class Heartbeat:
             client.relocate()
         self.follow_master()
 
-    def follow_master(self) -> None:
+    def follow_master(self) -> bool:
         """The master client found the master at a new address (it restarted
         on another host): fetch the store endpoint there. Any thread; the
-        endpoint is replaced whole."""
+        endpoint is replaced whole. False while the moved master's store is
+        not known yet (it is starting): the old one is gone, do not wait on it."""
         client = self.membership.client
         if client is None or client.url == self._endpoint_url:
-            return
+            return True
         try:
             url = client.url
             self.endpoint = StoreEndpoint.from_json(client.request("GET", "/store", patience_s=2.0)[1])
@@ -253,6 +262,7 @@ class Heartbeat:
                      self.endpoint.host, self.endpoint.port)
         except Exception as e:  # noqa: BLE001 - not up yet: the next failure tries again
             log.debug("store endpoint of the moved master: %s", e)
+        return client.url == self._endpoint_url
 
     # ------------------------------------------------------------------ heartbeat thread
     def _loop(self) -> None:
@@ -304,15 +314,19 @@ class Heartbeat:
         """Post pending reports, write progress, read the plan key."""
         assert self.membership.client is not None and self.endpoint is not None
         self.outbox.post(self.membership.client)
-        self.follow_master()
+        if not self.follow_master():
+            raise MasterUnavailable(f"the master moved to {self.membership.client.url}, which does not answer yet")
         ep = self.endpoint
-        store = self.membership.stores.get(ep.host, ep.port, tag="hb")
         progress = json.dumps(self.progress(g))
-        t = time.perf_counter()
-        store.set(ep.progress_key, progress)
-        raw = store.get(ep.plan_key)
-        self.rtts_ms.append(1e3 * (time.perf_counter() - t))
-        return raw
+
+        def exchange(store: Any) -> bytes:
+            t = time.perf_counter()
+            store.set(ep.progress_key, progress)
+            raw = store.get(ep.plan_key)
+            self.rtts_ms.append(1e3 * (time.perf_counter() - t))
+            return bytes(raw)
+
+        return self.membership.stores.call(ep.host, ep.port, "hb", exchange)
 
     def _read_plan(self, raw: bytes, g: Generation) -> bool:
         """Act on a new value of the plan key: a newer plan goes to the

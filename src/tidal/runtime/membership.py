@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -151,6 +152,43 @@ class SwitchAgreement:
                 self._seen = None
 
 
+class _Lane:
+    """A helper thread that runs one (store, tag)'s calls, so its caller can
+    give up on a call that hangs: a TCPStore client whose server went silent
+    (a cut host, a stopped process) blocks in ``get``, ``set`` and connecting
+    far past its timeout. A call given up on keeps its thread until it
+    returns; until then further calls fail at once (one thread at most)."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], dict[str, Any], threading.Event]] = queue.SimpleQueue()
+        self.pending_since: float | None = None
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, box, done = self._jobs.get()
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+            self.pending_since = None
+            done.set()
+
+    def call(self, fn: Callable[[], Any], deadline_s: float) -> Any:
+        since = self.pending_since
+        if since is not None:
+            raise TimeoutError(f"a call to this store has hung for {time.monotonic() - since:.0f}s")
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        self.pending_since = time.monotonic()
+        self._jobs.put((fn, box, done))
+        if not done.wait(deadline_s):
+            raise TimeoutError(f"the store did not answer within {deadline_s:g}s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+
 class StoreCache:
     """Clients of the master's TCPStore, one per (host, port, tag); each
     thread uses its own tag. Clients other than the heartbeat's ("hb", used
@@ -166,6 +204,7 @@ class StoreCache:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._stores: dict[tuple[str, int, str], Any] = {}
+        self._lanes: dict[tuple[str, int, str], _Lane] = {}
 
     def get(self, host: str, port: int, tag: str = "") -> Any:
         key = (host, port, tag)
@@ -184,6 +223,16 @@ class StoreCache:
             with self._lock:
                 self._stores[key] = s
         return s
+
+    def call(self, host: str, port: int, tag: str, fn: Callable[[Any], Any]) -> Any:
+        """``fn(store)`` for the background threads ("hb", "beat"), given up
+        after :data:`QUICK_TIMEOUT` (connecting included) when the store's
+        host went silent, so the caller can look for a moved master."""
+        with self._lock:
+            lane = self._lanes.get((host, port, tag))
+            if lane is None:
+                lane = self._lanes[(host, port, tag)] = _Lane(f"tidal-store-{tag}")
+        return lane.call(lambda: fn(self.get(host, port, tag)), self.QUICK_TIMEOUT.total_seconds())
 
     def drop(self, host: str, port: int, tag: str = "") -> None:
         """Forget a client whose connection failed (the next ``get`` reconnects)."""
