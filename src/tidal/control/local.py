@@ -196,14 +196,14 @@ class EmbeddedServer:
         from tidal.control.credentials import Credentials
         from tidal.control.db import Store
         # the same app and files as `tidal server` (its private-file writer too)
-        from tidal.control.server import _private, create_app, secret_path
+        from tidal.control.server import create_app, write_private, secret_path
 
         c = self.cluster
         os.umask(0o077)  # as `tidal server`: the store, logs and checkpoints are this user's only
         store = Store(c.db_url or f"sqlite:///{c.home / 'tidal.db'}")
         credentials = Credentials.from_file(secret_path(c.home))
         for name, text in (("admin.token", c.admin_token), ("agent.token", credentials.agent_token())):
-            _private(c.home / name, text)
+            write_private(c.home / name, text)
         self.app = create_app(store, policy=c.policy, admin_token=c.admin_token, credentials=credentials,
                               tick_s=c.tick_s, home=c.home, server_url=c.url)
         # log_config=None: the server's records go where this process sends its logging

@@ -175,7 +175,7 @@ def secret_path(home: Path) -> Path:
     return Path(settings.SECRET_FILE.get() or home / "server.secret")
 
 
-def _private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` readable by this user only (0600 from the start)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -219,9 +219,9 @@ def serve(
     token_file = home / "admin.token"
     if admin_token is None:
         admin_token = token_file.read_text().strip() if token_file.exists() else secrets.token_urlsafe(24)
-    _private(token_file, admin_token)
+    write_private(token_file, admin_token)
     credentials = Credentials.from_file(secret_path(home))
-    _private(home / "agent.token", credentials.agent_token())  # the join token agents start with
+    write_private(home / "agent.token", credentials.agent_token())  # the join token agents start with
     if (tls_cert is None) != (tls_key is None):
         raise InputError("give both a TLS certificate and its key, or neither", field="tls")
     scheme = "https" if tls_cert else "http"
