@@ -343,11 +343,13 @@ class Ctx:
 
 
 def node_of_master(j: dict[str, Any]) -> str | None:
+    """The node of the job's live master process (``tidal job ID``), if any."""
     return next((p["node"] for p in j.get("processes", []) if p["kind"] == "master"
                  and p["state"] in ("pending", "running")), None)
 
 
 def kinds_of(events: list[dict[str, Any]], jid: str) -> dict[str, int]:
+    """How many events of each kind job ``jid`` has in the audit trail."""
     return dict(collections.Counter(e["kind"] for e in events if e.get("job") == jid))
 
 
@@ -363,6 +365,7 @@ def submit_named(ctx: Ctx, who: str, name: str, script: str, work: Work, record:
 
 
 def training(api: Api, jid: str, steps: int, world: int | None = None) -> bool:
+    """Whether the job is running past ``steps`` (on at least ``world`` workers)."""
     j = api.job(jid)
     return j["state"] in LIVE_STATES and j["step"] >= steps and (world is None or j["world_size"] >= world)
 
@@ -390,6 +393,7 @@ def recovered(ctx: Ctx, out: Outcome, jid: str, t_fault: float, timeout: float) 
 
 
 def within(seconds: float | None, bound: float = BOUND_S) -> bool:
+    """Whether a measured time exists and is within ``bound``."""
     return seconds is not None and seconds <= bound
 
 
@@ -503,13 +507,12 @@ def launch_fault(ctx: Ctx, out: Outcome, name: str, script: str, **kw: Any) -> O
                  "process_errors": sorted({p["error"] for p in j.get("processes", []) if p["error"]})[:3]}
     if j["state"] not in TERMINAL:
         return out.judge(False, "not ended")
-    t_end = time.time()
     # an elastic job that takes every free GPU, so some of the failed job's node if it still takes work
     other = ctx.api("alice").submit(spec(f"{name}-neighbour", "train.py", ctx.work_of("short"), gpus="1-6"))["id"]
 
-    def used_after() -> bool:
-        return any(e["kind"] == "gpu.assign" and e["node"] in nodes and e["job"] != jid and e["time"] >= t_end
-                   for e in ctx.api().events())
+    def used_after() -> bool:  # a GPU of that node serves one of alice's jobs
+        alices = {j["id"] for j in ctx.api("alice").jobs()}
+        return any(g["job"] in alices for n in ctx.api().cluster()["nodes"] if n["name"] in nodes for g in n["gpus"])
 
     out.extra["node_took_another_tenant"] = bool(wait_for(used_after, ctx.deadline.left(90), poll=1.0))
     with contextlib.suppress(ApiError):
@@ -546,37 +549,59 @@ def sc_missing_workdir(ctx: Ctx) -> Outcome:
 
 # ---------------------------------------------------------------- agents away
 
-def sc_agent_away(ctx: Ctx, away_s: float) -> Outcome:
-    """SIGSTOP the agent of a training job's master node for ``away_s``, then SIGCONT."""
-    short = away_s < 60
-    out = Outcome(f"agent_away_{away_s:g}",
-                  "its jobs keep running (nothing lost, no failure) and complete" if short else
-                  "its processes are lost after the grace; the job restarts or relocates and completes, or fails "
-                  "with a reason; nothing stuck")
-    api, admin = ctx.api("alice"), ctx.api()
-    jid = submit_named(ctx, "alice", f"away{away_s:g}", "train.py", ctx.work_of("away" if short else "away_long"),
-                       record=True, gpus=FIXED2)
+def away_run(ctx: Ctx, out: Outcome, work: Work, away_s: float) -> dict[str, Any] | None:
+    """A 2-worker job of tenant alice trains; the agent of its master's node is
+    stopped (SIGSTOP) for ``away_s``, then continued; the job once ended (None:
+    it never trained). ``out`` gets the node, whether it was marked down and
+    the job's lost processes."""
+    api = ctx.api("alice")
+    jid = submit_named(ctx, "alice", out.name.replace("_", "-"), "train.py", work, record=True, gpus=FIXED2)
     if not wait_for(lambda: training(api, jid, 10, world=2), ctx.deadline.left(180)):
-        return settle(out, api.job(jid), None).judge(False, "never trained on 2 workers")
+        settle(out, api.job(jid), None).judge(False, "never trained on 2 workers")
+        return None
     node = node_of_master(api.job(jid)) or "node-0"
     agent = ctx.agents[int(node.rsplit("-", 1)[1])]
     t_fault = time.time()
     os.kill(agent.pid, signal.SIGSTOP)
     try:
         pause(min(away_s, ctx.deadline.left()))
+        out.extra["step_when_back"] = api.job(jid)["step"]
     finally:
         os.kill(agent.pid, signal.SIGCONT)
     j = recovered(ctx, out, jid, t_fault, ctx.deadline.left(400))
-    events = admin.events()
-    out.extra.update(node=node, node_down=any(e["kind"] == "node.down" and e["node"] == node and e["time"] >= t_fault
-                                              for e in events),
+    down = [e for e in ctx.api().events() if e["kind"] == "node.down" and e["node"] == node and e["time"] >= t_fault]
+    out.extra.update(node=node, away_s=away_s, node_down=bool(down),
                      lost_processes=sum(p["state"] == "lost" for p in j.get("processes", [])))
+    return j
+
+
+def sc_agent_away(ctx: Ctx, away_s: float) -> Outcome:
+    """SIGSTOP the agent of a training job's master node for ``away_s``, then SIGCONT."""
+    short = away_s < 60
+    out = Outcome("agent_away_20" if short else "agent_away_120",
+                  "its jobs keep running (nothing lost, no failure) and complete" if short else
+                  "its processes are lost after the grace; the job restarts or relocates and completes, or fails "
+                  "with a reason; nothing stuck")
+    j = away_run(ctx, out, ctx.work_of("away" if short else "away_long"), away_s)
+    if j is None:
+        return out
     lost = out.extra.get("samples", {}).get("lost")
     if short:
         ok = j["state"] == "completed" and not out.extra["lost_processes"] and lost == 0
         return out.judge(ok and not out.extra["node_down"], "" if not out.extra["node_down"] else
                          "the node was marked down although its agent was away for less than the grace")
     ok = (j["state"] == "completed" and lost == 0) or (j["state"] == "failed" and bool(out.reason))
+    return out.judge(ok and within(out.seconds))
+
+
+def sc_agent_away_job_ends(ctx: Ctx) -> Outcome:
+    """A short job finishes while its node's agent is away for 90 s (past the grace)."""
+    out = Outcome("agent_away_job_ends", "completed (its master reported it finished before the node was "
+                  "declared down), not failed; GPUs freed; within 120 s")
+    j = away_run(ctx, out, Work(4800, 2, sample_time=0.004), 90.0)
+    if j is None:
+        return out
+    ok = j["state"] == "completed" and out.extra.get("samples", {}).get("lost") == 0
     return out.judge(ok and within(out.seconds))
 
 
@@ -758,7 +783,8 @@ def sc_leader_silent(ctx: Ctx) -> Outcome:
 
 
 def leader_plane(ctx: Ctx, hs: Any, db_url: str, ls: Any) -> tuple[str, str, str]:
-    """PostgreSQL and an agent (3 virtual GPUs) on host 0, replica A (leading) on host 1, B on host 2: (A's URL, B's, token)."""
+    """PostgreSQL and an agent (3 virtual GPUs) on host 0, replica A (leading)
+    on host 1, B on host 2: (A's URL, B's URL, the admin token)."""
     import secrets
 
     work = ctx.work / "leader"
@@ -803,10 +829,16 @@ def leader_run(ctx: Ctx, out: Outcome, hs: Any, db_url: str, ls: Any) -> Outcome
             t_fault = time.time()
             led = wait_for(lambda: ls._leads(hs[0], url_b) and time.time(), ctx.deadline.left(90), poll=0.2)
             out.extra["failover_s"] = round(led - t_fault, 1) if led else None
-            after = user.submit(spec("after-cut", "train.py", sub.work_of("short"), gpus=1))["id"]
-            out.extra["after_cut_job_started"] = bool(wait_for(lambda: user.job(after)["gpus"], ctx.deadline.left(60)))
+            t_sub = time.time()  # a submission after the failover (retried: the first may time out)
+            after = wait_for(lambda: user.submit(spec("after-cut", "train.py", sub.work_of("short"), gpus=1))["id"],
+                             ctx.deadline.left(120), poll=1.0)
+            out.extra["after_cut_submit_s"] = round(time.time() - t_sub, 1)
+            out.extra["after_cut_job_started"] = bool(after and wait_for(lambda: user.job(after)["gpus"],
+                                                                         ctx.deadline.left(60)))
+            out.extra["after_cut_jobs"] = sum(x["name"] == "after-cut" for x in user.jobs())
             j = recovered(sub, out, jid, t_fault, ctx.deadline.left(300))
-            finish(user, after, ctx.deadline.left(120))
+            if after:
+                finish(user, after, ctx.deadline.left(120))
             out.extra["ledger"] = ledger(admin, monitor)
         finally:
             monitor.stop()
@@ -833,12 +865,12 @@ def gpu_given_twice(events: list[dict[str, Any]]) -> int:
 def ledger(admin: Api, monitor: Monitor | None, quiet_s: float = 60.0) -> dict[str, Any]:
     """A cluster's end state: job counts, jobs stuck (holding GPUs, not
     terminal, no step for ``quiet_s``), GPUs held by ended jobs, GPUs given twice."""
-    jobs = admin.jobs()
+    jobs = wait_for(admin.jobs, 60) or []  # retried: a replica may be slow to answer right after a failover
     now = time.time()
     if monitor is None:  # no history: a job is stuck if its step does not move in 10 s
         before = {j["id"]: j["step"] for j in jobs}
         pause(10.0)
-        jobs = admin.jobs()
+        jobs = wait_for(admin.jobs, 60) or []
         quiet = {j["id"] for j in jobs if before.get(j["id"]) == j["step"]}
     else:
         quiet = {j["id"] for j in jobs if now - monitor.last_progress(j["id"]) >= quiet_s}
@@ -848,7 +880,7 @@ def ledger(admin: Api, monitor: Monitor | None, quiet_s: float = 60.0) -> dict[s
             "stuck": [{"id": j["id"], "name": j["name"], "state": j["state"], "step": j["step"],
                        "reason": j.get("reason", "")} for j in stuck],
             "gpu_held_by_ended_jobs": sum(len(j["gpus"]) for j in jobs if j["state"] in TERMINAL),
-            "gpu_given_twice": gpu_given_twice(admin.events())}
+            "gpu_given_twice": gpu_given_twice(wait_for(admin.events, 60) or [])}
 
 
 def cancel_live(admin: Api, deadline: Deadline) -> float | None:
@@ -904,9 +936,10 @@ SCENARIOS: dict[str, tuple[str, Callable[[Ctx], Outcome], float]] = {
     "up_interrupted": ("jobs", sc_up_interrupted, 540),
     "agent_away_20": ("agents", lambda c: sc_agent_away(c, 20.0), 360),
     "agent_away_120": ("agents", lambda c: sc_agent_away(c, c.st.away_long_s), 540),
+    "agent_away_job_ends": ("agents", sc_agent_away_job_ends, 360),
     "master_host_reset": ("hosts", lambda c: sc_master_host(c, cut=False), 480),
     "master_host_cut": ("hosts", lambda c: sc_master_host(c, cut=True), 480),
-    "leader_silent": ("ha", sc_leader_silent, 60),
+    "leader_silent": ("ha", sc_leader_silent, 420),
 }
 SINGLE_HOST = [n for n, (g, _f, _d) in SCENARIOS.items() if g in ("jobs", "agents")]
 NAMESPACES = [n for n, (g, _f, _d) in SCENARIOS.items() if g in ("hosts", "ha")]
@@ -1010,6 +1043,7 @@ def run_single_host(ctx: Ctx, names: list[str]) -> tuple[list[Outcome], list[dic
 
 
 def skipped(o: Outcome) -> bool:
+    """Whether the scenario did not run (its state says why)."""
     return o.state.startswith("skipped")
 
 
@@ -1080,6 +1114,7 @@ def run(names: list[str], st: Settings, work: Path) -> dict[str, Any]:
 
 
 def settings_from(a: argparse.Namespace) -> Settings:
+    """The run's settings from the command line (``--quick``: one well-behaved job, 3 faults at once)."""
     st = Settings(quick=a.quick, start_timeout_s=a.start_timeout, global_s=a.deadline, parallel=a.parallel)
     if a.quick:
         st.pool, st.parallel = 1, max(a.parallel, 3)
@@ -1087,6 +1122,7 @@ def settings_from(a: argparse.Namespace) -> Settings:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module's docstring); the work directory is always cleaned up."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of: {', '.join(SCENARIOS)}")
     ap.add_argument("--quick", action="store_true", help="small jobs, one well-behaved job, 3 faults at once")
