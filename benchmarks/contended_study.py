@@ -99,7 +99,11 @@ def best_effort_split(jobs: list, share: float = BE_SHARE, seed: int = SEED) -> 
 
 
 def trace_path(trace: str) -> Path:
-    return TRACE_DIR / TRACES[trace][0]
+    """The trace in ../shared/data, or the package's copy when the shared data lacks it (cluster10)."""
+    from tidal.sim.traces import resolve_trace
+
+    p = TRACE_DIR / TRACES[trace][0]
+    return p if p.exists() else resolve_trace(trace)
 
 
 @lru_cache(maxsize=None)

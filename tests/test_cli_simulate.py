@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from conftest import data_file
 from typer.testing import CliRunner
 
 from tidal.cli.main import app
@@ -13,7 +14,7 @@ runner = CliRunner()
 
 
 def test_simulate_json_contract_and_outputs(tmp_path, shared):
-    trace = shared / "traces" / "itp" / "cluster10.csv"
+    trace = data_file("traces/itp/cluster10.csv")
     res = runner.invoke(app, ["simulate", "--trace", str(trace), "--cluster", "n32g8",
                               "--policy", "fifo,backfill,tiresias,edf", "--out", str(tmp_path), "--json"])
     assert res.exit_code == 0, res.output
@@ -33,7 +34,7 @@ def test_simulate_json_contract_and_outputs(tmp_path, shared):
 
 
 def test_simulate_table_output(tmp_path, shared):
-    trace = shared / "traces" / "itp" / "cluster10.csv"
+    trace = data_file("traces/itp/cluster10.csv")
     res = runner.invoke(app, ["simulate", "--trace", str(trace), "--policy", "fifo,tiresias", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert "avg JCT h" in res.stdout and "tiresias" in res.stdout
@@ -98,7 +99,7 @@ def test_simulate_table_fits_80_columns_with_whole_numbers(tmp_path, shared):
     import subprocess
     import sys
 
-    trace = shared / "traces" / "itp" / "cluster10.csv"
+    trace = data_file("traces/itp/cluster10.csv")
     args = [sys.executable, "-m", "tidal", "simulate", "--trace", str(trace), "--cluster", "n32g8", "--policy",
             "fifo,backfill,tiresias,edf", "--limit", "120", "--out", str(tmp_path)]
     env = dict(os.environ, COLUMNS="80")

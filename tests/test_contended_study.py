@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from conftest import data_file
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "contended_study.py"
 
@@ -35,7 +36,7 @@ def test_halve_nodes_then_gpus(study_mod: ModuleType) -> None:
 def test_best_effort_split_is_thirty_percent_and_seeded(study_mod: ModuleType, shared: Path) -> None:
     from tidal.sim.traces import load_trace
 
-    jobs = list(load_trace(shared / "traces" / "itp" / "cluster10.csv").jobs)
+    jobs = list(load_trace(data_file("traces/itp/cluster10.csv")).jobs)
     assert all(j.deadline is not None for j in jobs)
     out, be = study_mod.best_effort_split(jobs, 0.3, 0)
     assert len(out) == len(jobs) and [j.job_id for j in out] == [j.job_id for j in jobs]

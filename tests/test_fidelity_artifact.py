@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import data_file
 
 from tidal.core.topology import parse_cluster
 from tidal.scheduler.policies.edf import EDF
@@ -68,7 +69,7 @@ _cache: dict[str, tuple] = {}
 def _setup(trace: str) -> tuple:
     if trace not in _cache:
         tpath, cpath = TRACES[trace]
-        _cache[trace] = (load_trace(DATA / tpath).jobs, parse_cluster(DATA / cpath))
+        _cache[trace] = (load_trace(data_file(tpath)).jobs, parse_cluster(DATA / cpath))
     return _cache[trace]
 
 
