@@ -497,7 +497,8 @@ def sc_args_200k(ctx: Ctx) -> Outcome:
 
 def launch_fault(ctx: Ctx, out: Outcome, name: str, script: str, **kw: Any) -> Outcome:
     """Submit a job whose processes cannot start; then check that the node it
-    used still takes another tenant's job (alice's, of one GPU)."""
+    used still takes work: a GPU of it serves another job (``node_took_a_job_of``
+    names the tenant: alice, or mallory if only her other jobs got there first)."""
     api = ctx.api("mallory")
     jid = api.submit(spec(name, script, ctx.work_of("short"), gpus=FIXED2, **kw))["id"]
     j = finish(api, jid, ctx.deadline.left(150))
@@ -510,11 +511,12 @@ def launch_fault(ctx: Ctx, out: Outcome, name: str, script: str, **kw: Any) -> O
     # an elastic job that takes every free GPU, so some of the failed job's node if it still takes work
     other = ctx.api("alice").submit(spec(f"{name}-neighbour", "train.py", ctx.work_of("short"), gpus="1-6"))["id"]
 
-    def used_after() -> bool:  # a GPU of that node serves one of alice's jobs
+    def used_after() -> str | None:  # a GPU of that node serves another job (alice's, preferably)
         alices = {j["id"] for j in ctx.api("alice").jobs()}
-        return any(g["job"] in alices for n in ctx.api().cluster()["nodes"] if n["name"] in nodes for g in n["gpus"])
+        held = {g["job"] for n in ctx.api().cluster()["nodes"] if n["name"] in nodes for g in n["gpus"]} - {None, jid}
+        return "alice" if held & alices else ("mallory" if held else None)
 
-    out.extra["node_took_another_tenant"] = bool(wait_for(used_after, ctx.deadline.left(90), poll=1.0))
+    out.extra["node_took_a_job_of"] = wait_for(used_after, ctx.deadline.left(90), poll=1.0)
     with contextlib.suppress(ApiError):
         ctx.api("alice").cancel(other)  # it has shown what it had to
     return out
@@ -522,8 +524,8 @@ def launch_fault(ctx: Ctx, out: Outcome, name: str, script: str, **kw: Any) -> O
 
 def sc_unreadable_script(ctx: Ctx) -> Outcome:
     """A script with mode 000 (EACCES for an unprivileged reader)."""
-    out = Outcome("unreadable_script", "failed at once with the OS error (Permission denied); the node takes "
-                  "another tenant's job")
+    out = Outcome("unreadable_script", "failed at once with the OS error (Permission denied); its node "
+                  "still takes other jobs")
     path = ctx.work / "unreadable.py"
     path.write_text('print("an unreadable script ran anyway")\n')  # exits 0 without init if it runs
     path.chmod(0)
@@ -531,20 +533,20 @@ def sc_unreadable_script(ctx: Ctx) -> Outcome:
     if os.geteuid() == 0:
         out.note = "the agents run as root, which reads a mode-000 file: the script ran (it exits 0 without init)"
     ok = out.state == "failed" and "ermission denied" in out.reason and within(out.seconds, 30.0)
-    return out.judge(ok and out.extra.get("node_took_another_tenant", False))
+    return out.judge(ok and out.extra.get("node_took_a_job_of") is not None)
 
 
 def sc_missing_workdir(ctx: Ctx) -> Outcome:
     """A ``workdir`` that does not exist: the agent's launch fails with ENOENT."""
-    out = Outcome("missing_workdir", "failed at once with the OS error (No such file or directory); the node "
-                  "takes another tenant's job")
+    out = Outcome("missing_workdir", "failed at once with the OS error (No such file or directory); its "
+                  "node still takes other jobs")
     try:
         launch_fault(ctx, out, "no-workdir", "train.py", workdir=str(ctx.work / "no" / "such" / "dir"))
     except ApiError as e:
         out.state, out.reason = f"refused {e.status}", str(e)[:300]
         return out.judge(e.status == 422, "refused at submission")
     ok = out.state == "failed" and "No such file" in out.reason and within(out.seconds, 30.0)
-    return out.judge(ok and out.extra.get("node_took_another_tenant", False))
+    return out.judge(ok and out.extra.get("node_took_a_job_of") is not None)
 
 
 # ---------------------------------------------------------------- agents away
