@@ -274,3 +274,21 @@ def test_no_survivor_to_give_a_newcomer_the_state_restarts_or_fails(env):
     agent(store, b, "failed", names={"w0"}, exit_code=1)  # its only member erred
     coord.round()
     assert "ZeroDivisionError" in job(store, b).exit_info
+
+
+def test_a_job_that_reported_its_end_completes_although_its_host_went_silent(env):
+    store, policy, masters, coord = env
+    a = run(store, policy, coord, submit(store, "a"), (0, 2)) or "a"  # w0 on n0 with the master, w1 on n1
+    formed(store, a, step=300)
+    with store.session() as s:
+        j = s.get(Job, a)
+        j.progress = {**j.progress, "state": "finished"}
+    agent(store, a, "exited", names={"w1"}, exit_code=0)
+    with store.session() as s:  # then n0 went silent past the grace: its processes are lost
+        for p in s.scalars(select(Process).where(Process.job_id == a, Process.node == "n0")):
+            p.state = "lost"
+    for _ in range(3):
+        coord.round()
+    j = job(store, a)
+    assert j.state == "completed", (j.state, j.exit_info)
+    assert len(procs(store, a, "master")) == 1  # not moved: the job was done

@@ -206,6 +206,8 @@ class JobObs:
         script's own loop ended and the master was stopped)."""
         if self.script_ended and self.master_gone:
             return True
+        if self.master == "lost" and self.progress.get("state") == "finished":
+            return True  # it reported the job finished, then its host went silent: the job is done
         return self.master == "exited" and self.master_exit_code == 0 and self.progress.get("state") == "finished"
 
     @property
@@ -321,7 +323,7 @@ def judge(obs: JobObs, now: float, timeout_s: float, bounds: Bounds | None = Non
         if obs.live == 0:
             return "finished" if obs.finished_ok else ("suspended" if p == SUSPENDING else "restarted")
         return "overdue" if now > obs.since + timeout_s else None
-    if p in RELOCATABLE and obs.master == "lost" and obs.relocate_to:
+    if p in RELOCATABLE and obs.master == "lost" and obs.relocate_to and not obs.finished_ok:
         return "master_lost"
     if p in OOM_FAILS and obs.give_up:
         return "give_up"
