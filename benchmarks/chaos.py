@@ -5,10 +5,12 @@ bound, with the reason shown by ``tidal job ID``; docs/control.md).
 
     python benchmarks/chaos.py --json [--scenarios a,b,...] [--quick] [--keep]
 
-A real ``tidal server`` and 3 ``tidal agent`` processes with 2 virtual GPUs
-each (``LocalCluster``: ``python -m tidal server`` / ``agent``, loopback, a
-temporary ``TIDAL_HOME``) run the job scripts of ``benchmarks/chaos_jobs/``
-while a pool of well-behaved elastic jobs (tenant ``alice``) is kept running;
+Two single-host clusters at once, each a real ``tidal server`` and 3 ``tidal
+agent`` processes with 2 virtual GPUs each (``LocalCluster``: ``python -m
+tidal server`` / ``agent``, loopback, a temporary ``TIDAL_HOME``): one runs the
+job scripts of ``benchmarks/chaos_jobs/`` a few at a time, the other stops
+agents (SIGSTOP) one at a time; on both a pool of well-behaved elastic jobs
+(tenant ``alice``) is kept running;
 ``tidal up`` is started and interrupted on a home of its own; the host-loss
 scenarios run across Linux network namespaces (tests/multihost/netns.py,
 root only). Every scenario has its own deadline and the whole run a global
