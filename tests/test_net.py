@@ -76,3 +76,47 @@ def test_a_client_of_several_replicas_moves_on_when_one_is_down():
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_stale_keep_alive_connection_is_retried_on_the_same_replica() -> None:
+    """A replica that closed an idle keep-alive connection is asked again on
+    a fresh one, not given up for the next replica (a silent one there would
+    stall the request for its time-out)."""
+    import socket
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tidal.httpjson import JsonHttp
+
+    class Once(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # answers as keep-alive, then closes the connection while idle
+            body = b'{"ok": true}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.close_connection = True
+
+        def log_message(self, *a) -> None:
+            pass
+
+    live = ThreadingHTTPServer(("127.0.0.1", 0), Once)
+    threading.Thread(target=live.serve_forever, daemon=True).start()
+    silent = socket.socket()  # listens, never answers: a replica whose host went silent
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        urls = f"http://127.0.0.1:{live.server_address[1]},http://127.0.0.1:{silent.getsockname()[1]}"
+        client = JsonHttp(urls, timeout_s=10.0, patience_s=20.0)
+        assert client.call("GET", "/a") == (200, {"ok": True})
+        time.sleep(0.2)  # the server has closed the idle connection by now
+        t0 = time.monotonic()
+        assert client.call("GET", "/b") == (200, {"ok": True})
+        assert time.monotonic() - t0 < 2.0 and client.url == client.urls[0]
+    finally:
+        live.shutdown()
+        silent.close()

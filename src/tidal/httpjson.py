@@ -58,6 +58,12 @@ class Response:
         return self.content_type.startswith("application/json")
 
 
+#: how long connecting to a replica may take (a silent host answers no SYN)
+CONNECT_TIMEOUT_S = 3.0
+#: what a keep-alive connection the server closed while idle raises on its next request
+STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+
+
 class JsonHttp:
     """Thread-safe: each thread keeps its own keep-alive connection.
 
@@ -86,13 +92,16 @@ class JsonHttp:
                 raise ValueError(f"unsupported URL scheme in {self.url!r} (http or https)")
             if not u.hostname:
                 raise ValueError(f"no host in URL {self.url!r}")
+            # a silent replica (no reset) is given up on after CONNECT_TIMEOUT_S, not the read time-out
+            connect_s = min(self.timeout_s, CONNECT_TIMEOUT_S)
             if u.scheme == "https":
-                c = http.client.HTTPSConnection(u.hostname, u.port or 443, timeout=self.timeout_s,
+                c = http.client.HTTPSConnection(u.hostname, u.port or 443, timeout=connect_s,
                                                 context=tls_context())
             else:
-                c = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=self.timeout_s)
+                c = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=connect_s)
             c.connect()
             assert c.sock is not None
+            c.sock.settimeout(self.timeout_s)
             c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._local.conn, self._local.url = c, self.url
         return c
@@ -121,7 +130,9 @@ class JsonHttp:
         patience = self.patience_s if patience_s is None else patience_s
         deadline = time.monotonic() + patience
         pause = self.backoff_s
+        stale_retried = False
         while True:
+            reused = getattr(self._local, "conn", None) is not None and getattr(self._local, "url", None) == self.url
             try:
                 c = self._conn()
                 c.request(method, path, body=data, headers=headers)
@@ -133,6 +144,9 @@ class JsonHttp:
                                      f"set $TIDAL_CA_FILE to the CA that signed it") from e
             except (ConnectionError, http.client.HTTPException, OSError) as e:
                 self._drop()
+                if reused and not stale_retried and isinstance(e, STALE):
+                    stale_retried = True  # an idle keep-alive connection the server closed: once more, anew
+                    continue
                 failed = self.url
                 if len(self.urls) > 1 and failed in self.urls:  # the next replica
                     self.url = self.urls[(self.urls.index(failed) + 1) % len(self.urls)]
