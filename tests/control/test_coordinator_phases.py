@@ -76,8 +76,8 @@ def test_a_master_that_exits_ends_the_job_once_its_workers_are_gone():
         # lost with its host and no host of the job left: a restart from the checkpoint (RELOCATABLE
         # phases), or the end (a job still starting); at the restart limit the job gives up
         lost = judge(obs(phase, master="lost"), NOW, T)
-        assert lost == ("restart" if phase in P.RELOCATABLE else "master_exit")
-        if phase in P.RELOCATABLE:
+        assert lost == ("restart" if phase in P.RELOCATABLE | {P.STARTING} else "master_exit")
+        if phase in P.RELOCATABLE | {P.STARTING}:
             assert judge(obs(phase, master="lost", restarts=3), NOW, T) == "give_up"
     done = dict(master="exited", master_exit_code=0, progress={"state": "finished"})
     assert judge(obs("ending", live_workers=1, **done), NOW, T) is None
@@ -90,8 +90,9 @@ def test_a_master_lost_with_its_host_moves_where_the_job_still_runs():
     for phase in ("running", "warming", "joining", "shrinking"):
         assert judge(obs(phase, master="lost", relocate_to="n1"), NOW, T) == "master_lost"
         assert advance(phase, "master_lost") == phase
-    for phase in ("prestarting", "starting"):  # never up: nothing to continue from
-        assert judge(obs(phase, master="lost", relocate_to="n1"), NOW, T) == "master_exit"
+    # never up: nothing to continue from; a starting job starts again, a prestarting one ends its warm-up
+    assert judge(obs("starting", master="lost", relocate_to="n1"), NOW, T) == "restart"
+    assert judge(obs("prestarting", master="lost", relocate_to="n1"), NOW, T) == "master_exit"
     assert judge(obs("running", master="failed", relocate_to="n1"), NOW, T) == "master_exit"  # crashed: its agent
 
 

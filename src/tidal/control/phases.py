@@ -35,7 +35,8 @@ Phases (the job's ``state`` as users and policies see it in brackets)::
     running --workers_done--> ending             every worker exited 0 after training: the
                                                  script's own loop ended first (completed)
     running --restart--> restarting [restarting] no live worker is left (all killed), or no step
-                                                 for the stall time-out: every process stops
+                                                 for the stall time-out: every process stops (also
+                                                 starting, whose master's node went down)
     restarting --restarted--> pending            the job starts again from its checkpoint
     joining --newcomers_gone--> running          every newcomer of the grow ended before joining
     ending, cancelling --overdue--> the same     processes still running past the bound are stopped
@@ -108,7 +109,7 @@ TRANSITIONS: Mapping[tuple[str, str], str] = {
     **{(p, "out_of_memory"): ENDING for p in OOM_FAILS},
     **{(p, "give_up"): ENDING for p in OOM_FAILS},
     (RUNNING, "workers_done"): ENDING,
-    **{(p, "restart"): RESTARTING for p in RELOCATABLE},
+    **{(p, "restart"): RESTARTING for p in RELOCATABLE | {STARTING}},
     (RESTARTING, "restarted"): PENDING,
     (RESTARTING, "overdue"): RESTARTING,
     (RESTARTING, "finished"): COMPLETED,
@@ -257,6 +258,8 @@ def restart_reason(obs: JobObs, now: float, b: Bounds) -> str:
     worker is left (every one was killed, none exited with an error), its
     master was lost with a host and no host of the job is left, or no step
     was committed for the stall time-out."""
+    if obs.phase == STARTING and obs.master == "lost":
+        return "its master's node went down before the job started"
     if obs.phase not in RELOCATABLE or obs.progress.get("state") == "finished":
         return ""
     if obs.master == "lost" and not obs.relocate_to:
@@ -327,7 +330,7 @@ def judge(obs: JobObs, now: float, timeout_s: float, bounds: Bounds | None = Non
         return "master_lost"
     if p in OOM_FAILS and obs.give_up:
         return "give_up"
-    ev = _restart_or_give_up(obs, now, b) if p in RELOCATABLE else None
+    ev = _restart_or_give_up(obs, now, b) if p in RELOCATABLE or p == STARTING else None
     if ev is not None:
         return ev
     if p in WITH_MASTER and obs.master_gone:
