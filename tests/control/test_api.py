@@ -195,6 +195,35 @@ def test_node_down_judgement_survives_a_server_restart(tmp_path):
     assert states() == {"n0": "up", "n1": "down"}
 
 
+def test_a_master_silent_with_its_node_is_lost_before_the_grace_ends(tmp_path):
+    """An unreachable node's job master that stopped reporting is taken for
+    lost at once (it will move to another host of its job); one that keeps
+    reporting (only its agent is away) keeps its job."""
+    import time
+
+    from sqlalchemy import select, update
+
+    from tidal.control.db import Job, Node, Process
+
+    store = Store(f"sqlite:///{tmp_path / 't.db'}")
+    client = TestClient(create_app(store, admin_token="adm", home=tmp_path, start_loop=False))
+    for n in ("n0", "n1"):
+        client.post("/internal/agents/register", json={"name": n, "num_gpus": 2, "virtual": True}, headers=hdr("adm"))
+    now = time.time()
+    with store.session() as s:
+        for jid, reported in (("quiet", now - 30), ("talking", now)):
+            s.add(Job(id=jid, user="alice", name=jid, state="running", submit_time=1.0, spec={},
+                      progress={"state": "running", "reported_at": reported}))
+            s.add(Process(job_id=jid, name="master", kind="master", node="n1", state="running"))
+        s.execute(update(Node).where(Node.name == "n1").values(last_heartbeat=now - 20))
+    r = client.post("/internal/agents/n0/heartbeat", json={"procs": [], "utils": {}}, headers=hdr("adm"))
+    assert r.status_code == 200
+    with store.session() as s:
+        masters = {p.job_id: p.state for p in s.scalars(select(Process))}
+        assert s.get(Node, "n1").state == "unreachable"
+    assert masters == {"quiet": "lost", "talking": "running"}
+
+
 def test_user_names_are_checked_and_an_existing_user_keeps_its_token(env):
     client, _store, tok = env
     for bad in ("b;ob", "-x", "a" * 65, "ü"):

@@ -248,6 +248,7 @@ def _judge_silent_nodes(s: Session, store: Store, clock: HeartbeatClock, now: fl
         if res.rowcount == 1:
             store.log(s, "node.unreachable", node=name)
             changed = True
+    changed |= _lose_silent_masters(s, store, now)
     cutoff = now - max(NODE_TIMEOUT_S, settings.NODE_GRACE_S.get())
     for name in s.scalars(select(Node.name).where(Node.state.in_(WATCHED), Node.last_heartbeat < cutoff)).all():
         res = s.execute(update(Node).where(Node.name == name, Node.state.in_(WATCHED), Node.last_heartbeat < cutoff)
@@ -276,6 +277,26 @@ class SilentNodeWatch:
 
 
 register_watch(SilentNodeWatch)
+
+
+def _lose_silent_masters(s: Session, store: Store, now: float) -> bool:
+    """A job master on an unreachable node that has not reported for
+    :data:`NODE_TIMEOUT_S` either is taken for lost with its host, before the
+    node's grace period ends: the coordinator moves it to another host of the
+    job (its workers there re-form without the silent ones), and the old one,
+    should it come back, is fenced (409) and exits. A master whose agent only
+    is away keeps reporting and keeps its job."""
+    cutoff = now - NODE_TIMEOUT_S
+    lost = False
+    rows = s.execute(select(Process, Job.progress).join(Job, Job.id == Process.job_id)
+                     .join(Node, Node.name == Process.node)
+                     .where(Node.state == "unreachable", Process.kind == "master", Process.state == "running")).all()
+    for m, progress in rows:
+        if float((progress or {}).get("reported_at") or now) < cutoff:
+            m.state, m.desired = "lost", "stop"
+            store.log(s, "proc.lost", m.job_id, node=m.node, proc=m.name, reason="the master and its node are silent")
+            lost = True
+    return lost
 
 
 def _lose_node_procs(s: Session, store: Store, node: str) -> None:
@@ -384,7 +405,7 @@ def job_status(job_id: JobId, body: dict[str, Any], store: StoreDep, _: JobCredD
     with store.session() as s:
         j = _any_job(s, job_id)
         _fence(s, job_id, body)
-        progress = {k: v for k, v in body.items() if k not in ("node", "step_at")}
+        progress = {k: v for k, v in body.items() if k not in ("node", "step_at", "reported_at")}
         prev = j.progress or {}
         stored = prev.get("step")
         if _is_step(stored) and ("step" not in progress or progress["step"] < stored):
@@ -393,6 +414,7 @@ def job_status(job_id: JobId, body: dict[str, Any], store: StoreDep, _: JobCredD
         # formed, or resumed, starts its clock now
         moved = not _is_step(stored) or progress.get("step", 0) > stored or prev.get("state") not in FORMED
         progress["step_at"] = time.time() if moved or not prev.get("step_at") else prev["step_at"]
+        progress["reported_at"] = time.time()  # a master silent with its node is taken for lost
         j.progress = progress
         j.done = float(progress.get("step", j.done))  # checked above
         ended = _ended_workers(s, j)
