@@ -121,7 +121,10 @@ def relocate_master(s: Session, j: Job, node: str) -> None:
     procs = list(s.scalars(select(Process).where(Process.job_id == j.id).order_by(Process.id)))
     masters = [p for p in procs if p.kind == "master"]
     old, first = masters[-1], next(p for p in reversed(masters) if not p.relocated)
-    lost = [p.name for p in procs if p.kind == "worker" and p.id > first.id and p.state in ("lost", "failed")]
+    # lost with the host, ended, or on a host that went silent with the old master (it is lost too, most likely)
+    up = set(s.scalars(select(Node.name).where(Node.state == "up")))
+    lost = [p.name for p in procs if p.kind == "worker" and p.id > first.id
+            and (p.state in ("lost", "failed") or p.state in LIVE and p.node not in up)]
     argv = list(old.argv)
     if "--lost" in argv:
         i = argv.index("--lost")
