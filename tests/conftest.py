@@ -10,15 +10,6 @@ from tidal.core.profile import load_profiles
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
-SHIPPED = REPO / "src" / "tidal" / "data"
-
-
-def data_file(rel: str) -> Path:
-    """``../shared/data/REL``, or the copy the package ships when the shared
-    data lacks it (its ITP traces hold six of the ten clusters; the package
-    ships cluster10 and 195job)."""
-    p = SHARED / rel
-    return p if p.exists() or not (SHIPPED / rel).exists() else SHIPPED / rel
 
 
 @pytest.fixture(scope="session")

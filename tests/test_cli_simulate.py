@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import data_file
+from datafiles import data_file
 from typer.testing import CliRunner
 
 from tidal.cli.main import app

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import data_file
+from datafiles import data_file
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "contended_study.py"
 

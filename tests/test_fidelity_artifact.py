@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import data_file
+from datafiles import data_file
 
 from tidal.core.topology import parse_cluster
 from tidal.scheduler.policies.edf import EDF
