@@ -261,6 +261,7 @@ def test_a_masters_reported_step_never_goes_back(api):
     with store.session(write=False) as s:
         j = s.get(Job, job)
         first_at = j.progress.pop("step_at")
+        assert j.progress.pop("reported_at") >= first_at
         assert j.progress == {"state": "changing", "step": 486, "world_size": 1} and j.done == 486
     c.post(f"/internal/jobs/{job}/status", json={"state": "running", "step": 490, "world_size": 2}, headers=HDR)
     with store.session(write=False) as s:
