@@ -48,6 +48,7 @@ def test_best_effort_split_is_thirty_percent_and_seeded(study_mod: ModuleType, s
     assert study_mod.best_effort_split(jobs, 0.3, 1)[1] != be
 
 
+@pytest.mark.slow  # the benchmark end to end (14 s); its parts run by default
 def test_quick_study(study_mod: ModuleType, shared: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert study_mod.main(["--quick", "--json", "--procs", "2", "--plots", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()

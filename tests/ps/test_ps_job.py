@@ -3,6 +3,7 @@ replaced, a killed server restored, dynamic sharding with a dead worker."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tidal.ps import HotDetector, ProcessLauncher, PSMaster, ShardQueue, ThreadLauncher
@@ -71,6 +72,7 @@ def test_a_hot_server_is_replaced_by_a_bigger_one(tmp_path) -> None:
         m.close()
 
 
+@pytest.mark.slow  # a live PS job (11 s): the default suite stays within 5 min
 def test_a_killed_server_is_restored_and_workers_replay(tmp_path, monkeypatch) -> None:
     lose_push_answers(monkeypatch, every=3)  # resent pushes too must be in the log or the checkpoint
     shards = ShardQueue(samples=600, shard_size=20)

@@ -62,6 +62,7 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
 
 
+@pytest.mark.slow  # 17 s; by default: a dying worker survived, and a rescaled run equal to the script alone
 @pytest.mark.timeout(150)
 def test_scale_2_4_3_1_2_exactly_once_and_fixed_run_equivalence(tmp_path: Path) -> None:
     out, home = tmp_path / "out", tmp_path / "home"

@@ -29,6 +29,7 @@ def hosted(master: JobMaster) -> tuple[threading.Event, threading.Thread]:
     return stop, t
 
 
+@pytest.mark.slow  # 12 s: the default suite stays within 5 min
 @pytest.mark.timeout(150)
 def test_handover_then_rescale_on_the_new_master(tmp_path: Path) -> None:
     out = tmp_path / "out"

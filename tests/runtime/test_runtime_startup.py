@@ -171,7 +171,7 @@ def _check_job(out: Path, text: str, victim: str, epochs: int) -> dict[str, list
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kill_at,reason", [
     pytest.param("import", "died before it registered", marks=pytest.mark.slow),  # (a) before registering
-    ("gate", "died before generation 1 formed"),  # (b) after registering, before the rendezvous
+    pytest.param("gate", "died before generation 1 formed", marks=pytest.mark.slow),  # (b) before the rendezvous
 ])
 def test_initial_worker_lost_before_its_first_step(tmp_path: Path, kill_at: str, reason: str) -> None:
     proc, out = _launch(tmp_path, f"start-{kill_at}", 3, "w1", kill_at, EPOCHS, 0.0)
@@ -211,7 +211,7 @@ def test_initial_worker_lost_after_its_group_formed(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kill_at", ["gate", pytest.param("import", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kill_at", [pytest.param(k, marks=pytest.mark.slow) for k in ("gate", "import")])
 def test_newcomer_lost_before_joining_a_scale_out(tmp_path: Path, kill_at: str) -> None:
     """(c) the newcomer w2 of a scale-out 2->3 dies; the change ends without
     it, the two others lose no step, and a second scale-out (w3) then works."""

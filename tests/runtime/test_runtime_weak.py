@@ -15,6 +15,7 @@ from tidal.runtime.client import MasterClient
 N, LOCAL, EPOCHS = 240, 10, 12
 
 
+@pytest.mark.slow  # 8 s: the default suite stays within 5 min
 @pytest.mark.timeout(120)
 def test_weak_scaling_follows_the_world_size(tmp_path: Path) -> None:
     out, home = tmp_path / "out", tmp_path / "home"
