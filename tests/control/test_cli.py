@@ -125,6 +125,7 @@ def test_tables_fit_80_columns_and_never_cut_an_id(server, tmp_path):
     assert res.exit_code == 2 and "choose one of table, wide, json, yaml" in " ".join(res.output.split())
 
 
+@pytest.mark.slow  # 7 s: the default suite stays within 5 min
 def test_logs_follow_prints_every_line_once_while_the_logs_grow(server, tmp_path):
     """`tidal logs ID -f` while three processes' logs grow (lines written in
     pieces, as an agent ships them): every line exactly once, whole, in each

@@ -27,6 +27,7 @@ def _certificate(d: Path) -> tuple[Path, Path]:
     return cert, key
 
 
+@pytest.mark.slow  # 8 s: the default suite stays within 5 min
 @pytest.mark.timeout(120)
 def test_the_server_speaks_tls_and_clients_verify_it(tmp_path, monkeypatch):
     if subprocess.run(["which", "openssl"], capture_output=True).returncode:

@@ -53,6 +53,7 @@ def _run(tmp_path: Path, script: str, extra_env: dict[str, str] | None = None,
 # ----------------------------------------------------------------------------- the step limit
 
 
+@pytest.mark.slow  # 9 s: the default suite stays within 5 min (tests/control/test_worker_env.py runs)
 def test_the_step_limit_ends_a_longer_script_at_exactly_that_step(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -96,6 +97,7 @@ def test_a_worker_error_before_registering_fails_the_run_with_its_last_line(tmp_
     assert took < 20, f"took {took:.1f}s"
 
 
+@pytest.mark.slow  # 6 s: the default suite stays within 5 min
 def test_workers_that_do_not_register_in_time_fail_the_run_naming_the_setting(tmp_path: Path) -> None:
     script = "import time\ntime.sleep(120)\nimport tidal.runtime\ntidal.runtime.init()\n"
     rc, text, took = _run(tmp_path, script, {"TIDAL_JOIN_TIMEOUT_S": "4"})
