@@ -1100,6 +1100,20 @@ def violations(res: dict[str, Any], outcomes: list[Outcome]) -> list[str]:
     return out
 
 
+def acceptance_misses(result: dict[str, Any]) -> list[str]:
+    """The acceptance values a run's JSON misses ([] when every one holds),
+    each with the run's violations as the reason (the slow tests assert it)."""
+    why = "; ".join(result.get("violations") or ())
+    m = result.get("max_s_to_terminal")
+    checks = {"stuck": result.get("stuck") == 0,
+              "max_s_to_terminal": m is not None and m <= BOUND_S,
+              "lost_samples": result.get("lost_samples") == 0,
+              "duplicated_samples": result.get("duplicated_samples") == 0,
+              "gpu_held_by_ended_jobs": result.get("gpu_held_by_ended_jobs") == 0,
+              "gpu_given_twice": result.get("gpu_given_twice") == 0}
+    return [f"{k}={result.get(k)!r} ({why})" for k, ok in checks.items() if not ok]
+
+
 def run(names: list[str], st: Settings, work: Path) -> dict[str, Any]:
     """Run the scenarios ``names`` (single-host ones first) and summarize them."""
     t0 = time.time()

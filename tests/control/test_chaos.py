@@ -50,13 +50,8 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_acceptance_values(result: dict[str, Any]) -> None:
-    why = "; ".join(result["violations"])
-    assert result["stuck"] == 0, why
-    assert result["max_s_to_terminal"] is not None and result["max_s_to_terminal"] <= chaos.BOUND_S, why
-    assert result["lost_samples"] == 0 and result["duplicated_samples"] == 0, why
+    assert not chaos.acceptance_misses(result), chaos.acceptance_misses(result)
     assert result["audited_jobs"] > 0
-    assert result["gpu_held_by_ended_jobs"] == 0, why
-    assert result["gpu_given_twice"] == 0, why
 
 
 def test_the_well_behaved_jobs_complete(result: dict[str, Any]) -> None:
