@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 from tidal import settings
 from tidal.control.credentials import Credentials
 from tidal.control.db import GPU, Event, Job, Node, Process, Store
+from tidal.control.observe import incarnation, job_procs
 from tidal.control.phases import CANCELLING, STATE_OF, TERMINAL, Bounds, JobObs, ended_reason, restart_reason
 from tidal.control.spawner import AgentSpawner, launches_on, worker_resources
 
@@ -67,6 +68,14 @@ def live_procs(s: Session, job_id: str, kind: str | None = None) -> list[Process
 def stop(procs: Sequence[Process]) -> None:
     for p in procs:
         p.desired = "stop"
+
+
+def stop_all(s: Session, j: Job, now: float) -> None:
+    """Every live process of the job is to stop and its reservations go; the
+    ending or restart that follows is timed from ``now``."""
+    stop(live_procs(s, j.id))
+    unreserve_all(s, j.id)
+    j.change = {"since": now}
 
 
 def next_worker_ids(s: Session, job_id: str, count: int) -> list[str]:
@@ -118,12 +127,11 @@ def relocate_master(s: Session, j: Job, node: str) -> None:
     """The job's master died with its host: a new master process on
     ``node`` (one of the job's hosts) continues from the store's copy of the
     state (``--resume``), told which workers were lost with the host."""
-    procs = list(s.scalars(select(Process).where(Process.job_id == j.id).order_by(Process.id)))
-    masters = [p for p in procs if p.kind == "master"]
-    old, first = masters[-1], next(p for p in reversed(masters) if not p.relocated)
+    old, _, current = incarnation(job_procs(s, j.id))
+    assert old is not None
     # lost with the host, ended, or on a host that went silent with the old master (it is lost too, most likely)
     up = set(s.scalars(select(Node.name).where(Node.state == "up")))
-    lost = [p.name for p in procs if p.kind == "worker" and p.id > first.id
+    lost = [p.name for p in current if p.kind == "worker"
             and (p.state in ("lost", "failed") or p.state in LIVE and p.node not in up)]
     argv = list(old.argv)
     if "--lost" in argv:
@@ -145,11 +153,12 @@ def _started(cx: Context, s: Session, j: Job, gids: list[int], now: float, early
     cx.store.log(s, kind, j.id, gpus=gids, early_init=early_init)
 
 
-def release_dead_workers(cx: Context, s: Session, j: Job, procs: list[Process], now: float) -> None:
+def release_dead_workers(cx: Context, s: Session, j: Job, procs: list[Process], now: float) -> bool:
     """A worker of a running job died: the runtime's survivors re-form without
     it (a forced scale-in); its GPU goes back to the pool, so the policy can
     give it to this job again or to another one, unless a live process of the
-    job already uses it. ``procs``: this incarnation's processes."""
+    job already uses it. ``procs``: this incarnation's processes. True
+    when it changed something (a GPU freed, a crash counted)."""
     busy = {p.gpu for p in procs if p.state in ("pending", "running", "lost")}
     # a lost worker's GPU waits until its node reports the process gone (then it is "failed");
     # a worker that exited 0 on its own (not a shrink's leaver) gives its GPU back too
@@ -157,11 +166,11 @@ def release_dead_workers(cx: Context, s: Session, j: Job, procs: list[Process], 
     dead = [p for p in procs if p.kind == "worker" and p.state in ("failed", "exited") and p.gpu is not None
             and p.id not in leavers]
     if not dead:
-        return
+        return False
     held = set(cx.store.job_gpus(s, j.id))
     dead = [p for p in dead if p.gpu in held and p.gpu not in busy]
     if not dead:
-        return
+        return False
     done = {(e.detail or {}).get("worker") for e in s.scalars(
         select(Event).where(Event.job_id == j.id, Event.kind == "job.worker_lost"))}
     for p in dead:
@@ -175,6 +184,7 @@ def release_dead_workers(cx: Context, s: Session, j: Job, procs: list[Process], 
         cx.store.release_gpus(s, j.id, [p.gpu])
         cx.store.log(s, "job.worker_lost", j.id, gpu=p.gpu, worker=p.name, state=p.state, exit_code=p.exit_code,
                      **({"reason": "out of memory"} if oom else {}))
+    return True
 
 
 def _same_error(line: str) -> str:
@@ -269,9 +279,7 @@ def _give_up(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
     every process stops and the job fails with the reason."""
     why = ended_reason(obs, now, cx.bounds) or "the job made no progress"
     j.exit_info = why
-    stop(live_procs(s, j.id))
-    unreserve_all(s, j.id)
-    j.change = {"since": now}
+    stop_all(s, j, now)
     cx.store.log(s, "job.gave_up", j.id, reason=why)
 
 
@@ -280,11 +288,9 @@ def _restart(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
     stalled: every process stops and the job starts again from its
     checkpoint (a new incarnation, as after a suspension)."""
     why = restart_reason(obs, now, cx.bounds)
-    stop(live_procs(s, j.id))
-    unreserve_all(s, j.id)
+    stop_all(s, j, now)
     n = int((j.tags or {}).get("_restarts", 0)) + 1
     j.tags = {**(j.tags or {}), "_restarts": n, "_reason": f"restarting ({n} of {cx.bounds.restarts}): {why}"}
-    j.change = {"since": now}
     cx.store.log(s, "job.restart", j.id, reason=why, restarts=n)
 
 
@@ -334,9 +340,7 @@ def _workers_failed(cx: Context, s: Session, j: Job, obs: JobObs, now: float) ->
                                                   Process.state == "failed").order_by(Process.id.desc())))
     why = last_error(cx.home / "logs" / j.id, [p.name for p in failed])
     j.exit_info = f"every worker failed; {why}"
-    stop(live_procs(s, j.id))
-    unreserve_all(s, j.id)
-    j.change = {"since": now}
+    stop_all(s, j, now)
     cx.store.log(s, "job.workers_failed", j.id, workers=[p.name for p in failed], reason=why)
 
 
@@ -344,9 +348,7 @@ def _out_of_memory(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> 
     """Workers kept running out of memory (see :func:`raise_memory`): the
     job fails with that reason; its processes stop."""
     j.exit_info = obs.oom_failed
-    stop(live_procs(s, j.id))
-    unreserve_all(s, j.id)
-    j.change = {"since": now}
+    stop_all(s, j, now)
 
 
 def last_error(logs: Path, names: Sequence[str]) -> str:

@@ -23,17 +23,30 @@ MAX_RELOCATIONS = 3
 _NEVER_QUIET = frozenset({ENDING, CANCELLING, RESTARTING})
 
 
+def job_procs(s: Session, job_id: str) -> list[Process]:
+    """The job's processes, oldest first."""
+    return list(s.scalars(select(Process).where(Process.job_id == job_id).order_by(Process.id)))
+
+
+def incarnation(procs: Sequence[Process]) -> tuple[Process | None, Process | None, list[Process]]:
+    """``(latest master, the incarnation's first master, its other
+    processes)`` of a job's processes in id order: the incarnation starts at
+    the latest master launched with the job's GPUs on (after a resume the
+    older ones are history); a master relocated to another host continues it."""
+    masters = [p for p in procs if p.kind == "master"]
+    master = masters[-1] if masters else None
+    first = next((p for p in reversed(masters) if not p.relocated), master)
+    return master, first, [p for p in procs if first is not None and p.id > first.id]
+
+
 def observe(s: Session, j: Job, procs: Sequence[Process] | None = None) -> tuple[JobObs, list[Process]]:
     """The job's observation, and its current incarnation's processes (from
     the latest master launched with the job's GPUs on; after a resume the old
     ones are history; a master relocated to another host continues the
     incarnation). ``procs``: the job's processes by id, if read already."""
     if procs is None:
-        procs = list(s.scalars(select(Process).where(Process.job_id == j.id).order_by(Process.id)))
-    masters = [p for p in procs if p.kind == "master"]
-    master = masters[-1] if masters else None
-    first = next((p for p in reversed(masters) if not p.relocated), master)
-    current = [p for p in procs if first is not None and p.id > first.id]
+        procs = job_procs(s, j.id)
+    master, first, current = incarnation(procs)
     live = [p for p in procs if p.state in LIVE]
     change = dict(j.change or {})
     leavers = set(change.get("leavers", ()))

@@ -123,8 +123,8 @@ class Reconciler:
             obs, current = observe(s, j)
             if j.phase in _RELEASES_DEAD and not obs.master_gone:
                 # may raise the memory limit, count a crash, or give up on the job
-                release_dead_workers(self.cx, s, j, current, now)
-                obs, current = observe(s, j)
+                if release_dead_workers(self.cx, s, j, current, now):
+                    obs, current = observe(s, j)
             elif j.phase == ENDING:
                 release_idle(self.cx, s, j)  # a finished job's GPUs go back as its processes end
             tags = j.tags or {}

@@ -20,7 +20,7 @@ from tidal.control.api.deps import AgentDep, CoordinatorDep, JobCredDep, JobId, 
 from tidal.control.coordinator import register_watch
 from tidal.control.credentials import Credentials
 from tidal.control.db import GPU, Job, MasterState, Node, Process, Store
-from tidal.control.observe import observe
+from tidal.control.observe import incarnation, job_procs
 from tidal.net import LOOPBACK
 
 router = APIRouter(prefix="/internal", tags=["internal"])
@@ -425,7 +425,7 @@ def _ended_workers(s: Session, j: Job) -> dict[str, int]:
     """The job's current workers that ended with an error or a signal, or
     were lost with their node (-9), as its master learns them: it drops one
     that died before registering at once instead of waiting for it."""
-    _, current = observe(s, j)
+    _, _, current = incarnation(job_procs(s, j.id))
     return {p.name: (p.exit_code if p.exit_code not in (None, 0) else -9) for p in current
             if p.kind == "worker" and (p.state == "lost" or p.state == "failed" and p.exit_code != 0)}
 
