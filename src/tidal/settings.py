@@ -157,6 +157,14 @@ JOIN_TIMEOUT_S: Setting[float] = Setting("TIDAL_JOIN_TIMEOUT_S", float, 90.0,
 JOB_TOKEN: Setting[str] = Setting("TIDAL_JOB_TOKEN", _str, "",
                                   "the job's credential, set by the agent for the job's master and workers: the "
                                   "master's HTTP API requires it, and it acts on this job only", "worker")
+JOB_TOKEN_FILE: Setting[str | None] = Setting("TIDAL_JOB_TOKEN_FILE", _opt_str, None,
+                                              "a file (0600, the job's own) holding the job's credential: what "
+                                              "an agent sets instead of $TIDAL_JOB_TOKEN, so the credential is in "
+                                              "no process's environment", "worker")
+JOB_DIR: Setting[str | None] = Setting("TIDAL_JOB_DIR", _opt_str, None,
+                                       "the job's private directory on this host (0700, owned by the job's user), "
+                                       "set by the agent: its credential file, its master's saved state, $HOME",
+                                       "worker")
 ADMIN_TOKEN: Setting[str | None] = Setting("TIDAL_ADMIN_TOKEN", _opt_str, None,
                                            "the admin token tidal server uses (default: $TIDAL_HOME/admin.token, "
                                            "created 0600); keeps it off the command line", "server")
@@ -186,8 +194,9 @@ READY_LOOP_S: Setting[float] = Setting("TIDAL_READY_LOOP_S", float, 60.0,
                                        "(at least 5 ticks) is stuck: GET /readyz fails and it hands the lead on",
                                        "server")
 RUN_AS: Setting[str | None] = Setting("TIDAL_RUN_AS", _opt_str, None,
-                                      "an agent running as root starts job processes as this unprivileged user",
-                                      "agent")
+                                      "an agent running as root starts job processes unprivileged: a range of "
+                                      "uids LO-HI gives each job a uid of its own (recommended), a user name "
+                                      "runs every job as that user", "agent")
 CA_FILE: Setting[str | None] = Setting("TIDAL_CA_FILE", _opt_str, None,
                                        "CA bundle (PEM) that https:// servers are verified against (agents, job "
                                        "masters, CLI); unset: the system's CAs", "cli")
@@ -233,6 +242,21 @@ NODE_GRACE_S: Setting[float] = Setting("TIDAL_NODE_GRACE_S", float, 60.0,
 LIMITS: Setting[str] = Setting("TIDAL_LIMITS", _str, "auto",
                                "how an agent enforces a job's per-worker `resources`: `auto` (cgroup v2, else v1, "
                                "else the RSS watchdog), `cgroup2`, `cgroup1`, `watchdog` or `off`", "agent")
+
+
+def job_token() -> str:
+    """The job's credential: ``$TIDAL_JOB_TOKEN``, else the contents of
+    ``$TIDAL_JOB_TOKEN_FILE``, else "" (a job outside the control plane).
+    A named file that cannot be read raises ``ValueError`` naming it."""
+    if (tok := JOB_TOKEN.raw()) is not None:
+        return tok
+    path = JOB_TOKEN_FILE.get()
+    if path is None:
+        return ""
+    try:
+        return Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"${JOB_TOKEN_FILE.name}={path!r}: {e.strerror or e}") from None
 
 
 def home() -> Path:

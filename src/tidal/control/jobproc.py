@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     from tidal.runtime.persistence import FileBackend
     from tidal.net import advertise_addr, bind_addr
 
-    server = JsonHttp(a.server, token=settings.JOB_TOKEN.get(), timeout_s=10.0, patience_s=60.0)
+    server = JsonHttp(a.server, token=settings.job_token(), timeout_s=10.0, patience_s=60.0)
     node = settings.NODE.get() or ""
     # this host's copy (a restart here uses its ports again); the server keeps the other
     state_dir = Path(a.state_dir or settings.home() / "masters" / (node or "local"))

@@ -38,7 +38,7 @@ class ServerBackend(StateBackend):
 
     def __init__(self, urls: str, job: str, token: str | None = None, node: str | None = None) -> None:
         self.job, self.node = job, node or settings.NODE.get() or ""
-        self.http = JsonHttp(urls, token=token if token is not None else settings.JOB_TOKEN.get(),
+        self.http = JsonHttp(urls, token=token if token is not None else settings.job_token(),
                              timeout_s=5.0, patience_s=2.0)
 
     def save(self, snapshot: dict[str, Any]) -> None:

@@ -58,7 +58,7 @@ class MasterClient:
 
     def __init__(self, url: str, timeout_s: float = 10.0, patience_s: float = 30.0, token: str | None = None,
                  locate: Callable[[], str | None] | None = None) -> None:
-        token = settings.JOB_TOKEN.get() if token is None else token
+        token = settings.job_token() if token is None else token
         self.http = JsonHttp(url, token=token, timeout_s=timeout_s, patience_s=patience_s)
         self.locate = locate
 

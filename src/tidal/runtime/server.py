@@ -169,7 +169,7 @@ class MasterServer:
 
     def __init__(self, master: JobMaster, host: str = LOOPBACK, port: int = 0, advertise: str | None = None,
                  token: str | None = None) -> None:
-        token = settings.JOB_TOKEN.get() if token is None else token
+        token = settings.job_token() if token is None else token
         handler = type("Handler", (_Handler,), {"master": master, "token": token})
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
