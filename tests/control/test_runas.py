@@ -2,12 +2,18 @@
 ``--run-as nobody`` starts a job's process as that user (no supplementary
 groups, umask 077); the process cannot read the agent's private files but
 can read where its master is and write its own checkpoint directory, which
-only it (and root) can enter."""
+only it (and root) can enter. With ``--run-as LO-HI`` each job gets a uid
+(and group) of its own, its private directory as ``$HOME`` and its
+credential in a 0600 file there, never in its environment. (Jobs attacking
+each other: test_job_isolation.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
+import shutil
+import stat
 import sys
 import time
 from pathlib import Path
@@ -16,7 +22,10 @@ import pytest
 
 from tidal import settings
 from tidal.agent import Agent
-from tidal.agent.runas import RunAs
+from tidal.agent.runas import RunAs, parse_range
+
+#: uids for the tests' jobs (no user or group of a usual host has one)
+RANGE = "200000-299999"
 
 SCRIPT = """
 import os, sys, json
@@ -85,3 +94,128 @@ def test_run_as_is_refused_for_root_or_an_unknown_user():
     if os.geteuid() == 0:
         with pytest.raises(ValueError, match="unprivileged"):
             RunAs("root")
+
+
+RANGED = """
+import json, os, stat, sys
+job_dir, token_var, dir_var, ckpt_var = sys.argv[1:5]
+out = {"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(), "home": os.environ.get("HOME"),
+       "user": os.environ.get("USER"), "job_dir": os.environ.get(dir_var),
+       "token_in_env": any(k.endswith("JOB_TOKEN") for k in os.environ),
+       "secret_in_proc_environ": b"secret-r" in open("/proc/self/environ", "rb").read()}
+st = os.stat(out["job_dir"])
+out["dir"] = [st.st_uid, oct(st.st_mode & 0o777)]
+path = os.environ[token_var]
+out["token_path"] = path
+out["token"] = open(path).read()
+out["token_mode"] = [os.stat(path).st_uid, oct(os.stat(path).st_mode & 0o777)]
+open(os.path.join(os.environ["HOME"], "state.json"), "w").write("{}")  # what a job master keeps there
+open(os.path.join(os.environ[ckpt_var], "step-1.pt"), "w").write("x")
+print(json.dumps(out), flush=True)
+"""
+
+
+def wait_exit(p, timeout=20.0):
+    deadline = time.time() + timeout
+    while p.handle.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    return p.handle.poll()
+
+
+@pytest.fixture
+def shared_base():
+    """A directory job users may pass (pytest's own tmp dirs are 0700)."""
+    base = Path(os.environ.get("TMPDIR", "/tmp")) / f"tidal-runas-{os.getpid()}-{time.monotonic_ns()}"
+    base.mkdir(mode=0o755)
+    base.chmod(0o755)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting processes as another user needs root")
+def test_a_uid_range_runs_a_job_as_its_own_uid_with_a_private_home_and_its_credential_in_a_file(shared_base):
+    base = shared_base
+    work = base / "agent"
+    ra = RunAs(RANGE)
+    agent = Agent("http://127.0.0.1:9", "t", "n0", 1, virtual=True, workdir=work, launcher=ra)
+    work.chmod(0o755)
+    (base / "job.py").write_text(RANGED)
+    (base / "job.py").chmod(0o644)
+    ckpt = base / "ckpt" / "jr"
+    agent._launch({"id": 1, "job": "jr", "name": "w0", "kind": "worker", "cwd": str(base),
+                   "argv": [PYTHON, str(base / "job.py"), str(work / "jobs" / "jr"), settings.JOB_TOKEN_FILE.name,
+                            settings.JOB_DIR.name, settings.CHECKPOINT_DIR.name],
+                   "env": {settings.JOB_TOKEN.name: "secret-r", settings.CHECKPOINT_DIR.name: str(ckpt)}})
+    p = agent.procs[1]
+    code = wait_exit(p)
+    text = p.log_path.read_text()
+    assert code == 0, text
+    out = json.loads(text.strip().splitlines()[-1])
+    uid = out["uid"]
+    lo, hi = parse_range(RANGE)
+    assert lo <= uid <= hi and uid == ra.slot("jr")  # its stable slot (nothing else holds it here)
+    assert uid != pwd.getpwnam("nobody").pw_uid and out["gid"] == uid and set(out["groups"]) <= {uid}
+    job_dir = str(work / "jobs" / "jr")
+    assert out["home"] == out["job_dir"] == job_dir and out["user"] == f"tidal-{uid}"
+    assert out["dir"] == [uid, "0o700"]
+    assert out["token"] == "secret-r" and out["token_mode"] == [uid, "0o600"]
+    assert out["token_path"] == job_dir + "/token"
+    assert not out["token_in_env"] and not out["secret_in_proc_environ"]
+    st = os.stat(work / "jobs" / "jr" / "state.json")
+    assert (st.st_uid, st.st_mode & 0o777) == (uid, 0o600)  # umask 077
+    st = ckpt.stat()
+    assert (st.st_uid, st.st_mode & 0o777) == (uid, 0o700)
+    # its log: the agent's, 0600, in 0700 directories
+    for path, mode in ((p.log_path, 0o600), (p.log_path.parent, 0o700), (p.log_path.parent.parent, 0o700)):
+        st = path.stat()
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, mode), path
+    # the table of processes stays the agent's; the master URL files are readable by every job user
+    agent._write_master_urls({"jr": "http://10.0.0.9:5000"})
+    assert stat.S_IMODE((work / "masters").stat().st_mode) == 0o755
+    assert stat.S_IMODE((work / "masters" / "jr.url").stat().st_mode) == 0o644
+    assert stat.S_IMODE((work / "procs.json").stat().st_mode) == 0o600
+    assert stat.S_IMODE((work / "jobs").stat().st_mode) == 0o711  # passable, not listable
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting processes as another user needs root")
+def test_a_jobs_uid_is_stable_and_probes_past_a_slot_held_by_another_job(tmp_path):
+    ra = RunAs(RANGE)
+    a = ra.slot("job-a")
+    assert ra.identity("job-a", {}, set).uid == a == RunAs(RANGE).slot("job-a")  # the same on every host
+    # another job holds the slot here (its processes or its directory): the next free uid
+    got = ra.identity("job-a", {a: "job-b"}, lambda: {a + 1 if a < 299999 else 200000})
+    assert got.uid not in (a, a + 1) and got.gid == got.uid
+    # the uid a job holds here already is its own, wherever its slot is
+    assert ra.identity("job-a", {a: "job-b", 250000: "job-a"}, set).uid == 250000
+    one = RunAs("200000-200000")
+    with pytest.raises(OSError, match="every uid"):
+        one.identity("x", {200000: "y"}, set)
+
+
+@pytest.mark.parametrize("spec, phrase", [
+    ("0-10", "uids must lie in"), ("5-999", "uids must lie in"), ("300000-200000", "empty"),
+    ("200000-abc", "expected a user name or a uid range"), ("200000", "expected"),
+    ("200000-4294967295", "uids must lie in"),
+])
+def test_a_bad_uid_range_is_refused_in_one_line(spec, phrase):
+    with pytest.raises(ValueError, match=phrase) as e:
+        RunAs(spec)
+    assert "\n" not in str(e.value)
+
+
+def test_a_range_holding_a_users_uid_is_refused():
+    uid = pwd.getpwnam("nobody").pw_uid
+    with pytest.raises(ValueError, match="of user 'nobody'"):
+        parse_range(f"{uid - 5}-{uid + 5}")
+
+
+def test_the_cli_prints_a_bad_run_as_in_one_line_without_a_traceback(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from tidal.cli.main import app
+
+    monkeypatch.setenv(settings.HOME.name, str(tmp_path))
+    res = CliRunner().invoke(app, ["agent", "--virtual-gpus", "1", "--run-as", "300000-200000"])
+    assert res.exit_code == 2 and "the range is empty" in res.output and "Traceback" not in res.output

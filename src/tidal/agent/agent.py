@@ -16,14 +16,17 @@ from urllib.parse import urlparse
 from tidal import settings
 from tidal.agent.limits import Limiter, Limits, Placement, node_memory
 from tidal.agent.proctable import EXIT_UNKNOWN, Child, Handle, Proc, ProcTable
+from tidal.agent.runas import JobDirs, job_name
 from tidal.net import LOOPBACK, advertise_addr
 from tidal.control.jobproc import EXIT_REPLACED
 from tidal.httpjson import JsonHttp, Unavailable
 
 log = logging.getLogger("tidal.agent")
 
-#: variables of the agent's environment a job's processes do not inherit
-_SECRETS = frozenset({settings.TOKEN.name, settings.ADMIN_TOKEN.name, settings.JOB_TOKEN.name})
+#: variables of the agent's environment a job's processes do not inherit (credentials, and what
+#: the agent sets per job)
+_SECRETS = frozenset({settings.TOKEN.name, settings.ADMIN_TOKEN.name, settings.JOB_TOKEN.name,
+                      settings.JOB_TOKEN_FILE.name, settings.JOB_DIR.name})
 
 MASTER_RESTARTS = 3  # a job master that keeps crashing is then reported failed
 
@@ -150,16 +153,53 @@ def gpu_utils(virtual: bool, num_gpus: int, procs: dict[int, Proc]) -> dict[int,
 
 
 def write_url(path: Path, url: str) -> bool:
-    """Write ``url`` to ``path`` atomically; False (logged) if it cannot be."""
+    """Write ``url`` to ``path`` atomically, readable by every job user (a
+    URL is no secret); False (logged) if it cannot be."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        shared_dir(path.parent)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(url)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w") as fh:
+            os.fchmod(fd, 0o644)
+            fh.write(url)
         os.replace(tmp, path)
     except (OSError, ValueError) as e:  # tried again at the next heartbeat
         log.error("cannot write %s: %s", path, e)
         return False
     return True
+
+
+def shared_dir(path: Path) -> None:
+    """``path``, the agent's, which job users may pass and read (0755): the
+    master URL files, the gates."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o755)
+
+
+def private_log(path: Path) -> None:
+    """``path``'s directories (``logs/`` and ``logs/JOB/``) 0700 and the
+    file itself 0600, the agent's: a job writes its log through the file
+    the agent opened for it and reads no other job's."""
+    for d in (path.parent.parent, path.parent):
+        d.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(d, 0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
+def private_logs(root: Path) -> None:
+    """Logs written before (by an older agent, 0755 and 0644) made private:
+    directories 0700, files 0600; symbolic links are left alone."""
+    if not root.is_dir() or root.is_symlink():
+        return
+    for top, dirs, files in os.walk(root):  # never walks into a linked directory
+        os.chmod(top, 0o700)
+        for f in files:
+            if not os.path.islink(os.path.join(top, f)):
+                os.chmod(os.path.join(top, f), 0o600)
 
 
 def process_env(w: dict[str, Any], node: str, master_file: Path, address: str) -> dict[str, str]:
@@ -186,12 +226,21 @@ def stop_step(p: Proc, now: float) -> None:
 
 class Starter:
     """Starts the process rows of one node: ``launcher`` inside ``limiter``'s
-    limits, the output appended to ``workdir/logs/JOB/NAME.log``, a gated
-    row behind its gate file (:mod:`tidal.agent.prewarm`)."""
+    limits, the output appended to ``workdir/logs/JOB/NAME.log`` (0600 in
+    0700 directories), with the job's private directory and credential file
+    (:class:`~tidal.agent.runas.JobDirs`, ``workdir/jobs/JOB``), a gated
+    row behind its gate file (:mod:`tidal.agent.prewarm`). ``live``: the
+    agent's processes (which job holds which uid)."""
 
-    def __init__(self, node: str, address: str, workdir: Path, launcher: Launcher, limiter: Limiter) -> None:
+    def __init__(self, node: str, address: str, workdir: Path, launcher: Launcher, limiter: Limiter,
+                 live: Callable[[], list[Proc]] = list) -> None:
         self.node, self.address, self.workdir = node, address, workdir
-        self.launcher, self.limiter = launcher, limiter
+        self.launcher, self.limiter, self.live = launcher, limiter, live
+        self.jobs = JobDirs(workdir / "jobs", launcher)
+        private_logs(workdir / "logs")
+
+    def live_pids(self) -> list[tuple[str, int]]:
+        return [(p.job, p.handle.pid) for p in self.live() if p.handle.poll() is None]
 
     def master_file(self, job: str) -> Path:
         """Where this node's workers of ``job`` read its master's URL."""
@@ -200,15 +249,15 @@ class Starter:
     def start(self, w: dict[str, Any], offset: int | None, restarts: int) -> Proc:
         """Start row ``w``; raises what kept it from starting. Its log is
         shipped from ``offset`` (None: from the log's end)."""
-        d = self.workdir / "logs" / w["job"]
-        d.mkdir(parents=True, exist_ok=True)
-        log_path = d / f"{w['name']}.log"
+        log_path = self.workdir / "logs" / job_name(str(w["job"])) / f"{w['name']}.log"
         start = offset if offset is not None else (log_path.stat().st_size if log_path.exists() else 0)
+        private_log(log_path)
         env = process_env(w, self.node, self.master_file(w["job"]), self.address)
+        self.jobs.prepare(str(w["job"]), env, self.live_pids)  # the job's directory, its credential in it
         argv, gate = list(w["argv"]), None
         if w.get("gated"):
             gates = self.workdir / "gates"
-            gates.mkdir(exist_ok=True)
+            shared_dir(gates)
             gate = str(gates / f"{w['id']}")
             argv = [argv[0], "-u", "-m", "tidal.agent.prewarm", gate, "--", *argv]
         handle, pl = start_limited(self.limiter, self.launcher, w, argv, env, w.get("cwd") or None, log_path)
@@ -268,7 +317,8 @@ class Agent:
         # an unreachable server is retried for one interval, then on the next tick
         self.join_token = token
         self.http = JsonHttp(self.server, token=token, timeout_s=10.0, patience_s=interval_s)
-        self.starter = Starter(name, self.address, self.workdir, launcher, self.limiter)
+        self.starter = Starter(name, self.address, self.workdir, launcher, self.limiter,
+                               live=lambda: list(self.procs.values()))
 
     # -- transport ----------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -317,9 +367,12 @@ class Agent:
             if r["state"] in ("exited", "failed"):
                 self.finished.pop(r["id"], None)
                 self.acked.add(r["id"])
-        self._reconcile(ans.get("workers", []))
+        wanted = ans.get("workers", [])
+        self._reconcile(wanted)
         self._write_master_urls(ans.get("masters") or {})
         self._save()
+        # a job with no process here that the server wants here no more: its directory goes
+        self.starter.jobs.sweep({p.job for p in self.procs.values()} | {str(w.get("job")) for w in wanted if isinstance(w, dict)})
 
     def _save(self) -> None:
         try:

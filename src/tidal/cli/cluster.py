@@ -164,12 +164,14 @@ def agent(
         [], "--label", help="KEY=VALUE, repeatable. 'switch=NAME' places the node under that network switch "
                             "in the scheduler's topology (nodes under one switch are packed together)."),
     run_as: Optional[str] = typer.Option(
-        None, "--run-as", help="Start job processes as this unprivileged user (the agent must run as root); "
-                               "default $TIDAL_RUN_AS. See docs/security.md."),
+        None, "--run-as", help="Start job processes unprivileged (the agent must run as root): a uid range "
+                               "LO-HI (e.g. 200000-299999) gives each job a uid and group of its own "
+                               "(recommended); a user name runs every job as that user. Default "
+                               "$TIDAL_RUN_AS. See docs/security.md."),
 ) -> None:
     """Run the node agent: register GPUs, launch and watch workers.
 
-    Example: TIDAL_TOKEN=$(cat agent.token) tidal agent --server http://10.0.0.1:8470 --run-as tidal-jobs
+    Example: TIDAL_TOKEN=$(cat agent.token) tidal agent --server http://10.0.0.1:8470 --run-as 200000-299999
     """
     import logging
 

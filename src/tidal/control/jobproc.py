@@ -138,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
 
     server = JsonHttp(a.server, token=settings.job_token(), timeout_s=10.0, patience_s=60.0)
     node = settings.NODE.get() or ""
-    # this host's copy (a restart here uses its ports again); the server keeps the other
-    state_dir = Path(a.state_dir or settings.home() / "masters" / (node or "local"))
+    # this host's copy (a restart here uses its ports again); the server keeps the other. Under an agent:
+    # the job's private directory on this host (the master may run as the job's own user)
+    state_dir = Path(a.state_dir or settings.JOB_DIR.get() or settings.home() / "masters" / (node or "local"))
     state_dir.mkdir(parents=True, exist_ok=True)
     backend = Mirrored(FileBackend(str(state_dir / f"{a.job}.json")),
                        ServerBackend(a.server, a.job))
