@@ -31,6 +31,7 @@ from tidal import settings
 from tidal.runtime.change import Change
 from tidal.runtime.messages import Generation, SwitchPlan
 from tidal.runtime.replication import Location, assign_sources
+from tidal.runtime.sealed import Forged, SealedStore, listen_fd, store_key
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,12 @@ class Generations:
         self.job, self.size = job, int(size)
         self.switch_lead_s = float(switch_lead_s)  # T_a of EDL §4.2
         self.replication = replication  # how newcomers get the state (Elan §IV)
-        self.store = dist.TCPStore(store_host, store_port, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=60))
-        self.store_host, self.store_port = store_host, int(self.store.port)
+        # bound to the advertised address only, and every value sealed with the job's key (runtime.sealed)
+        self._server = dist.TCPStore(store_host, store_port, is_master=True, wait_for_workers=False,
+                                     timeout=datetime.timedelta(seconds=60),
+                                     master_listen_fd=listen_fd(store_host, store_port))
+        self.store = SealedStore(self._server, store_key())
+        self.store_host, self.store_port = store_host, int(self._server.port)
         self.plan_key, self.progress_key = f"tidal/{job}/plan", f"tidal/{job}/progress"
         self.store.set(self.plan_key, "")
         self.workers: dict[str, dict[str, Any]] = {}
@@ -125,22 +129,25 @@ class Generations:
         ws = [*(self.gen.members if self.gen else ()), *self.queue, *(self.plan.target.members if self.plan else ()),
               *others]
         keys = {w: f"tidal/{self.job}/alive/{w}" for w in ws}
-        return {w: self.store.get(k) if self.store.check([k]) else None for w, k in keys.items()}
+        return {w: self.store.peek(k) for w, k in keys.items()}
 
     # ------------------------------------------------------------------ the gate before a process group
     def is_committed(self, g: Generation) -> bool:
         """Every member of ``g`` passed its gate (its process group is being built or exists)."""
-        if g.gen not in self.committed and self.store.check([g.prefix + "state"]) \
-                and bytes(self.store.get(g.prefix + "state")) == b"commit":
+        if g.gen not in self.committed and self.store.peek(g.prefix + "state") == b"commit":
             self.committed.add(g.gen)
         return g.gen in self.committed
 
     def abort(self, g: Generation) -> bool:
         """Stop ``g`` from forming (a member died before its gate); False if
         every member had passed it already (too late: a normal failure)."""
-        if bytes(self.store.compare_set(g.prefix + "state", "", "abort")) == b"commit":
-            self.committed.add(g.gen)
-            return False
+        try:
+            if bytes(self.store.compare_set(g.prefix + "state", "", "abort")) == b"commit":
+                self.committed.add(g.gen)
+                return False
+        except Forged as e:  # a co-tenant wrote the gate's key: this job's word replaces it
+            log.warning("%s", e)
+            self.store.set(g.prefix + "state", "abort")
         self.aborted.add(g.gen)
         return True
 
@@ -160,9 +167,10 @@ class Generations:
     # ------------------------------------------------------------------ progress
     def read_progress(self) -> None:
         """Pick up the progress rank 0 wrote to the store."""
-        if self.gen is None or not self.store.check([self.progress_key]):
+        raw = self.store.peek(self.progress_key) if self.gen is not None else None
+        if raw is None:
             return
-        p = json.loads(self.store.get(self.progress_key))
+        p = json.loads(raw)
         if int(p.get("gen", -1)) == self.gen.gen and int(p["step"]) >= int(self.progress.get("step", 0)):
             self.progress.update(step=int(p["step"]), cursor=int(p["cursor"]), epoch=int(p["epoch"]),
                                  gen=int(p["gen"]), step_time_s=float(p["step_time_s"]),

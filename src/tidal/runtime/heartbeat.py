@@ -226,7 +226,7 @@ class Heartbeat:
 
         def exchange(store: Any) -> bytes | None:
             store.set(key, beat)
-            return bytes(store.get(abort_key)) if watch and store.check([abort_key]) else None
+            return store.peek(abort_key) if watch else None
 
         try:
             why = self.membership.stores.call(ep.host, ep.port, "beat", exchange)
@@ -322,7 +322,7 @@ class Heartbeat:
         def exchange(store: Any) -> bytes:
             t = time.perf_counter()
             store.set(ep.progress_key, progress)
-            raw = store.get(ep.plan_key)
+            raw = store.read(ep.plan_key) or b""  # forged: no plan
             self.rtts_ms.append(1e3 * (time.perf_counter() - t))
             return bytes(raw)
 

@@ -46,6 +46,7 @@ from tidal.net import socket_env
 from tidal.runtime import abortable
 from tidal.runtime.client import MasterClient
 from tidal.runtime.messages import Generation, SwitchPlan
+from tidal.runtime.sealed import Forged, SealedStore, store_key
 from tidal.runtime.state import RescaleHook, TrainState
 from tidal.runtime.transfer import broadcast_state, replicate_state
 
@@ -200,8 +201,9 @@ class StoreCache:
 
     QUICK_TIMEOUT = datetime.timedelta(seconds=5)
 
-    def __init__(self, timeout: datetime.timedelta) -> None:
+    def __init__(self, timeout: datetime.timedelta, key: bytes | None = None) -> None:
         self.timeout = timeout
+        self.key = store_key() if key is None else key  # every value is sealed (runtime.sealed)
         self._lock = threading.Lock()
         self._stores: dict[tuple[str, int, str], Any] = {}
         self._lanes: dict[tuple[str, int, str], _Lane] = {}
@@ -218,8 +220,9 @@ class StoreCache:
                 s = None
         if s is None:
             quick = tag in ("hb", "beat")
-            s = dist.TCPStore(host, port, is_master=False,
-                              timeout=min(self.timeout, self.QUICK_TIMEOUT) if quick else self.timeout)
+            s = SealedStore(dist.TCPStore(host, port, is_master=False,
+                                          timeout=min(self.timeout, self.QUICK_TIMEOUT) if quick else self.timeout),
+                            self.key)
             with self._lock:
                 self._stores[key] = s
         return s
@@ -268,8 +271,8 @@ class Gate:
         next_ask = time.monotonic() + 1.0
         while True:
             try:
-                if store.check([g.prefix + "go"]):
-                    return bytes(store.get(g.prefix + "go"))
+                if (go := store.peek(g.prefix + "go")) is not None:
+                    return go
             except Exception as e:  # noqa: BLE001 - the master (and its store) restarts: reconnect
                 store = self._reconnect(g, store, f"while waiting for gen {g.gen} ({e})")
             time.sleep(0.002)
@@ -306,12 +309,15 @@ class Gate:
         store = self.stores.get(g.store_host, g.store_port)
         key = g.prefix + "state"
         if int(store.add(g.prefix + "arrived", 1)) >= g.world_size:
-            store.compare_set(key, "", "commit")
+            try:
+                store.compare_set(key, "", "commit")
+            except Forged as e:  # a co-tenant wrote the gate's key: wait for the master's word (or time out)
+                log.warning("%s", e)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                if store.check([key]):
-                    return bytes(store.get(key)) == b"commit"
+                if (state := store.peek(key)) is not None:
+                    return state == b"commit"
             except Exception as e:  # noqa: BLE001 - the master (and its store) restarts: reconnect
                 store = self._reconnect(g, store, f"at the gate of gen {g.gen} ({e})")
             if time.monotonic() > deadline:
@@ -332,6 +338,7 @@ class Membership:
         self.pg_timeout = datetime.timedelta(seconds=collective_timeout_s)  # a collective waits for live peers
         self.seat = Seat(None, 0 if client is None else -1, 1)  # local mode: rank 0 of 1
         self.stores = StoreCache(datetime.timedelta(seconds=store_timeout_s))
+        self._group_store: SealedStore | None = None  # the current process group's store
         self.gate = Gate(worker_id, client, self.stores)
         self.agreement = SwitchAgreement()
         self.hooks: list[RescaleHook] = []
@@ -445,7 +452,9 @@ class Membership:
 
     def init_group(self, g: Generation) -> None:
         """Rendezvous with the generation's members under its store prefix."""
-        store = dist.PrefixStore(g.prefix, self.stores.get(g.store_host, g.store_port))
+        # the sealed store is kept while the group lives: torch holds only its C++ half
+        self._group_store = self.stores.get(g.store_host, g.store_port)
+        store = dist.PrefixStore(g.prefix, self._group_store)
         rank = g.rank_of(self.worker_id)
         os.environ.update(socket_env(g.store_host))  # the interface that routes to the job's hosts
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=g.world_size,

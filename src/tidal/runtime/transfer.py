@@ -20,6 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tidal.runtime.sealed import seal, store_key, unseal
+
+_SEAL_NAME = "tidal/state-transfer"  # what the seal of a transferred structure is bound to
+
 
 @dataclass(frozen=True)
 class _Ref:
@@ -78,13 +82,33 @@ def _refs(obj: Any, acc: list[_Ref]) -> list[_Ref]:
     return acc
 
 
+def _pack(meta: Any) -> bytes:
+    """The structure, pickled and sealed with the job's key: a peer
+    connection a co-tenant slipped into cannot make a receiver unpickle its
+    bytes (:mod:`tidal.runtime.sealed`)."""
+    return seal(store_key(), _SEAL_NAME, pickle.dumps(meta))
+
+
+def _unpack(body: torch.Tensor) -> Any:
+    """What :func:`_pack` packed; :class:`~tidal.runtime.sealed.Forged` if
+    this job did not pack it (nothing is unpickled then)."""
+    return pickle.loads(unseal(store_key(), _SEAL_NAME, body.cpu().numpy().tobytes()))
+
+
 def broadcast_state(obj: Any, src: int = 0) -> Any:
     """Broadcast a nested dict/list of tensors and picklable values from
     ``src``; returns the received object on every rank (``obj`` itself on src)."""
     rank, dev = dist.get_rank(), comm_device()
     tensors: list[torch.Tensor] = []
     meta = [_strip(obj, tensors) if rank == src else None]
-    dist.broadcast_object_list(meta, src=src)
+    raw = _pack(meta[0]) if rank == src else b""
+    size = torch.tensor([len(raw)], dtype=torch.int64, device=dev)
+    dist.broadcast(size, src=src)
+    body = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev) if rank == src else \
+        torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    dist.broadcast(body, src=src)
+    if rank != src:
+        meta[0] = _unpack(body)
     refs = sorted(_refs(meta[0], []), key=lambda r: r.index)
     received: list[torch.Tensor | None] = [None] * len(refs)
     for dtype in sorted({r.dtype for r in refs}, key=str):
@@ -136,7 +160,7 @@ def send_state(obj: Any, dsts: list[int], max_bytes_per_s: float = 0.0, chunk_by
         return
     tensors: list[torch.Tensor] = []
     meta = _strip(obj, tensors)
-    raw = pickle.dumps(meta)
+    raw = _pack(meta)
     chunk = int(chunk_bytes) if max_bytes_per_s > 0 else 0
     head = torch.tensor([len(raw), chunk], dtype=torch.int64, device=comm_device())
     body = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(comm_device())
@@ -168,7 +192,7 @@ def recv_state(src: int) -> Any:
     body = torch.empty(int(head[0].item()), dtype=torch.uint8, device=comm_device())
     dist.recv(body, src=src, tag=1)
     chunk = int(head[1].item())
-    meta = pickle.loads(body.cpu().numpy().tobytes())
+    meta = _unpack(body)
     refs = sorted(_refs(meta, []), key=lambda r: r.index)
     received: list[torch.Tensor | None] = [None] * len(refs)
     tag = 2

@@ -331,7 +331,8 @@ class Job:
     def _await_rank0(self, store: Any, key: str, gen: int) -> Any:
         self.heartbeat.phase = ("wait", self.step_count)
         next_ask = time.monotonic() + 1.0
-        while not store.check([key]):
+        # a value is taken only once its seal verifies: only this job's processes can write one
+        while (raw := store.peek(key)) is None:
             time.sleep(0.005)
             if time.monotonic() > next_ask and self.client is not None:
                 next_ask = time.monotonic() + 1.0
@@ -340,7 +341,7 @@ class Job:
                     self.membership.fail(self.step_count, gen, "rank 0 was lost during job.on_rank0")
                     return None
         self.heartbeat.phase = ("idle", self.step_count)
-        return pickle.loads(store.get(key))
+        return pickle.loads(raw)
 
     def close(self) -> None:
         """Stop the heartbeat and leave the process group (idempotent)."""
