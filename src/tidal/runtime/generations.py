@@ -43,7 +43,7 @@ class Generations:
     T_step)`` (EDL §4.2); plus the last progress rank 0 reported."""
 
     def __init__(self, job: str, size: int, *, store_host: str, store_port: int, switch_lead_s: float,
-                 replication: str) -> None:
+                 replication: str, key: bytes | None = None) -> None:
         import torch.distributed as dist  # heavy import, only where needed
 
         self.job, self.size = job, int(size)
@@ -53,7 +53,7 @@ class Generations:
         self._server = dist.TCPStore(store_host, store_port, is_master=True, wait_for_workers=False,
                                      timeout=datetime.timedelta(seconds=60),
                                      master_listen_fd=listen_fd(store_host, store_port))
-        self.store = SealedStore(self._server, store_key())
+        self.store = SealedStore(self._server, store_key() if key is None else key)
         self.store_host, self.store_port = store_host, int(self._server.port)
         self.plan_key, self.progress_key = f"tidal/{job}/plan", f"tidal/{job}/progress"
         self.store.set(self.plan_key, "")

@@ -26,7 +26,7 @@ from tidal.runtime.host import host_master
 from tidal.runtime.messages import Status
 from tidal.runtime.persistence import open_backend
 from tidal.runtime.replication import MODES
-from tidal.runtime.spawner import LocalSpawner, WorkerLaunch
+from tidal.runtime.spawner import LOCAL_HOSTS, LocalSpawner, WorkerLaunch
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,40 @@ def resolve_master(job: str) -> str:
     if not f.exists():
         raise FileNotFoundError(f"no running job {job!r} (looked for {f})")
     return json.loads(f.read_text())["url"]
+
+
+def master_client(job: str) -> MasterClient:
+    """A client of ``job``'s master (a URL, or a job name written by ``tidal
+    run``, whose file holds the job's credential too)."""
+    url = resolve_master(job)
+    f = jobs_dir() / f"{job}.json"
+    token = None if job.startswith("http://") else json.loads(f.read_text()).get("token")
+    return MasterClient(url, token=token or None)
+
+
+def _job_token(adv: str, out: Callable[[str], None]) -> str:
+    """The credential of a ``tidal run`` job: ``$TIDAL_JOB_TOKEN`` (the same
+    secret on every host of the job), else none: on loopback that is one
+    user's job on their own machine; on a network address a warning says
+    that the master and its store then accept any process that reaches them
+    (docs/security.md)."""
+    token = settings.job_token()
+    if token or adv in LOCAL_HOSTS or adv.startswith("127."):
+        return token
+    out(f"tidal run: warning: ${settings.JOB_TOKEN.name} is not set: the job's master and rendezvous store at "
+        f"{adv} accept any process that reaches them; set the same secret on every host of the job")
+    return ""
+
+
+def _write_job_file(path: Path, doc: dict[str, Any]) -> None:
+    """The job's file (its master's URL and credential), readable by its user only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(doc))
+    os.replace(tmp, path)
 
 
 NO_INIT = "the script never called tidal.runtime.init()"
@@ -171,9 +205,12 @@ def _bad_run(script: str, size: int, max_size: int | None) -> str | None:
     return None
 
 
-def _worker_env(max_steps: int | None) -> dict[str, str]:
-    """The workers' environment: this process's, with the job's step limit if given."""
+def _worker_env(max_steps: int | None, token: str = "") -> dict[str, str]:
+    """The workers' environment: this process's, with the job's credential
+    and step limit if given."""
     env = dict(os.environ)
+    if token:
+        env[settings.JOB_TOKEN.name] = token
     if max_steps:
         env[settings.MAX_STEPS.name] = str(int(max_steps))
     return env
@@ -216,17 +253,17 @@ def run_job(
     except (ValueError, OSError) as e:
         out(f"tidal run: --state {state_url}: {e}")
         return 2
-    spawner = LocalSpawner(script, args, env=_worker_env(max_steps))
     bind, join_s = bind_addr(bind), settings.JOIN_TIMEOUT_S.get()
     adv = advertise_addr(bind, explicit=advertise or settings.ADVERTISE_ADDR.get())
+    token = _job_token(adv, out)
+    spawner = LocalSpawner(script, args, env=_worker_env(max_steps, token))
     master = JobMaster(job, size, backend=backend, spawner=spawner, switch_lead_s=switch_lead_s, max_size=max_size,
                        straggler_policy=straggler_policy, replication=replication, hang_timeout_s=hang_timeout_s,
-                       first_worker=size, store_host=adv, join_timeout_s=join_s)
-    server = MasterServer(master, host=bind, port=port, advertise=adv).start()
+                       first_worker=size, store_host=adv, join_timeout_s=join_s, token=token)
+    server = MasterServer(master, host=bind, port=port, advertise=adv, token=token).start()
     spawner.master_url = server.url
     jf = jobs_dir() / f"{job}.json"
-    jf.parent.mkdir(parents=True, exist_ok=True)
-    jf.write_text(json.dumps({"url": server.url, "pid": os.getpid(), "script": script}))
+    _write_job_file(jf, {"url": server.url, "pid": os.getpid(), "script": script, "token": token})
     out(f"tidal run: job {job} master {server.url} workers {size}")
     spawner.spawn([WorkerLaunch(f"w{i}") for i in range(size)])
     t0 = time.time()
@@ -294,7 +331,7 @@ def scale_job(job: str, size: int, timeout_s: float = 120.0, wait: bool = True, 
     """Ask ``job``'s master for ``size`` workers (retrying while another
     change is in progress) and optionally wait until they run."""
     try:
-        c = MasterClient(resolve_master(job))
+        c = master_client(job)
     except FileNotFoundError as e:
         out(f"tidal scale: {e}")
         return 2
@@ -314,7 +351,7 @@ def remove_host_workers(job: str, host: str, timeout_s: float = 120.0, wait: boo
                         out: Callable[[str], None] = print) -> int:
     """Scale ``job`` in by every worker registered on ``host`` (one change)."""
     try:
-        c = MasterClient(resolve_master(job))
+        c = master_client(job)
     except FileNotFoundError as e:
         out(f"tidal scale: {e}")
         return 2
@@ -338,7 +375,7 @@ def migrate_job(job: str, ranks: list[int], timeout_s: float = 120.0, out: Calla
     """Move the workers at ``ranks`` of ``job`` in one change (retrying while
     another change is in progress) and wait until the switch happened."""
     try:
-        c = MasterClient(resolve_master(job))
+        c = master_client(job)
     except FileNotFoundError as e:
         out(f"tidal migrate: {e}")
         return 2

@@ -37,6 +37,7 @@ from tidal.runtime.jobcore import JobCore, job_status, refuse, save_progress
 from tidal.runtime.messages import Generation, ScaleAnswer, Status
 from tidal.runtime.persistence import StateBackend
 from tidal.runtime.replication import MODES
+from tidal.runtime.sealed import store_key
 from tidal.runtime.spawner import Spawner, WorkerLaunch, failed_workers
 from tidal.runtime.stragglers import STRAGGLER_POLICIES, check_policy, decide, record_straggler
 from tidal.net import LOOPBACK
@@ -125,7 +126,7 @@ class JobMaster:
                  join_timeout_s: float = 120.0, resume: bool = False, shard_manager: ShardManager | None = None,
                  max_size: int | None = None, first_worker: int = 0, recovery_window_s: float = 20.0,
                  straggler_policy: str = "report", replication: str = "topology",
-                 hang_timeout_s: float = 30.0) -> None:
+                 hang_timeout_s: float = 30.0, token: str | None = None) -> None:
         if replication not in MODES:
             raise ValueError(f"replication must be one of {list(MODES)}, not {replication!r}")
         self.job = job
@@ -133,7 +134,7 @@ class JobMaster:
         self.straggler_policy = check_policy(straggler_policy)
         self.spawner, self.max_size = spawner, max_size
         self.group = Generations(job, size, store_host=store_host, store_port=store_port,
-                                 switch_lead_s=switch_lead_s, replication=replication)
+                                 switch_lead_s=switch_lead_s, replication=replication, key=store_key(token))
         self.store_port = self.group.store_port  # where the workers rendezvous (fixed)
         self.core = JobCore(self.group, backend=backend, shards=shard_manager, join_timeout_s=join_timeout_s,
                             recovery_window_s=recovery_window_s, hang_timeout_s=hang_timeout_s,
