@@ -1,0 +1,37 @@
+"""``tidal agent --run-as LO-HI`` end to end: a real server and agent (as
+root) run two tenants' jobs, each under a uid of its own from the range
+(never root, never the same), with the job's credential in no process's
+environment, and both jobs complete (their masters keep their state in the
+job's private directory). The job logs on the host are 0600 in 0700
+directories."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from othersuid import can_switch_uid, namespace_prefix
+
+pytestmark = [pytest.mark.skipif(can_switch_uid() is not None, reason=str(can_switch_uid())),
+              pytest.mark.timeout(300)]
+
+LO, HI = 231000, 231999
+
+
+def test_jobs_of_two_tenants_run_as_uids_of_their_own_and_complete(open_tmp: Path) -> None:
+    scenario = Path(__file__).with_name("runas_scenario.py")
+    p = subprocess.run([*namespace_prefix(), sys.executable, str(scenario), str(open_tmp), f"{LO}-{HI}"],
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stderr[-4000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["states"] == {"alice": "completed", "bob": "completed"}, (r, p.stderr[-3000:])
+    by_job = {n: set(r["uids"].get(r["ids"][n], [])) for n in ("alice", "bob")}
+    assert all(len(u) == 1 for u in by_job.values()), r  # every process of a job: one uid
+    ua, ub = by_job["alice"].pop(), by_job["bob"].pop()
+    assert ua != ub and all(LO <= u <= HI for u in (ua, ub)), r
+    assert "credential-in-environ" not in r["uids"], r
+    assert r["logs"] >= 4 and r["log_modes"] == ["0o600"] and r["log_dir_modes"] == ["0o700"], r
