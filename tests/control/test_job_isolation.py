@@ -69,8 +69,8 @@ for pid in pids:
     attempt("sigkill", lambda: os.kill(pid, signal.SIGKILL))
 for name in ("token", "job_dir", "log", "log_dir", "ckpt", "jobs"):
     path = cfg[name]
-    attempt(name, (lambda p=path: os.listdir(p)) if os.path.isdir(path) or name in ("job_dir", "log_dir", "ckpt", "jobs")
-            else (lambda p=path: open(p, "rb").read()))
+    is_dir = name in ("job_dir", "log_dir", "ckpt", "jobs")
+    attempt(name, (lambda p=path: os.listdir(p)) if is_dir else (lambda p=path: open(p, "rb").read()))
 out["own_token"] = open(os.environ[cfg["token_var"]]).read()
 out["own_token_in_env"] = "secret-B" in open("/proc/self/environ", "rb").read().decode(errors="replace")
 print(json.dumps(out), flush=True)

@@ -372,7 +372,8 @@ class Agent:
         self._write_master_urls(ans.get("masters") or {})
         self._save()
         # a job with no process here that the server wants here no more: its directory goes
-        self.starter.jobs.sweep({p.job for p in self.procs.values()} | {str(w.get("job")) for w in wanted if isinstance(w, dict)})
+        self.starter.jobs.sweep({p.job for p in self.procs.values()}
+                                | {str(w.get("job")) for w in wanted if isinstance(w, dict)})
 
     def _save(self) -> None:
         try:

@@ -249,6 +249,12 @@ class JobDirs:
     def __init__(self, root: Path, launcher: Any) -> None:
         self.root = Path(root)
         self.runas: RunAs | None = launcher if isinstance(launcher, RunAs) else None
+        if self.runas is not None:
+            closed = [d for d in (self.root.parent, *self.root.parent.parents)
+                      if d.is_dir() and not os.stat(d).st_mode & stat.S_IXOTH]
+            if closed:  # the jobs could not reach their directory, credential or master file
+                log.warning("--run-as: job users cannot pass %s (mode %o): give the agent a work directory "
+                            "they can reach", closed[-1], stat.S_IMODE(os.stat(closed[-1]).st_mode))
 
     def _root(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
