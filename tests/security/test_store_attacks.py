@@ -5,12 +5,13 @@ rendezvous store (torch's TCPStore, which any local process can connect to):
   the job's credential there;
 * it plants pickles under the keys where ``job.on_rank0`` results go, which
   ran its code inside the job's workers;
+* it reads the progress rank 0 reports every step;
 * it looks for sockets of the job listening on every interface.
 
 The attacker is a process of another uid (``nobody``) with the same Python
 and torch. The job must finish with every step, no request may reach the
-attacker's listener, no planted code may run, and every socket the job
-listens on is bound to its advertised address.
+attacker's listener, no planted code may run, no value may be read, and
+every socket the job listens on is bound to its advertised address.
 """
 
 from __future__ import annotations
@@ -88,15 +89,21 @@ class Payload:
         return (os.system, (f"touch {marker}",))
 
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
-writes, end = 0, time.time() + seconds
+writes, end, leaked, read = 0, time.time() + seconds, [], 0
 while time.time() < end:
+    if store.check([f"tidal/{job}/progress"]):  # what rank 0 reports every step: readable?
+        raw = bytes(store.get(f"tidal/{job}/progress"))
+        read += 1
+        if b"step" in raw or b"epoch" in raw:
+            leaked.append(raw[:80].decode(errors="replace"))
     store.set(f"tidal/{job}/plan", json.dumps({"moved": trap}))
     for gen in range(1, 4):
         for call in range(1, 8):
             store.set(f"tidal/{job}/g{gen}/rank0/{call}", pickle.dumps(Payload()))
     writes += 1
     time.sleep(0.05)
-print(json.dumps({"uid": os.getuid(), "writes": writes, "seen": seen}), flush=True)
+print(json.dumps({"uid": os.getuid(), "writes": writes, "seen": seen, "read": read, "leaked": leaked[:3]}),
+      flush=True)
 """
 
 
@@ -174,6 +181,7 @@ def test_a_co_tenant_cannot_steer_the_store_steal_the_token_or_run_code(open_tmp
     assert job.returncode == 0, out[-4000:]
     assert "EVALS-OK 6" in out, out[-4000:]  # every on_rank0 result was the job's own
     assert report["seen"] == [], report  # no request (and no credential) reached the attacker
+    assert report["read"] > 0 and report["leaked"] == [], report  # the job's values were there, unreadable
     assert not marker.exists(), "a planted pickle ran inside the job"
     assert TOKEN not in a_out
     assert "did not write" in out, out[-3000:]  # the forged values were seen and refused

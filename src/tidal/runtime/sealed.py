@@ -1,11 +1,14 @@
-"""The job's rendezvous store, sealed: every value carries an HMAC-SHA256
-tag bound to its key, made with a key only the job's processes hold (derived
-from the job's credential, ``$TIDAL_JOB_TOKEN`` or its file). Any local user
-can connect to a TCPStore (it has no authentication of its own); with the
-seal, a value such a user writes (a forged plan, a "moved" master, a pickled
-``on_rank0`` result, a collective's peer address) fails verification and is
-never acted on: :class:`Forged` is raised instead. The tag binds the key
-name too, so a genuine value cannot be moved to another key. Counters
+"""The job's rendezvous store, sealed: every value is encrypted and
+authenticated with AES-SIV (RFC 5297), its key name as associated data,
+under a key only the job's processes hold (derived from the job's
+credential, ``$TIDAL_JOB_TOKEN`` or its file). Any local user can connect
+to a TCPStore (it has no authentication of its own); with the seal, such a
+user reads nothing but key names and counters, and a value it writes (a
+forged plan, a "moved" master, a pickled ``on_rank0`` result, a collective's
+peer address) fails verification and is never acted on: :class:`Forged` is
+raised instead. Binding the key name means a genuine value cannot be moved
+to another key. AES-SIV is deterministic (the same value under the same key
+name seals to the same bytes), so ``compare_set`` still matches. Counters
 (``add``) and key existence (``check``, ``wait``) are not sealed: a
 co-tenant can delay a job through them, not steer it (docs/security.md).
 
@@ -17,6 +20,7 @@ it is handed a socket already bound.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import hmac
 import logging
@@ -24,13 +28,15 @@ import socket
 from typing import Any, Sequence
 
 import torch.distributed as dist
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESSIV
 
 from tidal import settings
 
 log = logging.getLogger(__name__)
 
-TAG = 32  # bytes of HMAC-SHA256
-_CONTEXT = b"tidal rendezvous store v1"
+_CONTEXT = b"tidal rendezvous store v2"
+_VERSION = b"\x02"  # the first byte of every sealed plaintext (AES-SIV refuses an empty one)
 
 
 class Forged(RuntimeError):
@@ -38,32 +44,36 @@ class Forged(RuntimeError):
 
 
 def store_key(token: str | None = None) -> bytes:
-    """The sealing key of the job whose credential is ``token`` (default: this
-    process's, :func:`tidal.settings.job_token`). Without a credential (a
-    ``tidal run`` job with no ``$TIDAL_JOB_TOKEN``) the key is a constant:
-    the seal then catches accidents, not a co-tenant."""
+    """The 64-byte sealing key (AES-SIV with AES-256) of the job whose
+    credential is ``token`` (default: this process's,
+    :func:`tidal.settings.job_token`). Without a credential (a ``tidal run``
+    job with no ``$TIDAL_JOB_TOKEN``) the key is a constant: the seal then
+    catches accidents, not a co-tenant."""
     tok = settings.job_token() if token is None else token
-    return hmac.new(tok.encode(), _CONTEXT, hashlib.sha256).digest()
+    return hmac.new(tok.encode(), _CONTEXT, hashlib.sha512).digest()
 
 
-def _tag(key: bytes, name: str, value: bytes) -> bytes:
-    return hmac.new(key, name.encode() + b"\0" + value, hashlib.sha256).digest()
+@functools.lru_cache(maxsize=8)
+def _cipher(key: bytes) -> AESSIV:
+    return AESSIV(key)
 
 
 def seal(key: bytes, name: str, value: str | bytes) -> bytes:
-    """``value`` with its tag for store key ``name`` (deterministic, so
-    ``compare_set`` can match a sealed expected value)."""
+    """``value`` encrypted and authenticated for store key ``name``
+    (deterministic, so ``compare_set`` can match a sealed expected value)."""
     v = value.encode() if isinstance(value, str) else bytes(value)
-    return v + _tag(key, name, v)
+    return _cipher(key).encrypt(_VERSION + v, [name.encode()])
 
 
 def unseal(key: bytes, name: str, raw: bytes) -> bytes:
-    """The value of a sealed ``raw``; :class:`Forged` if its tag does not verify."""
-    raw = bytes(raw)
-    v, t = raw[:-TAG], raw[-TAG:]
-    if len(raw) < TAG or not hmac.compare_digest(t, _tag(key, name, v)):
+    """The value of a sealed ``raw``; :class:`Forged` if it does not verify."""
+    try:
+        v = _cipher(key).decrypt(bytes(raw), [name.encode()])
+    except (InvalidTag, ValueError):
+        v = b""
+    if not v.startswith(_VERSION):
         raise Forged(f"store key {name!r} holds a value this job did not write; ignored")
-    return v
+    return v[len(_VERSION):]
 
 
 class SealedStore(dist.Store):
