@@ -353,6 +353,34 @@ def test_concurrent_duplicate_submissions_make_one_job(env):
     assert len(client.get("/v1/jobs", headers=hdr(t["alice"])).json()) == 1
 
 
+def test_concurrent_submissions_get_distinct_slots(env):
+    """Every job gets its own number (its uid slot under --run-as LO-HI),
+    also when clients submit at the same moment."""
+    import threading
+
+    client, store, t = env
+    answers: list = []
+    start = threading.Barrier(8)
+
+    def submit(i: int) -> None:
+        start.wait()
+        answers.append(client.post("/v1/jobs", json=dict(GOOD, name=f"s{i}"), headers=hdr(t["alice"])))
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert [r.status_code for r in answers] == [201] * 8, [r.text for r in answers]
+    from sqlalchemy import select
+
+    from tidal.control.db import Job
+
+    with store.session() as s:
+        slots = sorted(s.scalars(select(Job.slot)).all())
+    assert slots == list(range(1, 9)), slots
+
+
 def test_migration_0006_keeps_existing_jobs(tmp_path):
     """A store at 0005 with a job upgrades: the job stays, without a key."""
     from alembic import command

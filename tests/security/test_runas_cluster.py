@@ -33,5 +33,6 @@ def test_jobs_of_two_tenants_run_as_uids_of_their_own_and_complete(open_tmp: Pat
     assert all(len(u) == 1 for u in by_job.values()), r  # every process of a job: one uid
     ua, ub = by_job["alice"].pop(), by_job["bob"].pop()
     assert ua != ub and all(LO <= u <= HI for u in (ua, ub)), r
+    assert {ua, ub} == {LO + 1, LO + 2}, r  # the jobs' numbers (1, 2) on a new server: the same uid on every host
     assert "credential-in-environ" not in r["uids"], r
     assert r["logs"] >= 4 and r["log_modes"] == ["0o600"] and r["log_dir_modes"] == ["0o700"], r

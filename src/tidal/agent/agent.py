@@ -253,7 +253,8 @@ class Starter:
         start = offset if offset is not None else (log_path.stat().st_size if log_path.exists() else 0)
         private_log(log_path)
         env = process_env(w, self.node, self.master_file(w["job"]), self.address)
-        self.jobs.prepare(str(w["job"]), env, self.live_pids)  # the job's directory, its credential in it
+        # the job's directory, its credential in it; its uid from the job's number (the server's slot)
+        self.jobs.prepare(str(w["job"]), env, self.live_pids, w.get("slot"))
         argv, gate = list(w["argv"]), None
         if w.get("gated"):
             gates = self.workdir / "gates"

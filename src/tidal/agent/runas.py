@@ -7,8 +7,9 @@ recommended) gives each job a uid of its own, with the same number as its
 private group and no ``/etc/passwd`` entry (as Kubernetes' ``runAsUser``
 does): one job cannot read another's environment, credential, files or
 checkpoints, nor signal or trace its processes. A job's uid is the same on
-every host (``LO + sha256(job) mod size``), unless another job of this host
-holds that slot: then the next free one. ``--run-as USER`` runs every job as
+every host (``LO + n mod size``, ``n`` the job's number among all jobs,
+from the server; a hash of its id without one), unless another job of this
+host holds that slot: then the next free one. ``--run-as USER`` runs every job as
 ``USER`` (its uid and primary group): tenants are kept from the agent and
 the server, not from one another.
 
@@ -147,12 +148,17 @@ class RunAs:
             raise ValueError(f"--run-as {spec!r} needs the agent to run as root (it runs as uid {os.geteuid()})")
         self.assigned: dict[str, Identity] = {}  # job -> its identity, from its last launch here
 
-    def slot(self, job: str) -> int:
-        """The uid ``job`` gets on every host where its slot is free."""
-        h = int.from_bytes(hashlib.sha256(job.encode()).digest()[:8], "big")
-        return self.lo + h % (self.hi - self.lo + 1)
+    def slot(self, job: str, number: int | None = None) -> int:
+        """The uid ``job`` gets on every host where its slot is free: from
+        its number among all jobs (``number``, the server's ``slot``: no two
+        of any ``HI - LO + 1`` jobs in a row share one), else from a hash of
+        its id."""
+        if number is None:
+            number = int.from_bytes(hashlib.sha256(job.encode()).digest()[:8], "big")
+        return self.lo + int(number) % (self.hi - self.lo + 1)
 
-    def identity(self, job: str, held: dict[int, str], busy: Callable[[], set[int]] = uids_in_use) -> Identity:
+    def identity(self, job: str, held: dict[int, str], busy: Callable[[], set[int]] = uids_in_use,
+                 number: int | None = None) -> Identity:
         """Who ``job`` runs as. With a range: the uid it holds here already
         (``held``: uid -> the job holding it on this host), else the first
         from its :meth:`slot` that no other job holds and no process of this
@@ -163,7 +169,7 @@ class RunAs:
         else:
             uid = next((u for u, j in held.items() if j == job and self.lo <= u <= self.hi), None)
             if uid is None:
-                taken, size, start = set(held) | busy(), self.hi - self.lo + 1, self.slot(job) - self.lo
+                taken, size, start = set(held) | busy(), self.hi - self.lo + 1, self.slot(job, number) - self.lo
                 uid = next((self.lo + (start + i) % size for i in range(size)
                             if self.lo + (start + i) % size not in taken), None)
                 if uid is None:
@@ -274,17 +280,18 @@ class JobDirs:
                 out.setdefault(e.stat(follow_symlinks=False).st_uid, e.name)
         return out
 
-    def identity(self, job: str, live: Callable[[], Iterable[tuple[str, int]]]) -> Identity:
+    def identity(self, job: str, live: Callable[[], Iterable[tuple[str, int]]], number: int | None = None) -> Identity:
         if self.runas is None:
             return own_identity()
-        return self.runas.identity(job, self.held(live()) if self.runas.ranged else {})
+        return self.runas.identity(job, self.held(live()) if self.runas.ranged else {}, number=number)
 
-    def prepare(self, job: str, env: dict[str, str], live: Callable[[], Iterable[tuple[str, int]]]) -> Identity:
+    def prepare(self, job: str, env: dict[str, str], live: Callable[[], Iterable[tuple[str, int]]],
+                number: int | None = None) -> Identity:
         """Make ``job``'s directory (0700, its uid's) and move its credential
         from ``env`` into it; ``env`` names both. Its identity."""
         job_name(job)
         self._root()
-        ident = self.identity(job, live)
+        ident = self.identity(job, live, number)
         path = self.root / job
         try:
             st = os.lstat(path)

@@ -126,7 +126,11 @@ class Job(Base):
     # auto-configuration (tidal.control.autoconf): its stage, samples, fitted model and plan; None: not auto
     autoconf: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
 
-    __table_args__ = (Index("ix_jobs_user_idempotency_key", "user", "idempotency_key", unique=True),)
+    # the job's number among all jobs ever submitted (unique): an agent with --run-as LO-HI runs the job as
+    # uid LO + slot mod (HI - LO + 1) on every host, so no two jobs of the last HI - LO + 1 share a uid
+    slot: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    __table_args__ = (Index("ix_jobs_user_idempotency_key", "user", "idempotency_key", unique=True),
+                      Index("ix_jobs_slot", "slot", unique=True))
 
 
 class Process(Base):

@@ -316,7 +316,9 @@ def _wanted_processes(s: Session, node: str, creds: Credentials) -> list[dict[st
     procs = s.scalars(select(Process).where(Process.node == node,
                                             Process.state.in_(("pending", "running", "lost")))).all()
     gpu_index = {g.gid: g.index for g in s.scalars(select(GPU).where(GPU.node == node))}
-    return [{"id": w.id, "job": w.job_id, "name": w.name, "kind": w.kind, "argv": w.argv, "cwd": w.cwd,
+    slots = dict(s.execute(select(Job.id, Job.slot).where(Job.id.in_({w.job_id for w in procs}))).all())
+    return [{"id": w.id, "job": w.job_id, "slot": slots.get(w.job_id), "name": w.name, "kind": w.kind,
+             "argv": w.argv, "cwd": w.cwd,
              "env": {**(w.env or {}), settings.JOB_TOKEN.name: creds.job_token(w.job_id),
                      **({"CUDA_VISIBLE_DEVICES": str(gpu_index[w.gpu])} if w.gpu is not None else {})},
              "desired": w.desired, "gated": w.gated, "resources": dict(w.resources or {}), "state": w.state}

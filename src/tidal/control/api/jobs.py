@@ -67,7 +67,7 @@ def idempotency_key(
 
 
 IdempotencyKey = Annotated[str | None, Depends(idempotency_key)]
-ID_TRIES = 5  # fresh job ids to try when a random one is taken
+ID_TRIES = 32  # fresh tries when a random job id, or the next slot (a concurrent submission), is taken
 
 
 @router.post("", status_code=201, responses={200: {"description": "an earlier submission with this "
@@ -96,7 +96,9 @@ def submit(sub: JobSubmission, p: UserDep, store: StoreDep, coord: CoordinatorDe
         spec = replace(spec, job_id=job_id)
         try:
             with store.session() as s:
-                s.add(Job(id=job_id, user=p.name, name=sub.name, state="submitted", submit_time=now,
+                # the next slot; two submissions that read the same one at once: the unique index refuses one
+                slot = int(s.scalar(select(func.max(Job.slot))) or 0) + 1
+                s.add(Job(id=job_id, user=p.name, name=sub.name, state="submitted", submit_time=now, slot=slot,
                           spec={"submission": body, "jobspec": asdict(spec)}, waiting_since=now,
                           idempotency_key=key, autoconf=new_state() if sub.auto else None))
                 store.log(s, "job.submitted", job_id, user=p.name)
@@ -108,7 +110,7 @@ def submit(sub: JobSubmission, p: UserDep, store: StoreDep, coord: CoordinatorDe
             continue
         coord.wake()
         return {"id": job_id, "state": "submitted"}
-    raise RuntimeError(f"no free job id for {sub.name!r} after {ID_TRIES} tries")
+    raise RuntimeError(f"no free job id or slot for {sub.name!r} after {ID_TRIES} tries")
 
 
 def _replay(store: Store, user: str, key: str | None, body: dict[str, Any]) -> dict[str, Any] | None:
