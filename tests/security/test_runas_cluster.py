@@ -17,7 +17,7 @@ import pytest
 from othersuid import can_switch_uid, namespace_prefix
 
 pytestmark = [pytest.mark.skipif(can_switch_uid() is not None, reason=str(can_switch_uid())),
-              pytest.mark.timeout(300)]
+              pytest.mark.timeout(300), pytest.mark.slow]  # a whole cluster for 40 s: CI's second step
 
 LO, HI = 231000, 231999
 

