@@ -1,5 +1,7 @@
 """A cluster whose agent runs every job under a uid of its own (``--run-as
-LO-HI``): two tenants' jobs run to completion side by side. Run as root by
+LO-HI``): two tenants' jobs run to completion, while a process with a uid
+of the range (what another job gets) attacks alice's job's rendezvous store
+(a forged "moved" master, planted pickles, reading its values). Run as root by
 test_runas_cluster.py (in a mount namespace where other uids can run this
 Python); prints one JSON report. Not collected by pytest."""
 
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,8 +41,29 @@ def job_uids(home: Path) -> dict[str, set[int]]:
     return out
 
 
+def attack(home: Path, job: str, uid: int, marker: Path) -> subprocess.Popen[str] | None:
+    """Start the store attacker of test_store_attacks.py as ``uid`` (another
+    tenant's job's uid) against ``job``'s store, once its master is up."""
+    from test_store_attacks import ATTACKER
+    from tidal.runtime.client import MasterClient
+
+    token_files = list(home.glob(f"agents/*/jobs/{job}/token"))
+    url = None
+    for f in home.glob(f"agents/*/masters/{job}.url"):
+        url = f.read_text().strip()
+    if not token_files or not url:
+        return None
+    store = MasterClient(url, token=token_files[0].read_text().strip()).get("/store")
+    script = marker.parent / "attacker.py"
+    script.write_text(ATTACKER)
+    script.chmod(0o644)
+    argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, str(script),
+            str(store["store_port"]), job, str(marker), "8"]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+
+
 def main() -> int:
-    base, uids = Path(sys.argv[1]), sys.argv[2]
+    base, uids, attacker_uid = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])  # a uid another job would get
     spec = {"script": demo_job.__file__, "gpus": 2, "iterations": 30,
             "args": ["--samples", "1024", "--epochs", "2", "--sample-time", "0.01"]}
     c = LocalCluster(base / "home", nodes=1, gpus_per_node=4, policy="edf", tick_s=0.5)
@@ -49,10 +73,15 @@ def main() -> int:
         admin = c.api()
         tenants = {n: c.api(admin.add_user(n)) for n in ("alice", "bob")}
         ids = {n: t.submit(dict(spec, name=n))["id"] for n, t in tenants.items()}
-        deadline = time.time() + 240
+        deadline, attacker = time.time() + 240, None
+        marker = base / "w" / "pwned"
+        marker.parent.mkdir(mode=0o777)
+        marker.parent.chmod(0o777)
         while time.time() < deadline:
             for k, v in job_uids(base / "home").items():
                 seen.setdefault(k, set()).update(v)
+            if attacker is None and tenants["alice"].job(ids["alice"])["step"] > 0:
+                attacker = attack(base / "home", ids["alice"], attacker_uid, marker)
             states = {n: tenants[n].job(j)["state"] for n, j in ids.items()}
             if all(s in DONE for s in states.values()):
                 break
@@ -68,7 +97,11 @@ def main() -> int:
             "log_modes": sorted({oct(p.stat().st_mode & 0o777) for p in logs}),
             "log_dir_modes": sorted({oct(p.parent.stat().st_mode & 0o777) for p in logs}),
             "logs": len(logs),
+            "pwned": marker.exists(),
         }
+        if attacker is not None:
+            a_out, a_err = attacker.communicate(timeout=60)
+            report["attack"] = json.loads(a_out.strip().splitlines()[-1]) if attacker.returncode == 0 else a_err[-2000:]
     print(json.dumps(report), flush=True)
     return 0
 

@@ -2,7 +2,8 @@
 root) run two tenants' jobs, each under a uid of its own from the range
 (never root, never the same), with the job's credential in no process's
 environment, and both jobs complete (their masters keep their state in the
-job's private directory). The job logs on the host are 0600 in 0700
+job's private directory) while a process with another uid of the range
+attacks alice's job's store as test_store_attacks.py does. The job logs on the host are 0600 in 0700
 directories."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ LO, HI = 231000, 231999
 
 def test_jobs_of_two_tenants_run_as_uids_of_their_own_and_complete(open_tmp: Path) -> None:
     scenario = Path(__file__).with_name("runas_scenario.py")
-    p = subprocess.run([*namespace_prefix(), sys.executable, str(scenario), str(open_tmp), f"{LO}-{HI}"],
+    p = subprocess.run([*namespace_prefix(), sys.executable, str(scenario), str(open_tmp), f"{LO}-{HI}", str(HI)],
                        capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stderr[-4000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
@@ -35,4 +36,9 @@ def test_jobs_of_two_tenants_run_as_uids_of_their_own_and_complete(open_tmp: Pat
     assert ua != ub and all(LO <= u <= HI for u in (ua, ub)), r
     assert {ua, ub} == {LO + 1, LO + 2}, r  # the jobs' numbers (1, 2) on a new server: the same uid on every host
     assert "credential-in-environ" not in r["uids"], r
+    # a uid of the range (another job's) attacked alice's store: no request (no credential) reached it,
+    # nothing ran, nothing was read
+    a = r["attack"]
+    assert isinstance(a, dict) and a["uid"] == HI and a["writes"] > 10, r
+    assert a["seen"] == [] and a["leaked"] == [] and a["read"] > 0 and not r["pwned"], r
     assert r["logs"] >= 4 and r["log_modes"] == ["0o600"] and r["log_dir_modes"] == ["0o700"], r

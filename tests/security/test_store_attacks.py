@@ -93,17 +93,21 @@ class Payload:
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
 writes, end, leaked, read = 0, time.time() + seconds, [], 0
 while time.time() < end:
-    if store.check([f"tidal/{job}/progress"]):  # what rank 0 reports every step: readable?
-        raw = bytes(store.get(f"tidal/{job}/progress"))
-        read += 1
-        if b"step" in raw or b"epoch" in raw:
-            leaked.append(raw[:80].decode(errors="replace"))
-    store.set(f"tidal/{job}/plan", json.dumps({"moved": trap}))
-    for gen in range(1, 4):
-        for call in range(1, 8):  # planted where the next results will go (a key already written is left alone)
-            store.compare_set(f"tidal/{job}/g{gen}/rank0/{call}", "", pickle.dumps(Payload()))
+    try:
+        if store.check([f"tidal/{job}/progress"]):  # what rank 0 reports every step: readable?
+            raw = bytes(store.get(f"tidal/{job}/progress"))
+            read += 1
+            if b"step" in raw or b"epoch" in raw:
+                leaked.append(raw[:80].decode(errors="replace"))
+        store.set(f"tidal/{job}/plan", json.dumps({"moved": trap}))
+        for gen in range(1, 4):
+            for call in range(1, 8):  # planted where the next results will go (one already written is left)
+                store.compare_set(f"tidal/{job}/g{gen}/rank0/{call}", "", pickle.dumps(Payload()))
+    except Exception:  # the job ended and its store with it
+        break
     writes += 1
     time.sleep(0.05)
+time.sleep(max(0.0, min(3.0, end - time.time())))  # a request the job sent late still reaches the listener
 print(json.dumps({"uid": os.getuid(), "writes": writes, "seen": seen, "read": read, "leaked": leaked[:3]}),
       flush=True)
 """
