@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -28,3 +31,15 @@ def shared() -> Path:
     if not SHARED.exists():
         pytest.skip(f"shared data not found at {SHARED}")
     return SHARED
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A temporary directory other uids can enter (pytest's own are 0700):
+    for the tests that start processes as other users."""
+    d = Path(tempfile.mkdtemp(prefix="tidal-open-"))
+    d.chmod(0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import stat
 import sys
 import time
@@ -86,26 +85,14 @@ def wait_for(cond, timeout: float = 15.0) -> bool:
     return cond()
 
 
-@pytest.fixture
-def shared_base():
-    """A directory job users may pass (pytest's own tmp dirs are 0700)."""
-    base = Path(os.environ.get("TMPDIR", "/tmp")) / f"tidal-iso-{os.getpid()}-{time.monotonic_ns()}"
-    base.mkdir(mode=0o755)
-    base.chmod(0o755)
-    try:
-        yield base
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-
-
 def row(wid: int, job: str, argv: list[str], cwd: Path, **env: str) -> dict[str, Any]:
     return {"id": wid, "job": job, "name": f"w{wid}", "kind": "worker", "cwd": str(cwd), "argv": argv,
             "env": env, "desired": "run"}
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="starting processes as other users needs root")
-def test_a_job_cannot_reach_another_jobs_credential_files_logs_or_processes(shared_base):
-    base = shared_base
+def test_a_job_cannot_reach_another_jobs_credential_files_logs_or_processes(open_tmp):
+    base = open_tmp
     work = base / "agent"
     agent = Agent("http://127.0.0.1:9", "t", "n0", 2, virtual=True, workdir=work, launcher=RunAs(RANGE),
                   limiter=Limiter(None))

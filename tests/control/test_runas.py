@@ -122,21 +122,9 @@ def wait_exit(p, timeout=20.0):
     return p.handle.poll()
 
 
-@pytest.fixture
-def shared_base():
-    """A directory job users may pass (pytest's own tmp dirs are 0700)."""
-    base = Path(os.environ.get("TMPDIR", "/tmp")) / f"tidal-runas-{os.getpid()}-{time.monotonic_ns()}"
-    base.mkdir(mode=0o755)
-    base.chmod(0o755)
-    try:
-        yield base
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="starting processes as another user needs root")
-def test_a_uid_range_runs_a_job_as_its_own_uid_with_a_private_home_and_its_credential_in_a_file(shared_base):
-    base = shared_base
+def test_a_uid_range_runs_a_job_as_its_own_uid_with_a_private_home_and_its_credential_in_a_file(open_tmp):
+    base = open_tmp
     work = base / "agent"
     ra = RunAs(RANGE)
     agent = Agent("http://127.0.0.1:9", "t", "n0", 1, virtual=True, workdir=work, launcher=ra)
