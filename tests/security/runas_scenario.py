@@ -36,9 +36,17 @@ def job_uids(home: Path) -> dict[str, set[int]]:
         jd = env.get(settings.JOB_DIR.name)
         if jd and str(home) in jd:
             out.setdefault(Path(jd).name, set()).add(uid)
+            out.setdefault("pids", set()).add(int(d.name))
             if settings.JOB_TOKEN.name in env:
                 out.setdefault("credential-in-environ", set()).add(uid)
     return out
+
+
+def listening(pids: set[int]) -> set[str]:
+    """The local addresses of every listening TCP socket of ``pids``."""
+    from test_store_attacks import _listening
+
+    return {a for a, _ in _listening(pids)}
 
 
 def attack(home: Path, job: str, uid: int, marker: Path) -> subprocess.Popen[str] | None:
@@ -65,14 +73,17 @@ def attack(home: Path, job: str, uid: int, marker: Path) -> subprocess.Popen[str
 def main() -> int:
     base, uids, attacker_uid = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])  # a uid another job would get
     spec = {"script": demo_job.__file__, "gpus": 2, "iterations": 30,
-            "args": ["--samples", "1024", "--epochs", "2", "--sample-time", "0.01"]}
+            "args": ["--samples", "2048", "--epochs", "2", "--sample-time", "0.01"]}
     c = LocalCluster(base / "home", nodes=1, gpus_per_node=4, policy="edf", tick_s=0.5)
     c.env[settings.RUN_AS.name] = uids
     seen: dict[str, set[int]] = {}
+    sockets: set[str] = set()  # every address a job process listened on
     with c:
         admin = c.api()
         tenants = {n: c.api(admin.add_user(n)) for n in ("alice", "bob")}
-        ids = {n: t.submit(dict(spec, name=n))["id"] for n, t in tenants.items()}
+        # alice's job runs longer: the attack on it has time to be made even on a loaded machine
+        ids = {n: t.submit(dict(spec, name=n, iterations=60 if n == "alice" else 20))["id"]
+               for n, t in tenants.items()}
         deadline, attacker = time.time() + 240, None
         marker = base / "w" / "pwned"
         marker.parent.mkdir(mode=0o777)
@@ -80,6 +91,7 @@ def main() -> int:
         while time.time() < deadline:
             for k, v in job_uids(base / "home").items():
                 seen.setdefault(k, set()).update(v)
+            sockets.update(listening(seen.get("pids", set())))
             if attacker is None and tenants["alice"].job(ids["alice"])["step"] > 0:
                 attacker = attack(base / "home", ids["alice"], attacker_uid, marker)
             states = {n: tenants[n].job(j)["state"] for n, j in ids.items()}
@@ -93,7 +105,8 @@ def main() -> int:
             "reasons": {n: j.get("reason") for n, j in jobs.items()},
             "steps": {n: j.get("step") for n, j in jobs.items()},
             "ids": ids,
-            "uids": {k: sorted(v) for k, v in seen.items()},
+            "uids": {k: sorted(v) for k, v in seen.items() if k != "pids"},
+            "listening": sorted(sockets),
             "log_modes": sorted({oct(p.stat().st_mode & 0o777) for p in logs}),
             "log_dir_modes": sorted({oct(p.parent.stat().st_mode & 0o777) for p in logs}),
             "logs": len(logs),

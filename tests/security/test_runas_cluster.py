@@ -39,6 +39,8 @@ def test_jobs_of_two_tenants_run_as_uids_of_their_own_and_complete(open_tmp: Pat
     # a uid of the range (another job's) attacked alice's store: no request (no credential) reached it,
     # nothing ran, nothing was read
     a = r["attack"]
-    assert isinstance(a, dict) and a["uid"] == HI and a["writes"] > 10, r
+    assert isinstance(a, dict) and a["uid"] == HI and a["writes"] > 5, r
     assert a["seen"] == [] and a["leaked"] == [] and a["read"] > 0 and not r["pwned"], r
+    # the masters' HTTP APIs and stores, gloo: on the node's address (loopback here), none on a wildcard
+    assert r["listening"] and {a.rsplit(":", 1)[0] for a in r["listening"]} == {"127.0.0.1"}, r
     assert r["logs"] >= 4 and r["log_modes"] == ["0o600"] and r["log_dir_modes"] == ["0o700"], r
