@@ -66,29 +66,33 @@ def main() -> None:
     job.register_state(model, opt, sched)
     log = open(os.path.join(a.out, f"steps-{job.worker_id}.jsonl"), "w")
     loader = job.data(Pairs(x, y), batch_size=a.batch, epochs=a.epochs, seed=a.seed, scaling=a.scaling)
-    for xb, yb in loader:
-        if job.step_count == a.crash_at and job.worker_id == a.crash_worker:
-            os._exit(3)  # die abruptly, like a lost host
-        rec = {"step": job.step_count, "epoch": loader.epoch, "idx": loader.last_indices,
-               "world": job.world_size, "rank": job.rank, "gen": job.gen.gen if job.gen else 0,
-               "B": job.global_batch_size}
-        loss = torch.nn.functional.mse_loss(model(xb), yb)
-        loss.backward()
-        applied = job.step()  # False: a peer died, the step was dropped and will be redone
-        rec.update(lr=opt.param_groups[0]["lr"], lr_step=sched.last_epoch)  # the LR this step used
-        sched.step()
-        if applied:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-        if a.sleep and not os.path.exists(os.path.join(a.out, "fast")):
-            time.sleep(a.sleep)  # slow steps while the test rescales; the test lifts it via the "fast" file
-    log.close()
-    summ = job.summary()
-    if not job.left:
-        torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(a.out, f"final-{job.worker_id}.pt"))
-        summ["final_rank"] = job.rank
-    with open(os.path.join(a.out, f"summary-{job.worker_id}.json"), "w") as f:
-        json.dump(summ, f)
+    try:  # a worker removed by a scale-in exits inside the loop: its summary is written on the way out
+        for xb, yb in loader:
+            if job.step_count == a.crash_at and job.worker_id == a.crash_worker:
+                os._exit(3)  # die abruptly, like a lost host
+            rec = {"step": job.step_count, "epoch": loader.epoch, "idx": loader.last_indices,
+                   "world": job.world_size, "rank": job.rank, "gen": job.gen.gen if job.gen else 0,
+                   "B": job.global_batch_size}
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            loss.backward()
+            applied = job.step()  # False: a peer died, the step was dropped and will be redone
+            rec.update(lr=opt.param_groups[0]["lr"], lr_step=sched.last_epoch)  # the LR this step used
+            sched.step()
+            if applied:
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+            if a.sleep and not os.path.exists(os.path.join(a.out, "fast")):
+                time.sleep(a.sleep)  # slow steps while the test rescales; the test lifts it via the "fast" file
+        if not job.left:
+            torch.save({k: v.clone() for k, v in model.state_dict().items()},
+                       os.path.join(a.out, f"final-{job.worker_id}.pt"))
+    finally:
+        log.close()
+        summ = job.summary()
+        if not job.left:
+            summ["final_rank"] = job.rank
+        with open(os.path.join(a.out, f"summary-{job.worker_id}.json"), "w") as f:
+            json.dump(summ, f)
     job.close()
 
 

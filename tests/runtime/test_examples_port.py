@@ -70,7 +70,10 @@ def test_the_ported_script_with_eval_on_rank_0_every_epoch_survives_a_scale_out_
     """A newcomer joins mid-run, between two of the script's per-epoch
     `job.on_rank0(evaluate, ...)` calls: every member must count those calls
     from the same point (a newcomer counting from its own start waited forever
-    for a result rank 0 had published under another number)."""
+    for a result rank 0 had published under another number). The worker the
+    scale-in removes exits at its batch boundary without running the script's
+    code after the loop (it used to: its `on_rank0` returned None and the
+    accuracy's format crashed)."""
     import time
 
     e = env(tmp_path / "home")
@@ -88,4 +91,8 @@ def test_the_ported_script_with_eval_on_rank_0_every_epoch_survives_a_scale_out_
             run.wait()
     assert run.returncode == 0, out[-3000:]
     assert "epoch 150, final workers 2, 2 rescale(s)" in out, out[-2000:]
+    # the worker the scale-in removed left at a batch boundary: it ran none of the script's code after its loop
+    # (which printed an accuracy of None and crashed), and said why it ended
+    assert "Traceback" not in out and "rank 0 was lost" not in out, out[-4000:]
+    assert "removed by a scale-in; exiting" in out, out[-3000:]
     assert (tmp_path / "m.pt").exists()

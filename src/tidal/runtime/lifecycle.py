@@ -14,6 +14,7 @@ newcomers then run too.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,15 @@ if TYPE_CHECKING:
     from tidal.runtime.worker import Job
 
 log = logging.getLogger(__name__)
+
+
+def leave_process(worker_id: str, why: str) -> None:
+    """A worker the job no longer has ends here, at its batch boundary, as a
+    preempted process does (EDL's graceful exit): no user code after the
+    loop runs (it would see a job it is no longer part of), ``finally``
+    blocks and ``atexit`` handlers do, and the exit code is 0."""
+    print(f"tidal: worker {worker_id} {why}; exiting", file=sys.stderr, flush=True)
+    raise SystemExit(0)
 
 
 class Lifecycle:
@@ -105,7 +115,7 @@ class Lifecycle:
             j.left = True
             j.close()
             log.info("worker %s left at step %d", j.worker_id, j.step_count)
-            return
+            leave_process(j.worker_id, "suspended" if j.suspended else "removed by a scale-in")
         pause = j.membership.switch(plan, j.train, t0, wall0)
         if pause is None:  # the state transfer failed; the last step was applied in full: nothing to undo
             j.runner.window.failed = True
