@@ -92,17 +92,28 @@ def complete(state: ElasticState) -> list[str]:
 class LateOptimizerGuard:
     """Refuses, at its first step, an optimizer over the model's parameters
     that is not in the elastic state; calls ``stepped`` after every step of
-    one that is (the step boundary)."""
+    one that is (the step boundary). While ``dropped()`` (a peer died in
+    this step's all-reduce) a known optimizer's step changes nothing: its
+    parameters' zeroed gradients are hidden from it for that call (momentum,
+    weight decay and Adam's moments would move the parameters even on zero
+    gradients), and are there again for the script afterwards."""
 
-    def __init__(self, state: ElasticState, stepped: Callable[[], None]) -> None:
-        self.state, self.stepped = state, stepped
+    def __init__(self, state: ElasticState, stepped: Callable[[], None],
+                 dropped: Callable[[], bool] = lambda: False) -> None:
+        self.state, self.stepped, self.dropped = state, stepped, dropped
         self._params = {id(p) for p in state.model.parameters()}
         self._known = {id(o) for o in state.optimizers}
+        self._hidden: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._handles = [register_optimizer_step_pre_hook(self._check)]
         self._handles += [o.register_step_post_hook(self._post) for o in state.optimizers]
 
     def _check(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if id(opt) in self._known:
+            if self.dropped():
+                hidden = [(p, p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None]
+                for p, _ in hidden:
+                    p.grad = None
+                self._hidden[id(opt)] = hidden
             return
         if any(id(p) in self._params for g in opt.param_groups for p in g["params"]):
             raise RuntimeError(
@@ -111,6 +122,8 @@ class LateOptimizerGuard:
                 "(before job.epochs() or the first batch), or pass it to job.register_state(model, optimizer)")
 
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for p, grad in self._hidden.pop(id(opt), ()):
+            p.grad = grad
         self.stepped()
 
     def remove(self) -> None:

@@ -17,7 +17,8 @@ runs when backward ends: it launches the buckets whose hooks did not fire
 a small control tensor (the switch agreement, EDL §4.2, and per-rank compute
 times) and writes the reduced gradients back. Buckets are launched strictly
 in index order, so every rank issues the same collectives in the same order.
-A parameter unused on every rank keeps ``grad = None``, as in DDP.
+A parameter unused on every rank keeps ``grad = None``, as in DDP. A step
+dropped because a peer died leaves zero gradients (tensors, never None).
 
 Like DDP's ``gradient_as_bucket_view=True`` (the default here, ``grad_views``),
 the reduced gradient is not copied out: ``p.grad`` becomes a view of its
@@ -235,8 +236,11 @@ class GradReducer:
             self.syncs += 1
             return
         self.disarm()
+        # a dropped step: zero gradients, as tensors (a script may update by hand), new ones (an abandoned
+        # collective may still write into the buckets); the registered optimizers skip the step
+        # (capture.LateOptimizerGuard)
         for p in self.params:
-            p.grad = None  # a dropped step: an optimizer step the script still takes changes nothing
+            p.grad = torch.zeros_like(p)
         self.listener.sync_failed(failure)
 
     def _abandon(self) -> None:

@@ -93,7 +93,7 @@ class StepRunner:
         self.detach()
         complete(st)
         self.reducer = GradReducer(list(st.model.parameters()), listener=self, overlap=self.overlap)
-        self.guard = LateOptimizerGuard(st, self.optimizer_stepped)
+        self.guard = LateOptimizerGuard(st, self.optimizer_stepped, dropped=lambda: self.window.failed)
 
     def detach(self) -> None:
         if self.reducer is not None:
