@@ -181,9 +181,13 @@ class JobCore:
             self.start_queued_change()
 
     def switched(self, gen: int, step: int, pause_s: float = 0.0) -> None:
-        """Generation ``gen`` (the plan's target) formed at ``step``."""
+        """Generation ``gen`` (the plan's target) formed at ``step``; for a
+        recovery generation (formed by the master), rank 0's measured pause."""
         plan = self.group.plan
         if plan is None or plan.target.gen != gen:
+            for c in self.changes:
+                if c["gen"] == gen and c["kind"] == "recover":
+                    c["pause_s"] = float(pause_s)
             return
         assert self.change is not None
         requested_at = self.change.requested_at

@@ -143,6 +143,8 @@ class Lifecycle:
             j.close()
             return False
         j.runner.timing.last_step_end = None
+        if j.rank == 0:  # the master's record of the recovery gets the pause the workers measured
+            j.heartbeat.report_switched({"gen": pause["gen"], "step": pause["step"], "pause_s": pause["pause_s"]})
         log.warning("worker %s recovered in gen %d as rank %d/%d at step %d (%.0f ms)", j.worker_id, pause["gen"],
                     j.rank, j.world_size, j.step_count, 1e3 * pause["pause_s"])
         return True
