@@ -43,7 +43,6 @@ import contextlib
 import logging
 import operator
 import os
-import pickle
 import time
 from typing import Any, Callable, Iterator, NoReturn, Sequence, TypeVar
 
@@ -51,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from tidal import settings
+from tidal.runtime import rank0
 from tidal.runtime.checkpoint import Checkpointer
 from tidal.runtime.client import MasterClient, MasterUnavailable, url_file
 from tidal.runtime.devices import backend_for, local_device, params_device
@@ -318,30 +318,31 @@ class Job:
         # counted per generation: every member enters it at the same step, a newcomer too
         gen, calls = self._rank0_calls
         self._rank0_calls = (g.gen, calls + 1 if gen == g.gen else 1)
-        key = f"{g.prefix}rank0/{self._rank0_calls[1]}"
+        call = rank0.Call(f"{g.prefix}rank0/{self._rank0_calls[1]}", rank0.call_site(), self.step_count,
+                          self.worker_id)
         store = self.membership.stores.get(g.store_host, g.store_port)
         if seat.rank == 0:
             self.heartbeat.phase = ("rank0", self.step_count)
             out = fn(*args, **kwargs)
-            store.set(key, pickle.dumps(out))
+            rank0.publish(store, call, out)
             self.heartbeat.phase = ("idle", self.step_count)
             return out
-        return self._await_rank0(store, key, g.gen)
-
-    def _await_rank0(self, store: Any, key: str, gen: int) -> Any:
         self.heartbeat.phase = ("wait", self.step_count)
-        next_ask = time.monotonic() + 1.0
-        # a value is taken only once its seal verifies: only this job's processes can write one
-        while (raw := store.peek(key)) is None:
-            time.sleep(0.005)
-            if time.monotonic() > next_ask and self.client is not None:
-                next_ask = time.monotonic() + 1.0
-                if self.client.get("/assignment", worker_id=self.worker_id, after_gen=gen)["status"] != "wait":
-                    self.runner.window.failed = True  # rank 0 was lost: recover at the next batch
-                    self.membership.fail(self.step_count, gen, "rank 0 was lost during job.on_rank0")
-                    return None
+        ep = self.heartbeat.endpoint
+        first = g.members[0]
+
+        def lost() -> bool:  # rank 0 was lost: recover at the next batch
+            assert self.client is not None
+            return self.client.get("/assignment", worker_id=self.worker_id, after_gen=g.gen)["status"] != "wait"
+
+        ok, out = rank0.await_result(store, call, lambda: rank0.beat_phase(store.peek(ep.alive_key(first)))
+                                     if ep is not None else None, lost)
+        if not ok:
+            self.runner.window.failed = True
+            self.membership.fail(self.step_count, g.gen, "rank 0 was lost during job.on_rank0")
+            return None
         self.heartbeat.phase = ("idle", self.step_count)
-        return pickle.loads(raw)
+        return out
 
     def close(self) -> None:
         """Stop the heartbeat and leave the process group (idempotent)."""
