@@ -91,3 +91,19 @@ def test_a_script_that_updates_by_hand_survives_a_workers_death(tmp_path: Path) 
     pauses = [float(m) for m in re.findall(r"recover 3->2 at step \d+, pause ([0-9.]+) ms", out)]
     assert len(pauses) == 1 and pauses[0] > 0.0, out[-3000:]
     assert time.monotonic() - t0 < 170
+
+
+def test_a_worker_that_left_gets_an_error_from_the_runtime_not_a_made_up_value(monkeypatch) -> None:
+    """Code a leaver still runs on its way out (a ``finally``) gets a clear
+    error from ``on_rank0`` and ``step``, never a result nobody computed."""
+    import tidal.runtime
+
+    from tidal import settings
+
+    monkeypatch.delenv(settings.MASTER_URL.name, raising=False)
+    job = tidal.runtime.init()
+    job.left = True
+    with pytest.raises(RuntimeError, match="left the job: job.on_rank0"):
+        job.on_rank0(lambda: 1.0)
+    with pytest.raises(RuntimeError, match="left the job: job.step"):
+        job.step()

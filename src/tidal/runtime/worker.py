@@ -293,6 +293,8 @@ class Job:
         gradients were reduced when backward returned). False: the step was
         dropped because a peer died; the survivors redo it."""
         w = self.runner.window
+        if self.left:
+            raise RuntimeError(f"worker {self.worker_id} left the job: job.step() has no group to step with")
         if not w.open:
             raise RuntimeError("job.step() called outside of a batch of the job's loader")
         if w.failed:
@@ -311,6 +313,8 @@ class Job:
         """Run ``fn`` on rank 0 only (evaluation, logging, a checkpoint); the
         other ranks wait for it without any timeout and every rank returns its
         (picklable) result. Call it on every rank at the same point."""
+        if self.left:  # e.g. from a finally block on the way out: there is no rank 0 for it any more
+            raise RuntimeError(f"worker {self.worker_id} left the job: job.on_rank0 has no rank 0 to run on")
         seat = self.membership.seat
         if self.client is None or seat.world_size <= 1 or seat.gen is None:
             return fn(*args, **kwargs)
