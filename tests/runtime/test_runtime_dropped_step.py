@@ -74,6 +74,7 @@ print(f"DONE {os.environ.get('TIDAL_WORKER_ID')} {digest:.12f}", flush=True)
 """
 
 
+@pytest.mark.slow  # 15-25 s of a 3-worker job: CI's second step
 @pytest.mark.timeout(180)
 def test_a_script_that_updates_by_hand_survives_a_workers_death(tmp_path: Path) -> None:
     script = tmp_path / "manual.py"
