@@ -39,6 +39,7 @@ values replaced whole); everything else they share goes through the locks of
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import operator
@@ -57,7 +58,7 @@ from tidal.runtime.devices import backend_for, local_device, params_device
 from tidal.runtime.heartbeat import Heartbeat
 from tidal.runtime.lifecycle import Lifecycle
 from tidal.runtime.loader import AllEpochs, ElasticLoader
-from tidal.runtime.membership import Membership
+from tidal.runtime.membership import Membership, StoreCache
 from tidal.runtime.messages import Generation
 from tidal.runtime.scaling import BatchPolicy, make_policy
 from tidal.runtime.state import ElasticState, RescaleHook, TrainState
@@ -422,6 +423,14 @@ def _patience(client: MasterClient | None, seconds: float) -> Iterator[None]:
         http.patience_s = old
 
 
+def _quiet_exit(job: Job) -> None:
+    """At interpreter exit, however the script ends (an error included): the
+    heartbeat's threads stop and no helper thread is left inside a store
+    call, so the process ends the way the script did."""
+    job.heartbeat.stop()
+    job.membership.stores.quiesce(StoreCache.QUICK_TIMEOUT.total_seconds() + 1.0)
+
+
 def _give_up(worker_id: str, why: str, code: int) -> NoReturn:
     """End this worker before it trained, with one log line and no traceback."""
     (log.warning if code == 0 else log.error)("worker %s: %s", worker_id, why)
@@ -439,6 +448,7 @@ def init(master_url: str | None = None, worker_id: str | None = None, **kw: Any)
     url = master_url or settings.MASTER_URL.get()
     wid = worker_id or settings.WORKER_ID.get() or f"local-{os.getpid()}"
     job = Job(url, wid, **kw)
+    atexit.register(_quiet_exit, job)
     if job.device.type == "cuda":
         torch.cuda.set_device(job.device)
     return job
