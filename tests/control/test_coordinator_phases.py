@@ -82,6 +82,10 @@ def test_a_master_that_exits_ends_the_job_once_its_workers_are_gone():
     done = dict(master="exited", master_exit_code=0, progress={"state": "finished"})
     assert judge(obs("ending", live_workers=1, **done), NOW, T) is None
     assert judge(obs("ending", **done), NOW, T) == "finished"
+    # the job finished while its master was thought lost: the relocated master, stopped before it ran,
+    # has no exit code; the job still completed
+    moved = dict(master="exited", master_exit_code=None, progress={"state": "finished"})
+    assert judge(obs("ending", **moved), NOW, T) == "finished"
     assert judge(obs("ending", master="exited", master_exit_code=0, progress={"state": "running"}), NOW, T) == "failed"
     assert judge(obs("ending", master="failed", master_exit_code=1), NOW, T) == "failed"
 

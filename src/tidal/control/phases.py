@@ -209,7 +209,9 @@ class JobObs:
             return True
         if self.master == "lost" and self.progress.get("state") == "finished":
             return True  # it reported the job finished, then its host went silent: the job is done
-        return self.master == "exited" and self.master_exit_code == 0 and self.progress.get("state") == "finished"
+        # exit code None: a relocated master stopped before it ran (the old one finished the job meanwhile)
+        return (self.master == "exited" and self.master_exit_code in (0, None)
+                and self.progress.get("state") == "finished")
 
     @property
     def ever_formed(self) -> bool:
