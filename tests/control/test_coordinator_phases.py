@@ -88,6 +88,17 @@ def test_a_master_that_exits_ends_the_job_once_its_workers_are_gone():
     assert judge(obs("ending", **moved), NOW, T) == "finished"
     assert judge(obs("ending", master="exited", master_exit_code=0, progress={"state": "running"}), NOW, T) == "failed"
     assert judge(obs("ending", master="failed", master_exit_code=1), NOW, T) == "failed"
+    # the script's loop ended (every worker exited 0): the job waits for its master, being stopped, to
+    # exit, and completes; judged while the master still ran, it failed ("master exit code None")
+    ended = dict(script_ended=True, progress={"state": "finished"}, change={"since": NOW - 1})
+    assert judge(obs("ending", master="running", **ended), NOW, T) is None
+    assert judge(obs("ending", master="exited", master_exit_code=-15, **ended), NOW, T) == "finished"
+    # its agent is away: past the ending bound the job ends as its script did
+    late = NOW + P.Bounds().ending_s
+    assert judge(obs("ending", master="running", **ended), late, T) == "finished"
+    assert judge(obs("ending", master="running", progress={"state": "running"}, change={"since": NOW - 1}),
+                 late, T) == "failed"
+    assert judge(obs("ending", master="running", live_workers=1, **ended), late, T) == "overdue"
 
 
 def test_a_master_lost_with_its_host_moves_where_the_job_still_runs():

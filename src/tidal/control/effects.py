@@ -321,7 +321,7 @@ def _newcomers_gone(cx: Context, s: Session, j: Job, obs: JobObs, now: float) ->
 
 
 def _ending_overdue(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
-    stop(live_procs(s, j.id, "worker"))
+    stop(live_procs(s, j.id))  # its master too: it ends the job at the next tick either way
 
 
 def _gone_late(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:

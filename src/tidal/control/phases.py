@@ -311,6 +311,13 @@ def ended_reason(obs: JobObs, now: float, b: Bounds) -> str:
     return f"{why}; restarted {obs.restarts} times already ({settings.RESTART_LIMIT.name}={b.restarts})" if why else ""
 
 
+def _ended_well(obs: JobObs) -> bool:
+    """A job whose master is still being stopped past the ending bound (its
+    agent is slow or away) ended well when its script's loop ended or its
+    master reported the job finished."""
+    return not obs.master_gone and (obs.script_ended or obs.progress.get("state") == "finished")
+
+
 def judge(obs: JobObs, now: float, timeout_s: float, bounds: Bounds | None = None) -> str | None:
     """The observed event of this tick for ``obs.phase``, or None (then the
     plan may ask for something, see :func:`intent`)."""
@@ -340,9 +347,10 @@ def judge(obs: JobObs, now: float, timeout_s: float, bounds: Bounds | None = Non
     if p in OOM_FAILS and obs.oom_failed:
         return "out_of_memory"
     if p == ENDING:
-        if not obs.live_workers:
-            return "finished" if obs.finished_ok else "failed"
-        return "overdue" if now > obs.since + b.ending_s else None
+        late = now > obs.since + b.ending_s
+        if obs.live_workers or not (obs.master_gone or obs.master is None or late):
+            return "overdue" if late else None  # its last workers, or its master (being stopped), still run
+        return "finished" if obs.finished_ok or _ended_well(obs) else "failed"
     if (p == RUNNING and obs.workers_erred or p in RELOCATABLE and obs.members_gone == "erred") \
             and obs.progress.get("state") != "finished":
         return "workers_failed"
