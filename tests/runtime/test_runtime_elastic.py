@@ -142,8 +142,10 @@ def test_a_dying_worker_is_survived_with_exactly_once_data_and_equal_parameters(
     proc = launch("crash", 3, out, home, "--n", str(n), "--batch", str(batch), "--epochs", str(epochs),
                   "--crash-at", "7", "--crash-worker", "w2", timeout=100)
     text = finish(proc, 100)
-    assert proc.returncode == 0, text
+    # the job finished without w2, and tidal run says so: its exit code is the failed worker's
+    assert proc.returncode == 3, text
     assert "worker w2 failed with exit code 3" in text and "recover 3->2" in text, text
+    assert "tidal run: exit code 3: worker w2 failed with exit code 3" in text, text[-2000:]
     steps = read_steps(out)
     check_exactly_once(steps, n, batch, epochs)
     assert max(r["step"] for r in steps["w2"]) == 6  # w2 applied steps 0..6, then died

@@ -1,7 +1,8 @@
 """``tidal run``: a torchrun-like launcher for one elastic job without the
 control plane. It hosts the job master (HTTP API + TCPStore) in-process,
 starts local worker processes, starts more on ``scale_out`` (the master's
-spawner), prints progress and a summary, and exits 0 when every worker did.
+spawner), prints progress and a summary, and exits 0 when the job ended and no worker
+exited with an error of its own (else the first failed worker's code).
 
 The master's address is written to ``$TIDAL_HOME/jobs/<job>.json`` (default
 ``~/.tidal``) so ``tidal scale JOB --workers N`` can find it. Also runnable as
@@ -137,6 +138,7 @@ class _RunWatch:
         self.failure: str | None = None
         self.reported: set[str] = set()
         self.seen_failed: set[str] = set()  # failed, reported once the master had a periodic step to classify it
+        self.errors: list[tuple[str, int]] = []  # workers that exited with an error of their own, first first
         self.dropped = 0  # dropped-worker records printed
         self.finished_printed = False
 
@@ -168,6 +170,8 @@ class _RunWatch:
         done = bool(codes) and all(c is not None for c in codes.values()) and not remote
         hung = {h["worker_id"] for h in st.hung}
         for w, c in codes.items():
+            if c is not None and c > 0 and w not in {e[0] for e in self.errors}:
+                self.errors.append((w, c))
             if c in (None, 0) or w in self.reported or w in hung:
                 continue
             if w in self.seen_failed or done:
@@ -287,7 +291,23 @@ def run_job(
         codes = ", ".join(f"{w}: {c}" for w, c in sorted(spawner.exit_codes().items()))
         out(f"tidal run: job {job} did not finish ({st.state}): every worker exited (exit codes {codes})")
     _summary(job, st, master, time.time() - t0, out)
-    return rc
+    return _run_code(rc, watch, spawner, out)
+
+
+def _run_code(rc: int, watch: _RunWatch, spawner: LocalSpawner, out: Callable[[str], None]) -> int:
+    """``tidal run``'s exit code: 0 only when the job ended and no worker
+    exited with an error of its own (a worker removed by a scale-in exits 0;
+    one killed by a signal, e.g. a lost host or the hung-worker check, is a
+    fault the job recovered from, shown in the log). Otherwise the first
+    failed worker's code, after one line with its last error line."""
+    seen = {w for w, _ in watch.errors}
+    watch.errors += [(w, c) for w, c in sorted(spawner.exit_codes().items()) if c is not None and c > 0 and w not in seen]
+    if rc not in (0, 1) or not watch.errors:
+        return rc
+    w, code = watch.errors[0]
+    line = spawner.last_error(w)
+    out(f"tidal run: exit code {code}: worker {w} failed with exit code {code}" + (f": {line}" if line else ""))
+    return code
 
 
 def serve_master(
