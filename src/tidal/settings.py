@@ -123,6 +123,10 @@ SILENT_TIMEOUT_S: Setting[float] = Setting("TIDAL_SILENT_TIMEOUT_S", float, 10.0
 OVERLAP: Setting[bool] = Setting("TIDAL_OVERLAP", _bool, True,
                                  "bucketed gradient all-reduce overlapped with backward (0: after backward)",
                                  "worker")
+CHECK_EVERY: Setting[int] = Setting("TIDAL_CHECK_EVERY", int, 100,
+                                    "the replicas compare a checksum of parameters, optimizer state and extras in "
+                                    "the first step of every generation and every this many steps (0: only after a "
+                                    "switch; -1: never); a difference fails the job naming what differs", "worker")
 CHECKPOINT_DIR: Setting[str | None] = Setting("TIDAL_CHECKPOINT_DIR", _opt_str, None,
                                               "periodic checkpoints and suspend/resume go here; unset: none",
                                               "worker")

@@ -237,17 +237,20 @@ class StoreCache:
                 lane = self._lanes[(host, port, tag)] = _Lane(f"tidal-store-{tag}")
         return lane.call(lambda: fn(self.get(host, port, tag)), self.QUICK_TIMEOUT.total_seconds())
 
-    def quiesce(self, deadline_s: float) -> None:
+    def quiesce(self, deadline_s: float) -> bool:
         """Wait (at most ``deadline_s``) until no helper thread is inside a
         store call: at interpreter exit a daemon thread still in a torch
         call is killed inside C++ and aborts the process ("terminate called
         without an active exception"), which would replace the script's own
-        error as the way it ended."""
+        error as the way it ended. False: one still is at the deadline."""
         end = time.monotonic() + deadline_s
         with self._lock:
             lanes = list(self._lanes.values())
-        while any(lane.pending_since is not None for lane in lanes) and time.monotonic() < end:
+        while any(lane.pending_since is not None for lane in lanes):
+            if time.monotonic() >= end:
+                return False
             time.sleep(0.02)
+        return True
 
     def drop(self, host: str, port: int, tag: str = "") -> None:
         """Forget a client whose connection failed (the next ``get`` reconnects)."""

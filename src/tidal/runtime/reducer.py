@@ -57,6 +57,7 @@ from torch.autograd import Variable
 
 from tidal.runtime import abortable
 from tidal.runtime.devices import params_device
+from tidal.runtime.rank0 import Diverged
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +227,8 @@ class GradReducer:
             return
         try:
             self._reduce()
+        except Diverged:
+            raise  # the replicas differ: the job fails (tidal.runtime.checksum)
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError/DistBackendError subclasses
             if isinstance(e, abortable.GenerationAborted):
                 self._abandon()

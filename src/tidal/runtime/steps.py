@@ -8,9 +8,11 @@ its control tensor carries the switch agreement and every rank's compute
 time. The step is committed at the next batch boundary, after all of the
 user's per-step code ran, so a switch there sends newcomers exactly the state
 the next step starts from. A failed all-reduce (a peer died) drops the step:
-its gradients are set to None, so an optimizer step the script still takes
-changes nothing, and recovery follows at the next boundary.
-"""
+its gradients are zeroed and the registered optimizers skip it, so an
+update the script still makes changes nothing, and recovery follows at the
+next boundary. In the first synced step of each generation and every
+``$TIDAL_CHECK_EVERY`` steps the replicas compare checksums
+(:mod:`tidal.runtime.checksum`)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from tidal import settings
+from tidal.runtime import checksum
 from tidal.runtime.capture import LateOptimizerGuard, complete
 from tidal.runtime.data import StepSlice
 from tidal.runtime.faults import FaultInjector
@@ -84,6 +87,8 @@ class StepRunner:
         self.stragglers = StragglerWatch(worker_id)  # rank 0: per-rank compute times (EDL §5.2)
         self._plan: SwitchPlan | None = None
         self._track = False
+        self.check_every = settings.CHECK_EVERY.get()
+        self._checks: tuple[int, int] = (-1, 0)  # (generation, its synced steps whose replicas were compared)
 
     # ------------------------------------------------------------------ set-up
     def attach(self) -> None:
@@ -159,8 +164,24 @@ class StepRunner:
             self.heartbeat.wake()  # the other ranks prefetch the plan
         self.heartbeat.phase = ("idle", step)
         st = self.train.elastic
+        if self._track and st is not None and self._check_due(step):
+            assert seat.gen is not None and self.reducer is not None
+            g, n = self._checks
+            self._checks = (seat.gen.gen, n + 1 if g == seat.gen.gen else 1)
+            checksum.compare(st, step, seat.gen.gen, self.reducer.device)  # raises Diverged on every rank
         if st is not None and not st.optimizers:
             self.window.stepped = True  # no optimizer: a synced backward ends the step
+
+    def _check_due(self, step: int) -> bool:
+        """The replicas are compared in the first two synced steps of each
+        generation (the state newcomers received, then the first update
+        made from it) and every :attr:`check_every` steps: the same steps on
+        every rank, as each sees the same generation and step."""
+        gen = self.membership.seat.gen
+        if self.check_every < 0 or gen is None:
+            return False
+        g, n = self._checks
+        return g != gen.gen or n < 2 or (self.check_every > 0 and step % self.check_every == 0)
 
     def sync_failed(self, error: Exception) -> None:
         """The all-reduce failed: drop the step, tear the broken group down

@@ -44,6 +44,7 @@ import contextlib
 import logging
 import operator
 import os
+import sys
 import time
 from typing import Any, Callable, Iterator, NoReturn, Sequence, TypeVar
 
@@ -423,12 +424,35 @@ def _patience(client: MasterClient | None, seconds: float) -> Iterator[None]:
         http.patience_s = old
 
 
+#: a store call to a silent master gives up within about two of its time-outs (connecting retries once)
+QUIESCE_S = 2 * StoreCache.QUICK_TIMEOUT.total_seconds() + 2.0
+_uncaught: list[bool] = []  # the script ended with an uncaught exception
+
+
+def _note_uncaught(hook: Callable[..., Any]) -> Callable[..., Any]:
+    def noted(*args: Any) -> Any:
+        _uncaught.append(True)
+        return hook(*args)
+    return noted
+
+
 def _quiet_exit(job: Job) -> None:
     """At interpreter exit, however the script ends (an error included): the
     heartbeat's threads stop and no helper thread is left inside a store
-    call, so the process ends the way the script did."""
+    call, so the process ends the way the script did. A call still pending
+    after :data:`QUIESCE_S` would come back into a finalizing interpreter and
+    abort the process: it ends here instead, with the script's status (1
+    after an uncaught exception, else 0)."""
     job.heartbeat.stop()
-    job.membership.stores.quiesce(StoreCache.QUICK_TIMEOUT.total_seconds() + 1.0)
+    if job.membership.stores.quiesce(QUIESCE_S):
+        return
+    log.warning("worker %s: a store call to a silent job master is still pending at exit; ending now",
+                job.worker_id)
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            f.flush()
+    logging.shutdown()
+    os._exit(1 if _uncaught else 0)
 
 
 def _give_up(worker_id: str, why: str, code: int) -> NoReturn:
@@ -449,6 +473,8 @@ def init(master_url: str | None = None, worker_id: str | None = None, **kw: Any)
     wid = worker_id or settings.WORKER_ID.get() or f"local-{os.getpid()}"
     job = Job(url, wid, **kw)
     atexit.register(_quiet_exit, job)
+    if not _uncaught and not getattr(sys.excepthook, "__name__", "") == "noted":
+        sys.excepthook = _note_uncaught(sys.excepthook)
     if job.device.type == "cuda":
         torch.cuda.set_device(job.device)
     return job

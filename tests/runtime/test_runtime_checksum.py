@@ -1,0 +1,162 @@
+"""Replicas that drift apart fail the job, naming what differs.
+
+Unit: two gloo processes compare their state with ``checksum.compare``;
+equal replicas pass, and one parameter, one optimizer hyper-parameter or one
+extra that differs raises :class:`Diverged` on both ranks naming it.
+
+End to end (slow): the drift of the issue that asked for this. A script
+anneals a plain ``lr`` it never registers and updates its parameters by hand
+with it (the PyTorch word-language-model example's way). A newcomer starts
+with the initial ``lr`` (20) while the others use 5: their replicas went
+apart without an error. Now the job fails within seconds of the switch,
+every rank naming the parameters and what to register.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime_helpers import env, master_url
+from test_runtime_master_failure import free_port
+from tidal.runtime import checksum
+from tidal.runtime.client import MasterClient
+from tidal.runtime.state import ElasticState
+
+PAIR = """
+import sys, datetime, torch, torch.distributed as dist
+from tidal.runtime import checksum
+from tidal.runtime.rank0 import Diverged
+from tidal.runtime.state import ElasticState
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=30))
+for what in ("none", "param", "lr", "extra"):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    extras = {"best": 1.0}
+    if rank == 1 and what == "param":
+        with torch.no_grad():
+            model[1].bias.add_(1e-7)
+    if rank == 1 and what == "lr":
+        opt.param_groups[0]["lr"] = 0.4
+    if rank == 1 and what == "extra":
+        extras["best"] = None
+    try:
+        checksum.compare(ElasticState(model, opt, extras=extras), 7, 3, torch.device("cpu"))
+        print(what, "equal")
+    except Diverged as e:
+        print(what, "DIVERGED", e)
+"""
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    """Each rank's line per case, from one pair of gloo processes."""
+    tmp = tmp_path_factory.mktemp("pair")
+    script = tmp / "pair.py"
+    script.write_text(PAIR)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port)], env=env(tmp / "home"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    return [dict(ln.split(" ", 1) for ln in o.strip().splitlines() if ln.split(" ", 1)[0] in CASES) for o in outs]
+
+
+CASES = {"none": None, "param": "parameter 1.bias", "lr": "optimizer 0: param_groups[0]['lr']",
+         "extra": "extras['best']"}
+
+
+def test_digests_see_every_bit_and_only_the_replicated_state() -> None:
+    a = torch.randn(100)
+    b = a.clone()
+    b[57] = torch.nextafter(b[57], torch.tensor(float("inf")))
+    assert checksum.tensor_digest(a) == checksum.tensor_digest(a.clone()) != checksum.tensor_digest(b)
+    assert checksum.tensor_digest(torch.zeros(4)) != checksum.tensor_digest(torch.zeros(2, 2))
+    model = torch.nn.BatchNorm1d(3)  # its running statistics are each rank's own (not compared)
+    names = [n for n, _ in checksum.items(ElasticState(model, torch.optim.SGD(model.parameters(), lr=0.1)))]
+    assert "parameter weight" in names and not any("running" in n for n in names), names
+    assert "optimizer 0: param_groups[0]['lr']" in names
+
+
+@pytest.mark.parametrize("what", list(CASES))
+def test_every_rank_raises_naming_what_differs(pair: list[dict[str, str]], what: str) -> None:
+    named = CASES[what]
+    lines = [p[what] for p in pair]
+    if named is None:
+        assert lines == ["equal", "equal"], lines
+        return
+    for line in lines:
+        assert line.startswith("DIVERGED the replicas differ at step 7 (generation 3): "), line
+        assert named in line and "register_state" in line, line
+        assert line.count("parameter ") <= (1 if what == "param" else 0), line  # only what differs
+
+
+SCRIPT = """
+import time, torch
+import tidal.runtime
+from torch.utils.data import DataLoader, TensorDataset
+
+job = tidal.runtime.init()
+torch.manual_seed(0)
+model = job.wrap(torch.nn.Linear(8, 1))
+loader = job.loader(DataLoader(TensorDataset(torch.randn(512, 8), torch.randn(512, 1)), batch_size=32))
+lr = 20.0  # annealed by the script, never registered: a newcomer starts at 20
+for epoch in job.epochs(80):
+    for x, y in loader:
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-lr * 1e-3)
+        job.step()
+        time.sleep(0.02)
+    if epoch == 0:
+        lr = 5.0
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_newcomer_updating_with_another_lr_fails_the_job_within_seconds_naming_the_parameters(
+        tmp_path: Path) -> None:
+    script = tmp_path / "anneal.py"
+    script.write_text(SCRIPT)
+    home = tmp_path / "home"
+    proc = subprocess.Popen([sys.executable, "-m", "tidal.runtime.launch", "run", "--workers", "2", "--max-workers",
+                             "3", "--job", "anneal", "--timeout", "170", str(script)], env=env(home),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), ln)) for ln in proc.stdout], daemon=True)
+    reader.start()
+    try:
+        c = MasterClient(master_url("anneal", home, proc), patience_s=10)
+        c.wait_for(2, timeout_s=60)
+        while c.status().epoch < 2:
+            time.sleep(0.2)
+        c.scale_out(1)
+        c.wait_for(3, timeout_s=90)
+        joined = time.monotonic()
+        proc.wait(timeout=160)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=10)
+    text = "".join(ln for _, ln in lines)
+    hits = [(t, ln) for t, ln in lines if "Diverged: the replicas differ" in ln]
+    assert hits, text[-4000:]
+    t, line = hits[0]
+    assert t - joined < 30, (t - joined, line)
+    assert "parameter weight" in line and "parameter bias" in line and "register_state" in line, line
+    assert proc.returncode == 1, text[-3000:]  # the job failed
+    assert "finished" not in text.split("summary:")[-1].splitlines()[0], text[-2000:]
