@@ -98,7 +98,7 @@ def test_every_rank_raises_naming_what_differs(pair: list[dict[str, str]], what:
         return
     for line in lines:
         assert line.startswith("DIVERGED the replicas differ at step 7 (generation 3): "), line
-        assert named in line and "register_state" in line, line
+        assert named in line and "job.keep" in line, line
         assert line.count("parameter ") <= (1 if what == "param" else 0), line  # only what differs
 
 
@@ -126,12 +126,14 @@ for epoch in job.epochs(80):
 """
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(200)
-def test_a_newcomer_updating_with_another_lr_fails_the_job_within_seconds_naming_the_parameters(
-        tmp_path: Path) -> None:
+KEPT = (SCRIPT.replace("lr = 20.0  #", "keep = job.keep(lr=20.0)  #").replace("alpha=-lr", "alpha=-keep.lr")
+        .replace("        lr = 5.0", "        keep.lr = 5.0"))
+
+
+def _run_anneal(tmp_path: Path, script_text: str) -> tuple[subprocess.Popen[str], list[tuple[float, str]], float]:
+    """The anneal script under tidal run, 2 workers, a third added in its third epoch."""
     script = tmp_path / "anneal.py"
-    script.write_text(SCRIPT)
+    script.write_text(script_text)
     home = tmp_path / "home"
     proc = subprocess.Popen([sys.executable, "-m", "tidal.runtime.launch", "run", "--workers", "2", "--max-workers",
                              "3", "--job", "anneal", "--timeout", "170", str(script)], env=env(home),
@@ -152,11 +154,44 @@ def test_a_newcomer_updating_with_another_lr_fails_the_job_within_seconds_naming
         if proc.poll() is None:
             proc.kill()
     reader.join(timeout=10)
+    return proc, lines, joined
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_newcomer_updating_with_another_lr_fails_the_job_within_seconds_naming_the_parameters(
+        tmp_path: Path) -> None:
+    proc, lines, joined = _run_anneal(tmp_path, SCRIPT)
     text = "".join(ln for _, ln in lines)
     hits = [(t, ln) for t, ln in lines if "Diverged: the replicas differ" in ln]
     assert hits, text[-4000:]
     t, line = hits[0]
     assert t - joined < 30, (t - joined, line)
-    assert "parameter weight" in line and "parameter bias" in line and "register_state" in line, line
+    assert "parameter weight" in line and "parameter bias" in line and "job.keep" in line, line
     assert proc.returncode == 1, text[-3000:]  # the job failed
     assert "finished" not in text.split("summary:")[-1].splitlines()[0], text[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_the_same_script_keeping_its_lr_with_job_keep_finishes(tmp_path: Path) -> None:
+    assert "keep.lr = 5.0" in KEPT and "alpha=-keep.lr" in KEPT
+    proc, lines, _ = _run_anneal(tmp_path, KEPT)
+    text = "".join(ln for _, ln in lines)
+    assert proc.returncode == 0 and "differ" not in text, text[-3000:]
+    assert "finished" in text.split("summary:")[-1].splitlines()[0] and "final workers 3" in text, text[-2000:]
+
+
+def test_kept_values_set_before_wrap_travel_as_extras_and_read_by_name() -> None:
+    import tidal.runtime
+
+    job = tidal.runtime.init()  # no master: one local worker
+    keep = job.keep(lr=20.0, best=None)
+    model = job.wrap(torch.nn.Linear(2, 1))
+    keep.lr /= 4
+    keep["best"] = 0.5
+    assert job.train.elastic is not None and job.train.elastic.extras == {"lr": 5.0, "best": 0.5}
+    assert model is job.train.elastic.model and job.keep().lr == 5.0
+    with pytest.raises(AttributeError, match="job.keep has no value 'epoch'"):
+        _ = keep.epoch
+    job.close()

@@ -122,5 +122,5 @@ def compare(state: ElasticState, step: int, gen: int, device: torch.device) -> N
 
 
 ADVICE = ("a value the script keeps outside the registered state (a learning rate used by hand, a best loss, a "
-          "counter) was not the same on every rank, so the updates went apart: register it in "
-          "job.register_state(..., extras={...}) (docs/runtime.md, Porting from DDP)")
+          "counter) was not the same on every rank, so the updates went apart: keep it with job.keep(name=value) "
+          "(or job.register_state(..., extras={...})) (docs/runtime.md, State the workers share)")

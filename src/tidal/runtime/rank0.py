@@ -57,8 +57,9 @@ def publish(store: Any, call: Call, result: Any) -> None:
 
 
 ADVICE = ("the ranks took different paths through the script. A plain value it keeps (a best loss, an annealed "
-          "learning rate, a counter) is not the same on every rank: carry it with "
-          "job.register_state(..., extras={...}) so that a newcomer gets it (docs/runtime.md)")
+          "learning rate, a counter) is not the same on every rank: carry it with job.keep(name=value) "
+          "(or job.register_state(..., extras={...})) so that a newcomer gets it (docs/runtime.md, "
+          "State the workers share)")
 
 
 def await_result(store: Any, call: Call, rank0_phase: Callable[[], tuple[int, str] | None],
@@ -97,3 +98,37 @@ def beat_phase(raw: bytes | None) -> tuple[int, str] | None:
         return None
     b = json.loads(raw)
     return int(b[1]), str(b[2])
+
+
+def run(job: Any, site: str, fn: Callable[[], Any]) -> Any:
+    """``job.on_rank0`` in a generation of more than one worker: calls are
+    counted per generation (every member enters one at the same step, a
+    newcomer too); rank 0 runs ``fn`` and publishes, the others wait and
+    check. A rank 0 lost meanwhile: the step fails and None is returned
+    (recovery follows at the next batch)."""
+    g = job.membership.seat.gen
+    gen, calls = job.rank0_calls
+    job.rank0_calls = (g.gen, calls + 1 if gen == g.gen else 1)
+    call = Call(f"{g.prefix}rank0/{job.rank0_calls[1]}", site, job.step_count, job.worker_id)
+    store = job.membership.stores.get(g.store_host, g.store_port)
+    hb = job.heartbeat
+    if job.membership.seat.rank == 0:
+        hb.phase = ("rank0", job.step_count)
+        out = fn()
+        publish(store, call, out)
+        hb.phase = ("idle", job.step_count)
+        return out
+    hb.phase = ("wait", job.step_count)
+    ep, first = hb.endpoint, g.members[0]
+
+    def lost() -> bool:  # rank 0 was lost: recover at the next batch
+        return job.client.get("/assignment", worker_id=job.worker_id, after_gen=g.gen)["status"] != "wait"
+
+    ok, out = await_result(store, call, lambda: beat_phase(store.peek(ep.alive_key(first))) if ep is not None else None,
+                           lost)
+    if not ok:
+        job.runner.window.failed = True
+        job.membership.fail(job.step_count, g.gen, "rank 0 was lost during job.on_rank0")
+        return None
+    hb.phase = ("idle", job.step_count)
+    return out

@@ -41,6 +41,33 @@ class StepSnapshot:
     groups: list[list[dict[str, Any]]]
 
 
+class Kept:
+    """``job.keep(...)``'s values by attribute (``keep.lr``) or key
+    (``keep["lr"]``): a view of the registered extras, so they travel with
+    the model to newcomers and are restored when a step is dropped."""
+
+    def __init__(self, values: Callable[[], dict[str, Any]]) -> None:
+        object.__setattr__(self, "_values", values)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values()[name]
+        except KeyError:
+            raise AttributeError(f"job.keep has no value {name!r}; kept: {sorted(self._values())}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._values()[name] = value
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values()[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._values()[name] = value
+
+    def __repr__(self) -> str:
+        return f"Kept({self._values()!r})"
+
+
 class ElasticState:
     """Holds references to the user's objects; no subclassing needed.
 

@@ -62,7 +62,7 @@ from tidal.runtime.loader import AllEpochs, ElasticLoader
 from tidal.runtime.membership import Membership, StoreCache
 from tidal.runtime.messages import Generation
 from tidal.runtime.scaling import BatchPolicy, make_policy
-from tidal.runtime.state import ElasticState, RescaleHook, TrainState
+from tidal.runtime.state import ElasticState, Kept, RescaleHook, TrainState
 from tidal.runtime.steps import StepRunner
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,8 @@ class Job:
         self.suspended = False  # left because the job was suspended (it resumes from a checkpoint)
         self._loader: ElasticLoader | None = None
         self._epoch: int | None = None  # the epoch job.epochs() is in
-        self._rank0_calls: tuple[int, int] = (-1, 0)  # (generation, calls made in it)
+        self.rank0_calls: tuple[int, int] = (-1, 0)  # (generation, job.on_rank0 calls made in it)
+        self._kept: dict[str, Any] = {}  # job.keep's values until the state is registered
         self.max_steps = settings.MAX_STEPS.get()  # the job's termination condition (0: the script's loop)
 
     # ------------------------------------------------------------------ views
@@ -179,6 +180,8 @@ class Job:
         picks the collective backend: NCCL for CUDA, gloo on the CPU."""
         self.membership.backend = backend_for(params_device(model.parameters()))
         self.train.elastic = ElasticState(model, optimizer, scheduler, extras, scaler)
+        self.train.elastic.extras.update(self._kept)  # job.keep before job.wrap
+        self._kept = self.train.elastic.extras
         if self.life.started:
             self.runner.attach()
         return self.train.elastic
@@ -320,35 +323,17 @@ class Job:
         seat = self.membership.seat
         if self.client is None or seat.world_size <= 1 or seat.gen is None:
             return fn(*args, **kwargs)
-        g = seat.gen
-        # counted per generation: every member enters it at the same step, a newcomer too
-        gen, calls = self._rank0_calls
-        self._rank0_calls = (g.gen, calls + 1 if gen == g.gen else 1)
-        call = rank0.Call(f"{g.prefix}rank0/{self._rank0_calls[1]}", rank0.call_site(), self.step_count,
-                          self.worker_id)
-        store = self.membership.stores.get(g.store_host, g.store_port)
-        if seat.rank == 0:
-            self.heartbeat.phase = ("rank0", self.step_count)
-            out = fn(*args, **kwargs)
-            rank0.publish(store, call, out)
-            self.heartbeat.phase = ("idle", self.step_count)
-            return out
-        self.heartbeat.phase = ("wait", self.step_count)
-        ep = self.heartbeat.endpoint
-        first = g.members[0]
+        return rank0.run(self, rank0.call_site(), lambda: fn(*args, **kwargs))
 
-        def lost() -> bool:  # rank 0 was lost: recover at the next batch
-            assert self.client is not None
-            return self.client.get("/assignment", worker_id=self.worker_id, after_gen=g.gen)["status"] != "wait"
-
-        ok, out = rank0.await_result(store, call, lambda: rank0.beat_phase(store.peek(ep.alive_key(first)))
-                                     if ep is not None else None, lost)
-        if not ok:
-            self.runner.window.failed = True
-            self.membership.fail(self.step_count, g.gen, "rank 0 was lost during job.on_rank0")
-            return None
-        self.heartbeat.phase = ("idle", self.step_count)
-        return out
+    def keep(self, **values: Any) -> Kept:
+        """Plain values every worker must share (a learning rate the script
+        anneals, a best loss, counters): ``keep = job.keep(lr=20.0, best=None)``,
+        then ``keep.lr /= 4``. They reach newcomers with the model (they are
+        the registered extras) and are compared across the replicas."""
+        st = self.train.elastic
+        kept = st.extras if st is not None else self._kept
+        kept.update(values)
+        return Kept(lambda: self.train.elastic.extras if self.train.elastic is not None else self._kept)
 
     def close(self) -> None:
         """Stop the heartbeat and leave the process group (idempotent)."""
