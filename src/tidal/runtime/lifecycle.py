@@ -110,6 +110,8 @@ class Lifecycle:
                 j.client.post("/suspended", {"step": j.step_count, "cursor": j.cursor,
                                              "path": j.checkpoints[-1]["path"]})
             j.suspended = True
+        for c in j.carriers:  # every stream's carried state, gathered while the leavers are still here
+            c.before_switch()
         if j.worker_id in plan.leavers:
             j.membership.leave()
             j.left = True
@@ -120,6 +122,8 @@ class Lifecycle:
         if pause is None:  # the state transfer failed; the last step was applied in full: nothing to undo
             j.runner.window.failed = True
             return
+        for c in j.carriers:
+            c.after_change()
         j.runner.timing.last_step_end = None  # do not count the switch in step-time statistics
         if j.rank == 0:  # reported by the heartbeat thread, off the critical path
             j.heartbeat.report_switched({"gen": pause["gen"], "step": pause["step"], "pause_s": pause["pause_s"]})
@@ -142,6 +146,8 @@ class Lifecycle:
             j.finished = True
             j.close()
             return False
+        for c in j.carriers:
+            c.after_change(recovered=True)
         j.runner.timing.last_step_end = None
         if j.rank == 0:  # the master's record of the recovery gets the pause the workers measured
             j.heartbeat.report_switched({"gen": pause["gen"], "step": pause["step"], "pause_s": pause["pause_s"]})

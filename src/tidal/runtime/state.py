@@ -200,6 +200,7 @@ class TrainState:
     cursor: int = 0
     step: int = 0
     lr_applied: float = 1.0
+    carried: dict[str, Any] | None = None  # every stream's carried state at a rescale (runtime.sequence)
 
     def payload(self) -> dict[str, Any]:
         """Everything the next step starts from (state transfer and checkpoints)."""
@@ -210,6 +211,7 @@ class TrainState:
             "step": self.step,
             "policy": self.policy.state_dict(),
             "lr_applied": self.lr_applied,
+            **({"carried": self.carried} if self.carried is not None else {}),
         }
 
     def load_payload(self, p: dict[str, Any]) -> None:
@@ -219,6 +221,7 @@ class TrainState:
         self.policy.load_state_dict(p["policy"])
         self.global_batch_size = self.policy.batch
         self.lr_applied = float(p["lr_applied"])
+        self.carried = p.get("carried")
 
     def apply_lr(self) -> None:
         """Bring the optimizer's learning rates to the policy's factor at this step (Elan eq. 3)."""

@@ -62,6 +62,7 @@ from tidal.runtime.loader import AllEpochs, ElasticLoader
 from tidal.runtime.membership import Membership, StoreCache
 from tidal.runtime.messages import Generation
 from tidal.runtime.scaling import BatchPolicy, make_policy
+from tidal.runtime.sequence import SequenceLoader
 from tidal.runtime.state import ElasticState, Kept, RescaleHook, TrainState
 from tidal.runtime.steps import StepRunner
 
@@ -115,6 +116,7 @@ class Job:
         self._epoch: int | None = None  # the epoch job.epochs() is in
         self.rank0_calls: tuple[int, int] = (-1, 0)  # (generation, job.on_rank0 calls made in it)
         self._kept: dict[str, Any] = {}  # job.keep's values until the state is registered
+        self.carriers: list[SequenceLoader] = []  # loaders whose streams carry state (runtime.sequence)
         self.max_steps = settings.MAX_STEPS.get()  # the job's termination condition (0: the script's loop)
 
     # ------------------------------------------------------------------ views
@@ -208,6 +210,17 @@ class Job:
         t = self.train
         t.policy = scaling if isinstance(scaling, BatchPolicy) else make_policy(scaling, ld.batch_size)
         t.global_batch_size = t.policy.batch
+        self._loader = ld
+        return ld
+
+    def sequence(self, data: torch.Tensor, batch_size: int, bptt: int, *, dim: int = 1,
+                 **kw: Any) -> SequenceLoader:
+        """bptt windows over one long tensor (``batchify`` + ``get_batch``):
+        ``batch_size`` streams, each rank a range of them; ``loader.carry``
+        moves an RNN's hidden state with its streams (:mod:`tidal.runtime.sequence`)."""
+        ld = SequenceLoader(self, data, batch_size, bptt, dim=dim, **kw)
+        self.train.policy = make_policy("strong", batch_size)  # a window is all the streams, at any size
+        self.train.global_batch_size = batch_size
         self._loader = ld
         return ld
 
