@@ -96,3 +96,38 @@ def test_an_optimizer_created_after_training_began_is_refused_by_name() -> None:
             for x, y, _i in loader:
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 late.step()
+
+
+def _dropout_run(port: bool, shuffle: bool) -> tuple[list[torch.Tensor], float]:
+    """Two epochs of a model with dropout, as a plain script or its port run alone."""
+    torch.manual_seed(0)
+    job = tidal.runtime.init() if port else None
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+    if job is not None:
+        model = job.wrap(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dl: object = DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=8, shuffle=shuffle)
+    if job is not None:
+        dl = job.loader(dl)
+    for _ in (job.epochs(2) if job is not None else range(2)):
+        for x, y in dl:  # type: ignore[attr-defined]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    if job is not None:
+        job.close()
+    return [p.detach().clone() for p in model.parameters()], torch.rand(1).item()
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_port_run_alone_draws_random_numbers_as_the_plain_script(shuffle: bool) -> None:
+    """torch's DataLoader draws from the global RNG at each epoch's start; the
+    elastic loader makes the same draws, so dropout masks are the plain
+    script's: without shuffling the port alone equals the plain script bit
+    for bit; with it the order is Tidal's seeded one, the random stream after
+    it still the plain script's."""
+    plain, after_plain = _dropout_run(False, shuffle)
+    port, after_port = _dropout_run(True, shuffle)
+    assert after_port == after_plain
+    if not shuffle:
+        assert all(torch.equal(a, b) for a, b in zip(plain, port))

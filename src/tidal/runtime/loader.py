@@ -135,6 +135,10 @@ class ElasticLoader:
         self.batch_index = -1  # of the batch just handed out, within its epoch (also on a newcomer)
         self.epoch = 0
         self._steps = _StepIndices(self)
+        # torch's DataLoader draws from the global RNG at each epoch's start: its workers' base seed, and a
+        # RandomSampler's seed; the same draws here keep the script's random stream (dropout masks) as it was
+        own = loader_kw.get("generator") is not None
+        self.rng_draws = (0 if own else 1) + (1 if mode == "shuffle" and not own else 0)
         loader_kw.setdefault("generator", torch.Generator().manual_seed(seed))  # leaves the script's RNG alone
         self._dl = DataLoader(dataset, batch_sampler=self._steps, **loader_kw)
         self._it: Iterator[Any] | None = None
@@ -175,6 +179,8 @@ class ElasticLoader:
         job = self.job
         epoch = job._epoch_of_loader(self)
         self.epoch = epoch
+        for _ in range(self.rng_draws):
+            torch.empty((), dtype=torch.int64).random_()
         while True:
             if not job._boundary(self, epoch):
                 break
