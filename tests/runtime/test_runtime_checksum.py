@@ -195,3 +195,25 @@ def test_kept_values_set_before_wrap_travel_as_extras_and_read_by_name() -> None
     with pytest.raises(AttributeError, match="job.keep has no value 'epoch'"):
         _ = keep.epoch
     job.close()
+
+
+def test_module_variables_kept_by_name_travel_are_restored_and_compared() -> None:
+    import tidal.runtime
+
+    job = tidal.runtime.init()  # no master: one local worker
+    script: dict[str, object] = {"__file__": "lm.py"}
+    script.update(job=job)
+    exec("lr = 20.0\nbest_val_loss = None\njob.keep('lr', 'best_val_loss')", script)
+    job.wrap(torch.nn.Linear(2, 1))
+    st = job.train.elastic
+    assert st is not None and st.state_dict()["globals"] == {"lr": 20.0, "best_val_loss": None}
+    snap = st.step_snapshot()
+    exec("lr /= 4.0\nbest_val_loss = 1.5", script)
+    assert ("kept variable lr", 5.0) in checksum.items(st)
+    st.restore_step_snapshot(snap)  # a dropped step: the script's own variables go back
+    assert (script["lr"], script["best_val_loss"]) == (20.0, None)
+    st.load_state_dict({**st.state_dict(), "globals": {"lr": 1.25, "best_val_loss": 0.5}})  # a newcomer's
+    assert (script["lr"], script["best_val_loss"]) == (1.25, 0.5)
+    with pytest.raises(NameError, match="job.keep: epoch is not a module-level variable of lm.py"):
+        exec("job.keep('epoch')", script)
+    job.close()

@@ -48,11 +48,11 @@ model = job.wrap(LM())
 loader = job.sequence(tokens, batch_size=6, bptt=12)
 lr = 2.0
 for epoch in job.epochs(3):
-    hidden = loader.carry(model.init_hidden(6))
+    hidden = model.init_hidden(6)  # for all 6 streams
     for data, targets in loader:
         model.zero_grad()
+        hidden = loader.carry(hidden)  # where repackage_hidden(hidden) would be
         output, hidden = model(data, hidden)
-        hidden = loader.carry(hidden)
         torch.nn.functional.cross_entropy(output, targets).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
         for p in model.parameters():

@@ -81,6 +81,7 @@ def items(state: ElasticState) -> list[tuple[str, Any]]:
     for k, o in enumerate(state.optimizers):
         out += _optimizer_items(k, o, names)
     out += [(f"extras['{key}']", v) for key, v in sorted(state.extras.items(), key=lambda kv: str(kv[0]))]
+    out += [(f"kept variable {name}", v) for name, v in sorted(state.kept_globals().items())]
     return out
 
 

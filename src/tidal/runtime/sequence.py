@@ -12,23 +12,20 @@ split), so ``data`` is ``(seq_len, local streams)`` and ``targets`` the
 flattened next tokens, as ``get_batch`` returns them.
 
 The hidden state belongs to streams, not ranks. ``hidden =
-loader.carry(hidden)`` after the forward pass (where the example calls
-``repackage_hidden``) returns it detached and lets the runtime hold it.
-When the ranks change, the runtime moves each stream's state to the
-stream's new rank:
+loader.carry(hidden)`` where the example calls ``repackage_hidden`` (before
+the forward pass) returns this rank's streams' state, detached: a state for
+all ``batch_size`` streams (``model.init_hidden(batch_size)``) is cut to
+the rank's range. The runtime takes the state a window ends with from the
+registered model's forward (the part of its output shaped like the state it
+was given), so at a rescale it can move each stream's state to the stream's
+new rank:
 
-* a switch: before leavers go, the old group gathers every stream's
-  state; it reaches newcomers with the model; every member then takes its
-  new range, *in place* in the tensors the script holds (``Tensor.set_``),
-  so the script's own ``hidden`` variable is right for the next window;
-* a recovery after a failure: the survivors gather what they hold; the
-  lost ranks' streams start again from zeros (their state died with them),
-  and a dropped window is redone from the state before it.
-
-``hidden = loader.carry(model.init_hidden(batch_size))`` at the start of an
-epoch registers the initial state: a state for all ``batch_size`` streams
-is cut to this rank's range (a newcomer gets the streams' current state
-instead).
+* a switch: before leavers go, the old group gathers every stream's end
+  state; newcomers receive it with the model; the first ``carry`` after the
+  switch gives every member its new range;
+* a recovery after a failure: the survivors gather what they hold; the lost
+  ranks' streams start again from zeros (their state died with them), and a
+  dropped window is redone from the state before it.
 """
 
 from __future__ import annotations
@@ -109,14 +106,28 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 @dataclass
 class Held:
-    """What :meth:`SequenceLoader.carry` returned last: the state at the
-    start of window ``window`` of streams ``[lo, hi)``, and the one before."""
+    """What :meth:`SequenceLoader.carry` returned last: the state window
+    ``window`` (absolute: epochs count) of streams ``[lo, hi)`` started
+    from, and the state the model's forward ended that window with."""
 
     state: Any
     lo: int
     hi: int
     window: int
-    before: Any = None  # the state at the start of ``window - 1`` (a dropped window is redone from it)
+    end: Any = None
+
+
+def _match(out: Any, like: Any) -> Any:
+    """The part of a forward's output shaped like ``like`` (the state it was given), or None."""
+    shapes = [t.shape for t in _leaves(like)]
+    if [t.shape for t in _leaves(out)] == shapes and _leaves(out):
+        return out
+    if isinstance(out, (list, tuple)):
+        for x in out:
+            m = _match(x, like)
+            if m is not None:
+                return m
+    return None
 
 
 def gather(held: Held | None, streams: int, dim: int) -> Any:
@@ -155,67 +166,87 @@ class SequenceLoader(ElasticLoader):
         super().__init__(job, Windows(data, batch_size, bptt), batch_size, shuffle=False,
                          collate_fn=collate_windows, **loader_kw)
         self.dim = dim
+        self.rng_draws = 0  # batchify and get_batch draw no random numbers
         self.held: Held | None = None
+        self._hook: Any = None
         job.carriers.append(self)
 
     @property
     def streams(self) -> int:
         return self.dataset.streams
 
-    def _range(self) -> tuple[int, int, int]:
-        """``(window, lo, hi)``: the next window and this rank's streams of it."""
-        j, b = self.job, self.streams
-        pos = j.runner.live_cursor % self.n
-        sl = step_slice(pos, self.n, b, j.rank, j.world_size, tuple(j.shares))
+    def _window(self) -> tuple[int, int, int]:
+        """``(window, lo, hi)``: the window being computed (else the next
+        one), absolute, and this rank's streams of it."""
+        j, b, per = self.job, self.streams, self.dataset.windows
+        sl = j.runner.window.slice if j.runner.window.open else None
+        if sl is None:
+            pos = j.runner.live_cursor
+            sl = step_slice(pos % self.n, self.n, b, j.rank, j.world_size, tuple(j.shares))
+            epoch = pos // self.n
+        else:
+            epoch = self.epoch
         w = sl.start // b
-        return w, sl.lo - w * b, sl.hi - w * b
+        return epoch * per + w, sl.lo - w * b, sl.hi - w * b
 
     def carry(self, state: Any) -> Any:
-        """``state`` detached, held for this rank's streams: call it after the
-        forward pass with the new hidden state (instead of ``repackage_hidden``),
-        and with the initial state at an epoch's start. On a newcomer, the first
-        call returns the streams' state received with the model."""
-        w, lo, hi = self._range()
-        pending = self.job.train.carried
-        fresh = not self.job.runner.window.open and self.job.runner.live_cursor % self.n == 0  # an epoch's start
-        if pending is not None and int(pending["window"]) == w and not fresh:
+        """This rank's streams' state for the window about to be computed,
+        detached: call it where ``repackage_hidden`` is called, before the
+        forward pass, with the state the last window ended with (or
+        ``model.init_hidden(batch_size)``). After a rescale it is the state
+        each stream ended its last window with, wherever that was computed."""
+        w, lo, hi = self._window()
+        pending, self.job.train.carried = self.job.train.carried, None
+        if pending is not None and int(pending["window"]) == w and w % self.dataset.windows:
             out = _map(pending["state"], lambda t: t.narrow(self.dim, lo, hi - lo).clone())
-        else:  # a copy (the runtime may resize it in place); a state for every stream: this rank's range of it
+        else:  # a state for every stream (an epoch's initial one): this rank's range of it
             out = _map(state, lambda t: (t.narrow(self.dim, lo, hi - lo) if t.dim() > self.dim
-                                         and t.size(self.dim) == self.streams != hi - lo else t).detach().clone())
-        self.job.train.carried = None
-        before = self.held.state if self.held is not None and self.held.window == w - 1 else None
-        self.held = Held(out, lo, hi, w, before)
+                                         and t.size(self.dim) == self.streams != hi - lo else t).detach())
+        self.held = Held(out, lo, hi, w)
+        if self._hook is None and self.job.train.elastic is not None:
+            self._hook = self.job.train.elastic.model.register_forward_hook(self._ended, with_kwargs=True)
         return out
+
+    def _ended(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """The registered model's forward: the state the held window ended with."""
+        h = self.held
+        if h is not None and any(a is h.state for a in (*args, *kwargs.values())):
+            end = _match(out, h.state)
+            if end is not None:
+                h.end = _map(end, lambda t: t.detach())
+
+    def _ends(self) -> Held | None:
+        """What this rank holds at a boundary: the end state of its last
+        window (the start of the next), else the start of that window."""
+        h = self.held
+        if h is None:
+            return None
+        if h.end is not None:
+            return Held(h.end, h.lo, h.hi, h.window + 1)
+        return h
 
     # ------------------------------------------------------------------ rescales (called by the lifecycle)
     def before_switch(self) -> None:
         """Old group, at the switch boundary (leavers still here): every
-        stream's state goes into the payload newcomers receive."""
-        if dist.is_initialized() and dist.get_world_size() > 1 and self.held is not None:
-            full = gather(self.held, self.streams, self.dim)
-            self.job.train.carried = {"window": self.held.window, "state": full}
-        elif self.held is not None:
-            self.job.train.carried = {"window": self.held.window, "state": self.held.state}
+        stream's end state goes into the payload newcomers receive."""
+        h = self._ends()
+        if h is None:
+            return
+        full = gather(h, self.streams, self.dim) if dist.is_initialized() and dist.get_world_size() > 1 else h.state
+        self.job.train.carried = {"window": h.window, "state": full}
 
     def after_change(self, recovered: bool = False) -> None:
-        """New group: each member takes its streams' state, in place in the
-        tensors the script holds. After a recovery the survivors gather what
-        they hold first (a dropped window is redone from the state before it)."""
-        if self.held is None:
+        """After a recovery the survivors gather what they hold: the state
+        before the dropped window if it is redone, else the state its last
+        window ended with; lost ranks' streams are zeros."""
+        if not recovered or self.held is None:
             return
-        w, lo, hi = self._range()
-        if recovered:
-            if self.held.window == w + 1 and self.held.before is not None:
-                self.held = Held(self.held.before, self.held.lo, self.held.hi, w)  # the dropped window again
-            full = gather(self.held, self.streams, self.dim) if dist.is_initialized() else self.held.state
-            self.job.train.carried = {"window": w, "state": full}
-        pending = self.job.train.carried
-        if pending is None or int(pending["window"]) != w:
-            return
-        self.job.train.carried = None
-        new = [t.narrow(self.dim, lo, hi - lo) for t in _leaves(pending["state"])]
-        for mine, t in zip(_leaves(self.held.state), new):
-            with torch.no_grad():
-                mine.set_(t.clone().to(mine.device))
-        self.held = Held(self.held.state, lo, hi, w)
+        w, _, _ = self._window()
+        h = self.held if self.held.window == w else self._ends()
+        if h is None or h.window != w:
+            h = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            full = gather(h, self.streams, self.dim)
+        else:
+            full = h.state if h is not None else None
+        self.job.train.carried = {"window": w, "state": full} if full is not None else None

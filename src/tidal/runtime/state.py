@@ -39,6 +39,16 @@ class StepSnapshot:
     extras: dict[str, Any]
     rng: torch.Tensor
     groups: list[list[dict[str, Any]]]
+    globals_: dict[str, Any] = field(default_factory=dict)  # the kept module-level variables
+
+
+def bind_globals(module: dict[str, Any], names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``{name: module}`` for ``job.keep("name", ...)``; a name the module
+    does not define is refused by name."""
+    if missing := [n for n in names if n not in module]:
+        raise NameError(f"job.keep: {', '.join(missing)} is not a module-level variable of "
+                        f"{module.get('__file__', 'the script')} (define it before the call, or pass name=value)")
+    return {n: module for n in names}
 
 
 class Kept:
@@ -93,6 +103,16 @@ class ElasticState:
         self.scaler = scaler
         self.extras = extras if extras is not None else {}
         self.rng = rng
+        self.bound: dict[str, dict[str, Any]] = {}  # job.keep("name"): a module-level variable and its module's dict
+
+    def kept_globals(self) -> dict[str, Any]:
+        """The current values of the module-level variables kept by name."""
+        return {n: g[n] for n, g in self.bound.items() if n in g}
+
+    def set_globals(self, values: dict[str, Any]) -> None:
+        for n, v in values.items():
+            if n in self.bound:
+                self.bound[n][n] = v
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -110,6 +130,8 @@ class ElasticState:
             d["scaler"] = self.scaler.state_dict()
         if self.rng:
             d["rng"] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        if self.bound:
+            d["globals"] = self.kept_globals()
         return d
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -124,6 +146,7 @@ class ElasticState:
             random.setstate(d["rng"]["python"])
         self.extras.clear()
         self.extras.update(d.get("extras", {}))
+        self.set_globals(d.get("globals", {}))
 
     def step_snapshot(self) -> StepSnapshot:
         """The user-side state at the start of a step (see :class:`StepSnapshot`).
@@ -135,6 +158,7 @@ class ElasticState:
             rng=torch.get_rng_state(),
             groups=[[{k: _copy_value(v) for k, v in g.items() if k != "params"} for g in o.param_groups]
                     for o in self.optimizers],
+            globals_=_copy_value(self.kept_globals()) if self.bound else {},
         )
 
     def restore_step_snapshot(self, snap: StepSnapshot) -> None:
@@ -146,6 +170,7 @@ class ElasticState:
         self.extras.clear()
         self.extras.update(snap.extras)
         torch.set_rng_state(snap.rng)
+        self.set_globals(snap.globals_)
         for o, groups in zip(self.optimizers, snap.groups):
             for g, saved in zip(o.param_groups, groups):
                 g.update(saved)

@@ -63,7 +63,7 @@ from tidal.runtime.membership import Membership, StoreCache
 from tidal.runtime.messages import Generation
 from tidal.runtime.scaling import BatchPolicy, make_policy
 from tidal.runtime.sequence import SequenceLoader
-from tidal.runtime.state import ElasticState, Kept, RescaleHook, TrainState
+from tidal.runtime.state import ElasticState, Kept, RescaleHook, TrainState, bind_globals
 from tidal.runtime.steps import StepRunner
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class Job:
         self._epoch: int | None = None  # the epoch job.epochs() is in
         self.rank0_calls: tuple[int, int] = (-1, 0)  # (generation, job.on_rank0 calls made in it)
         self._kept: dict[str, Any] = {}  # job.keep's values until the state is registered
+        self._bound: dict[str, dict[str, Any]] = {}  # job.keep's module-level variables (name -> module dict)
         self.carriers: list[SequenceLoader] = []  # loaders whose streams carry state (runtime.sequence)
         self.max_steps = settings.MAX_STEPS.get()  # the job's termination condition (0: the script's loop)
 
@@ -183,6 +184,7 @@ class Job:
         self.membership.backend = backend_for(params_device(model.parameters()))
         self.train.elastic = ElasticState(model, optimizer, scheduler, extras, scaler)
         self.train.elastic.extras.update(self._kept)  # job.keep before job.wrap
+        self.train.elastic.bound.update(self._bound)
         self._kept = self.train.elastic.extras
         if self.life.started:
             self.runner.attach()
@@ -338,14 +340,18 @@ class Job:
             return fn(*args, **kwargs)
         return rank0.run(self, rank0.call_site(), lambda: fn(*args, **kwargs))
 
-    def keep(self, **values: Any) -> Kept:
+    def keep(self, *names: str, **values: Any) -> Kept:
         """Plain values every worker must share (a learning rate the script
-        anneals, a best loss, counters): ``keep = job.keep(lr=20.0, best=None)``,
-        then ``keep.lr /= 4``. They reach newcomers with the model (they are
-        the registered extras) and are compared across the replicas."""
+        anneals, a best loss, counters). ``job.keep("lr", "best_val_loss")``
+        keeps the script's module-level variables of those names where they
+        are; ``keep = job.keep(lr=20.0)`` holds values read as ``keep.lr``.
+        Either way they reach newcomers with the model, are restored when a
+        step is dropped, and are compared across the replicas."""
+        self._bound.update(bind_globals(sys._getframe(1).f_globals, names))
         st = self.train.elastic
-        kept = st.extras if st is not None else self._kept
-        kept.update(values)
+        if st is not None:
+            st.bound.update(self._bound)
+        (st.extras if st is not None else self._kept).update(values)
         return Kept(lambda: self.train.elastic.extras if self.train.elastic is not None else self._kept)
 
     def close(self) -> None:
