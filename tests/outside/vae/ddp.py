@@ -1,0 +1,111 @@
+"""Outside script 3, DDP: plain.py under DistributedDataParallel, as people
+port it. Run: torchrun --nproc-per-node 2 ddp.py --epochs 5 --out runs/
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+class VAE(nn.Module):
+    def __init__(self, dim=32, hidden=64, latent=4):
+        super().__init__()
+        self.enc = nn.Linear(dim, hidden)
+        self.mu = nn.Linear(hidden, latent)
+        self.logvar = nn.Linear(hidden, latent)
+        self.dec1 = nn.Linear(latent, hidden)
+        self.dec2 = nn.Linear(hidden, dim)
+
+    def encode(self, x):
+        h = F.relu(self.enc(x))
+        return self.mu(h), self.logvar(h)
+
+    def reparameterize(self, mu, logvar):
+        std = torch.exp(0.5 * logvar)
+        eps = torch.randn_like(std)
+        return mu + eps * std
+
+    def decode(self, z):
+        return torch.sigmoid(self.dec2(F.relu(self.dec1(z))))
+
+    def forward(self, x):
+        mu, logvar = self.encode(x)
+        z = self.reparameterize(mu, logvar)
+        return self.decode(z), mu, logvar
+
+
+def loss_function(recon_x, x, mu, logvar):
+    bce = F.binary_cross_entropy(recon_x, x, reduction="sum")
+    kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+    return bce + kld
+
+
+def make_data(n, seed, dim=32):
+    # points near a 4-dimensional manifold, squashed into [0, 1]
+    mixing = torch.randn(4, dim, generator=torch.Generator().manual_seed(99))
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, 4, generator=g)
+    return torch.sigmoid(z @ mixing + 0.1 * torch.randn(n, dim, generator=g))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--out", default="runs")
+    args = parser.parse_args()
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = VAE().to(device)
+    model = DDP(model, device_ids=[local_rank] if torch.cuda.is_available() else None)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    train_set = TensorDataset(make_data(2048, 0))
+    sampler = DistributedSampler(train_set)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size // world_size, sampler=sampler)
+    test_loader = DataLoader(TensorDataset(make_data(512, 1)), batch_size=256)
+
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        model.train()
+        train_loss = 0.0
+        for (data,) in train_loader:
+            data = data.to(device)
+            optimizer.zero_grad()
+            recon, mu, logvar = model(data)
+            loss = loss_function(recon, data, mu, logvar)
+            loss.backward()
+            train_loss += loss.item()
+            optimizer.step()
+
+        model.eval()
+        test_loss = 0.0
+        with torch.no_grad():
+            for (data,) in test_loader:
+                data = data.to(device)
+                recon, mu, logvar = model(data)
+                test_loss += loss_function(recon, data, mu, logvar).item()
+        if rank == 0:
+            print(f"epoch {epoch}: train loss {train_loss / len(train_loader.dataset):.4f} "
+                  f"test loss {test_loss / len(test_loader.dataset):.4f}")
+
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        torch.save(model.module.state_dict(), os.path.join(args.out, "vae.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
