@@ -58,6 +58,8 @@ SCRIPTS = (
     Script("vae", n=2048, loader_batch=128, micro=1, epochs=10, hold_s=0.3),
     Script("amp_accum", n=2048, loader_batch=32, micro=4, epochs=8, hold_s=0.08),
     Script("rank0_eval", n=2048, loader_batch=64, micro=1, epochs=10, hold_s=0.15, victim=0),
+    # 12 streams of 416 tokens: 21 bptt windows an epoch, each window a global batch of 12 samples
+    Script("lstm_lm", n=252, loader_batch=12, micro=1, epochs=10, hold_s=0.25),
 )
 BY_NAME = {s.name: s for s in SCRIPTS}
 

@@ -78,14 +78,7 @@ def test_applied_steps_keeps_the_redone_attempt_and_merges_micro_batches() -> No
         check_exactly_once(applied_steps(recs), 12, 6, 1)
 
 
-# A runtime bug (reported, not worked around): job.wrap() keeps one model, so the port's second call
-# (discriminator) silently replaces the first (generator). The generator's gradients are never reduced and
-# its parameters and optimizer never reach a newcomer: its parameters differ across the final workers.
-GAN_BUG = ("job.wrap(generator); job.wrap(discriminator) registers only the discriminator: the generator's "
-           "gradients are not reduced and its state does not reach newcomers, so module 0 (the generator) "
-           "ends with different parameters on the final workers")
-ELASTIC = [pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=GAN_BUG))
-           if n == "gan" else n for n in NAMES]
+ELASTIC = NAMES
 
 
 @pytest.mark.slow

@@ -6,9 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from tidal.runtime.client import MasterClient
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "elastic_train.py"
@@ -78,3 +81,30 @@ def finish(proc: subprocess.Popen[str], timeout: float = 100) -> str:
             proc.kill()
             proc.communicate()
     return text
+
+
+def grow_while_reading(script: Path, job: str, home: Path, before_grow: Callable[[MasterClient], None],
+                       timeout: float = 170) -> tuple[subprocess.Popen[str], list[tuple[float, str]], float]:
+    """``tidal run --workers 2 --max-workers 3`` of ``script``; once 2
+    workers train and ``before_grow(client)`` returned, a third is added.
+    Returns the ended process, its output lines with their arrival times
+    (monotonic) and when the third worker had joined."""
+    proc = subprocess.Popen([sys.executable, "-m", "tidal.runtime.launch", "run", "--workers", "2", "--max-workers",
+                             "3", "--job", job, "--timeout", str(timeout), str(script)], env=env(home),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), ln)) for ln in proc.stdout], daemon=True)
+    reader.start()
+    try:
+        c = MasterClient(master_url(job, home, proc), patience_s=10)
+        c.wait_for(2, timeout_s=60)
+        before_grow(c)
+        c.scale_out(1)
+        c.wait_for(3, timeout_s=90)
+        joined = time.monotonic()
+        proc.wait(timeout=timeout - 10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=10)
+    return proc, lines, joined

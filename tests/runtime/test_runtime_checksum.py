@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from runtime_helpers import env, master_url
+from runtime_helpers import env, grow_while_reading
 from test_runtime_master_failure import free_port
 from tidal.runtime import checksum
 from tidal.runtime.client import MasterClient
@@ -134,27 +133,12 @@ def _run_anneal(tmp_path: Path, script_text: str) -> tuple[subprocess.Popen[str]
     """The anneal script under tidal run, 2 workers, a third added in its third epoch."""
     script = tmp_path / "anneal.py"
     script.write_text(script_text)
-    home = tmp_path / "home"
-    proc = subprocess.Popen([sys.executable, "-m", "tidal.runtime.launch", "run", "--workers", "2", "--max-workers",
-                             "3", "--job", "anneal", "--timeout", "170", str(script)], env=env(home),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[tuple[float, str]] = []
-    reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), ln)) for ln in proc.stdout], daemon=True)
-    reader.start()
-    try:
-        c = MasterClient(master_url("anneal", home, proc), patience_s=10)
-        c.wait_for(2, timeout_s=60)
+
+    def third_epoch(c: MasterClient) -> None:
         while c.status().epoch < 2:
             time.sleep(0.2)
-        c.scale_out(1)
-        c.wait_for(3, timeout_s=90)
-        joined = time.monotonic()
-        proc.wait(timeout=160)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    reader.join(timeout=10)
-    return proc, lines, joined
+
+    return grow_while_reading(script, "anneal", tmp_path / "home", third_epoch)
 
 
 @pytest.mark.slow

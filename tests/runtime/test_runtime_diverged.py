@@ -11,17 +11,13 @@ step) is refused the same way (unit test)."""
 from __future__ import annotations
 
 import pickle
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from runtime_helpers import env, master_url
+from runtime_helpers import grow_while_reading
 from tidal.runtime import rank0
-from tidal.runtime.client import MasterClient
 
 SCRIPT = """
 import time, torch
@@ -79,25 +75,7 @@ def test_a_call_that_does_not_match_rank_0s_is_refused_naming_both() -> None:
 def test_a_newcomer_on_another_path_ends_within_30_s_naming_the_call_and_the_job_goes_on(tmp_path: Path) -> None:
     script = tmp_path / "best.py"
     script.write_text(SCRIPT)
-    home = tmp_path / "home"
-    proc = subprocess.Popen([sys.executable, "-m", "tidal.runtime.launch", "run", "--workers", "2", "--max-workers",
-                             "3", "--job", "best", "--timeout", "170", str(script)], env=env(home),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[tuple[float, str]] = []
-    reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), ln)) for ln in proc.stdout], daemon=True)
-    reader.start()
-    try:
-        c = MasterClient(master_url("best", home, proc), patience_s=10)
-        c.wait_for(2, timeout_s=60)
-        time.sleep(3)
-        c.scale_out(1)
-        c.wait_for(3, timeout_s=90)
-        joined = time.monotonic()
-        proc.wait(timeout=160)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    reader.join(timeout=10)
+    proc, lines, joined = grow_while_reading(script, "best", tmp_path / "home", lambda c: time.sleep(3))
     text = "".join(ln for _, ln in lines)
     hits = [(t, ln) for t, ln in lines if "took different paths" in ln]
     assert hits, text[-4000:]

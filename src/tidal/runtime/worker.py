@@ -118,6 +118,7 @@ class Job:
         self._kept: dict[str, Any] = {}  # job.keep's values until the state is registered
         self._bound: dict[str, dict[str, Any]] = {}  # job.keep's module-level variables (name -> module dict)
         self.carriers: list[SequenceLoader] = []  # loaders whose streams carry state (runtime.sequence)
+        self._wrapped: list[torch.nn.Module] = []  # the models given to job.wrap, in order
         self.max_steps = settings.MAX_STEPS.get()  # the job's termination condition (0: the script's loop)
 
     # ------------------------------------------------------------------ views
@@ -166,8 +167,10 @@ class Job:
         are reduced when backward returns, and the model, its optimizers, LR
         schedulers, GradScaler and the RNG reach newcomers (found when
         training starts, :mod:`tidal.runtime.capture`). Returns ``model``
-        itself (no ``.module``; state dict keys unchanged)."""
-        self.register_state(model)
+        itself (no ``.module``; state dict keys unchanged). Wrap each model of
+        a job that trains several (a GAN's generator and discriminator)."""
+        self._wrapped = [m for m in self._wrapped if m is not model] + [model]
+        self.register_state(model if len(self._wrapped) == 1 else torch.nn.ModuleList(self._wrapped))
         return model
 
     def register_state(
@@ -217,9 +220,8 @@ class Job:
 
     def sequence(self, data: torch.Tensor, batch_size: int, bptt: int, *, dim: int = 1,
                  **kw: Any) -> SequenceLoader:
-        """bptt windows over one long tensor (``batchify`` + ``get_batch``):
-        ``batch_size`` streams, each rank a range of them; ``loader.carry``
-        moves an RNN's hidden state with its streams (:mod:`tidal.runtime.sequence`)."""
+        """bptt windows over one long tensor (``batchify`` + ``get_batch``), each rank a range of the
+        ``batch_size`` streams; ``loader.carry`` moves their RNN state (:mod:`tidal.runtime.sequence`)."""
         ld = SequenceLoader(self, data, batch_size, bptt, dim=dim, **kw)
         self.train.policy = make_policy("strong", batch_size)  # a window is all the streams, at any size
         self.train.global_batch_size = batch_size

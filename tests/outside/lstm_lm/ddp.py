@@ -115,7 +115,7 @@ save = os.path.join(args.out, "lm.pt")
 
 lr = args.lr
 best_val_loss = None
-for epoch in range(1, args.epochs + 1):
+for epoch in range(args.epochs):
     train_loss = train()
     val_loss = evaluate(val_data)
     if rank == 0:

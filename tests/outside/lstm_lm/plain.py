@@ -113,7 +113,7 @@ save = os.path.join(args.out, "lm.pt")
 
 lr = args.lr
 best_val_loss = None
-for epoch in range(1, args.epochs + 1):
+for epoch in range(args.epochs):
     train_loss = train()
     val_loss = evaluate(val_data)
     print(f"epoch {epoch}: train loss {train_loss:.3f}, valid loss {val_loss:.3f}, ppl {math.exp(val_loss):.1f}")
