@@ -88,6 +88,7 @@ def test_digests_see_every_bit_and_only_the_replicated_state() -> None:
     assert "optimizer 0: param_groups[0]['lr']" in names
 
 
+@pytest.mark.slow  # two processes (about 6 s); the unit tests above and below run by default
 @pytest.mark.parametrize("what", list(CASES))
 def test_every_rank_raises_naming_what_differs(pair: list[dict[str, str]], what: str) -> None:
     named = CASES[what]
