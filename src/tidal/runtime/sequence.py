@@ -16,7 +16,7 @@ loader.carry(hidden)`` where the example calls ``repackage_hidden`` (before
 the forward pass) returns this rank's streams' state, detached: a state for
 all ``batch_size`` streams (``model.init_hidden(batch_size)``) is cut to
 the rank's range. The runtime takes the state a window ends with from the
-registered model's forward (the part of its output shaped like the state it
+forward of a model given to ``job.wrap`` (the part of its output shaped like the state it
 was given), so at a rescale it can move each stream's state to the stream's
 new rank:
 
@@ -203,8 +203,9 @@ class SequenceLoader(ElasticLoader):
             out = _map(state, lambda t: (t.narrow(self.dim, lo, hi - lo) if t.dim() > self.dim
                                          and t.size(self.dim) == self.streams != hi - lo else t).detach())
         self.held = Held(out, lo, hi, w)
-        if self._hook is None and self.job.train.elastic is not None:
-            self._hook = self.job.train.elastic.model.register_forward_hook(self._ended, with_kwargs=True)
+        if self._hook is None and self.job.train.elastic is not None:  # every model given to job.wrap
+            models = self.job.wrapped or [self.job.train.elastic.model]
+            self._hook = [m.register_forward_hook(self._ended, with_kwargs=True) for m in models]
         return out
 
     def _ended(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:

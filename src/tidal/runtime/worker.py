@@ -118,7 +118,7 @@ class Job:
         self._kept: dict[str, Any] = {}  # job.keep's values until the state is registered
         self._bound: dict[str, dict[str, Any]] = {}  # job.keep's module-level variables (name -> module dict)
         self.carriers: list[SequenceLoader] = []  # loaders whose streams carry state (runtime.sequence)
-        self._wrapped: list[torch.nn.Module] = []  # the models given to job.wrap, in order
+        self.wrapped: list[torch.nn.Module] = []  # the models given to job.wrap, in order
         self.max_steps = settings.MAX_STEPS.get()  # the job's termination condition (0: the script's loop)
 
     # ------------------------------------------------------------------ views
@@ -169,8 +169,8 @@ class Job:
         training starts, :mod:`tidal.runtime.capture`). Returns ``model``
         itself (no ``.module``; state dict keys unchanged). Wrap each model of
         a job that trains several (a GAN's generator and discriminator)."""
-        self._wrapped = [m for m in self._wrapped if m is not model] + [model]
-        self.register_state(model if len(self._wrapped) == 1 else torch.nn.ModuleList(self._wrapped))
+        self.wrapped = [m for m in self.wrapped if m is not model] + [model]
+        self.register_state(model if len(self.wrapped) == 1 else torch.nn.ModuleList(self.wrapped))
         return model
 
     def register_state(
