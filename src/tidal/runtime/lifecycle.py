@@ -122,8 +122,6 @@ class Lifecycle:
         if pause is None:  # the state transfer failed; the last step was applied in full: nothing to undo
             j.runner.window.failed = True
             return
-        for c in j.carriers:
-            c.after_change()
         j.runner.timing.last_step_end = None  # do not count the switch in step-time statistics
         if j.rank == 0:  # reported by the heartbeat thread, off the critical path
             j.heartbeat.report_switched({"gen": pause["gen"], "step": pause["step"], "pause_s": pause["pause_s"]})
@@ -147,7 +145,7 @@ class Lifecycle:
             j.close()
             return False
         for c in j.carriers:
-            c.after_change(recovered=True)
+            c.after_recovery()
         j.runner.timing.last_step_end = None
         if j.rank == 0:  # the master's record of the recovery gets the pause the workers measured
             j.heartbeat.report_switched({"gen": pause["gen"], "step": pause["step"], "pause_s": pause["pause_s"]})

@@ -134,8 +134,8 @@ def gather(held: Held | None, streams: int, dim: int) -> Any:
     """Every stream's state from the ranks of the current group (each
     broadcasts what it holds, in turn); streams nobody holds are zeros."""
     pieces: list[tuple[int, int, Any]] = []
+    mine = (held.lo, held.hi, held.state) if held is not None else None
     for r in range(dist.get_world_size()):
-        mine = (held.lo, held.hi, held.state) if held is not None else None
         got = broadcast_state(mine if dist.get_rank() == r else None, src=r)
         if got is not None:
             pieces.append(got)
@@ -236,11 +236,12 @@ class SequenceLoader(ElasticLoader):
         full = gather(h, self.streams, self.dim) if dist.is_initialized() and dist.get_world_size() > 1 else h.state
         self.job.train.carried = {"window": h.window, "state": full}
 
-    def after_change(self, recovered: bool = False) -> None:
+    def after_recovery(self) -> None:
         """After a recovery the survivors gather what they hold: the state
         before the dropped window if it is redone, else the state its last
-        window ended with; lost ranks' streams are zeros."""
-        if not recovered or self.held is None:
+        window ended with; lost ranks' streams are zeros. (After a switch
+        there is nothing to do: :meth:`before_switch` gathered every stream.)"""
+        if self.held is None:
             return
         w, _, _ = self._window()
         h = self.held if self.held.window == w else self._ends()

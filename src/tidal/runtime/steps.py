@@ -10,7 +10,7 @@ user's per-step code ran, so a switch there sends newcomers exactly the state
 the next step starts from. A failed all-reduce (a peer died) drops the step:
 its gradients are zeroed and the registered optimizers skip it, so an
 update the script still makes changes nothing, and recovery follows at the
-next boundary. In the first synced step of each generation and every
+next boundary. In the first two synced steps of each generation and every
 ``$TIDAL_CHECK_EVERY`` steps the replicas compare checksums
 (:mod:`tidal.runtime.checksum`)."""
 
