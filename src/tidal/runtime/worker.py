@@ -479,7 +479,7 @@ def init(master_url: str | None = None, worker_id: str | None = None, **kw: Any)
     wid = worker_id or settings.WORKER_ID.get() or f"local-{os.getpid()}"
     job = Job(url, wid, **kw)
     atexit.register(_quiet_exit, job)
-    if not _uncaught and not getattr(sys.excepthook, "__name__", "") == "noted":
+    if getattr(sys.excepthook, "__name__", "") != "noted":  # once per process
         sys.excepthook = _note_uncaught(sys.excepthook)
     if job.device.type == "cuda":
         torch.cuda.set_device(job.device)
