@@ -294,6 +294,7 @@ class _Tentative:
     _ns: list[int] = field(default_factory=list)
     _cum: list[int] | None = None  # GPUs freed by the jobs ending up to each time
     _donors: dict[int, list[str]] | None = None  # GPUs a donor can give -> running jobs, in order
+    _rows: dict[int, list[tuple[str, int, float, float]]] = field(default_factory=dict)  # donor_rows, by need
 
     @classmethod
     def of(cls, snap: Snapshot, jobs: list[JobView]) -> "_Tentative":
@@ -341,6 +342,19 @@ class _Tentative:
                         self._donors.setdefault(self.alloc[jid] - o, []).append(jid)
         return self._donors.get(need, [])
 
+    def donor_rows(self, need: int) -> list[tuple[str, int, float, float]]:
+        """(job, count left, completion time at it, completion time now) of
+        each of :meth:`donors`; the values stay right for the untouched ones
+        (the only ones callers use) for the whole round."""
+        hit = self._rows.get(need)
+        if hit is None:
+            alloc, done_at, running, resize = self.alloc, self.done_at, self.running, self.pred.resize
+            hit = self._rows[need] = [
+                (jid, alloc[jid] - need, resize(running[jid], alloc[jid] - need), done_at[jid])
+                for jid in self.donors(need) if jid not in self.touched
+            ]
+        return hit
+
     def assign(self, jid: str, n: int, t: float) -> None:
         self._cum = None
         if jid in self.done_at:
@@ -358,28 +372,54 @@ class _Tentative:
 def _reshape_down(
     st: _Tentative, w: JobView, g: int, reserved: int, top: tuple[float, str], second: float, total: float,
     early_init: bool,
-) -> list[tuple]:
-    """Candidates for waiting job ``w`` at ``g`` GPUs when not enough are idle:
-    wait for idle GPUs (donor ``""``), or take the missing ones from one
-    running job whose remaining count is still one of its options."""
+) -> tuple:
+    """The best candidate for waiting job ``w`` at ``g`` GPUs when not enough
+    are idle: wait for idle GPUs (donor ``""``), or take the missing ones from
+    one running job whose remaining count is still one of its options. The
+    candidates are compared on (makespan, sum of completion times, GPUs
+    taken, g); the first of equal ones wins."""
     times, cum = st.ends()
     i = bisect.bisect_left(cum, g + reserved - st.free)  # first end after which enough are idle
     t_free = times[i] if i < len(times) else math.inf
     t_w = t_free + st.pred.start(w, g)
     top_t, top_id = top
-    cand = [(max(top_t, t_w), total + t_w, 0, g, "", 0, t_w, 0.0)]
+    best = (max(top_t, t_w), total + t_w, 0, g, "", 0, t_w, 0.0)
     need = g - max(0, st.free - reserved)
-    for jid in st.donors(need):
-        if jid in st.touched:
-            continue
-        d = st.running[jid]
-        left = st.alloc[jid] - need
-        delay = 0.0 if early_init else st.pred.downtime(d, left)
-        t_w = st.pred.start(w, g, delay)
-        t_d = st.pred.resize(d, left)
-        others = second if jid == top_id else top_t
-        cand.append((max(others, t_w, t_d), total - st.done_at[jid] + t_d + t_w, need, g, jid, left, t_w, t_d))
-    return cand
+    pick = None  # the best donor so far: (makespan, sum, job, count left, t_w, t_d)
+    touched = st.touched
+    if early_init:  # no donor delays w: t_w is the same for all
+        t_w = st.pred.start(w, g)
+        pa = pb = math.nan  # the best donor's key so far (compared as the tuple (makespan, sum))
+        for jid, left, t_d, done in st.donor_rows(need):
+            if jid in touched:
+                continue
+            a = second if jid == top_id else top_t  # max(others, t_w, t_d)
+            if a < t_w:
+                a = t_w
+            if a < t_d:
+                a = t_d
+            if a > pa:
+                continue
+            b = total - done + t_d + t_w
+            if pick is None or a < pa or b < pb:
+                pa, pb, pick = a, b, (jid, left, t_d)
+        if pick is not None:
+            pick = (pa, pb, pick[0], pick[1], t_w, pick[2])
+    else:
+        alloc, done_at, running, pred = st.alloc, st.done_at, st.running, st.pred
+        for jid in st.donors(need):
+            if jid in touched:
+                continue
+            d = running[jid]
+            left = alloc[jid] - need
+            t_w = pred.start(w, g, pred.downtime(d, left))
+            t_d = pred.resize(d, left)
+            key = (max(second if jid == top_id else top_t, t_w, t_d), total - done_at[jid] + t_d + t_w)
+            if pick is None or key < pick[:2]:
+                pick = (*key, jid, left, t_w, t_d)
+    if pick is not None and (pick[0], pick[1], need, g) < best[:4]:
+        best = (pick[0], pick[1], need, g, pick[2], pick[3], pick[4], pick[5])
+    return best
 
 
 def _best_start(st: _Tentative, w: JobView, reserved: int, early_init: bool) -> tuple | None:
@@ -391,12 +431,11 @@ def _best_start(st: _Tentative, w: JobView, reserved: int, early_init: bool) -> 
     for g in st.opts(w):
         if g <= st.free - reserved:
             t_w = st.pred.start(w, g)
-            cand = [(max(top[0], t_w), total + t_w, 0, g, None, 0, t_w, 0.0)]
+            c = (max(top[0], t_w), total + t_w, 0, g, None, 0, t_w, 0.0)
         else:
-            cand = _reshape_down(st, w, g, reserved, top, second, total, early_init)
-        for c in cand:
-            if best is None or c[:4] < best[:4]:
-                best = c
+            c = _reshape_down(st, w, g, reserved, top, second, total, early_init)
+        if best is None or c[:4] < best[:4]:
+            best = c
     return best
 
 
