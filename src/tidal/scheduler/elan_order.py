@@ -128,16 +128,38 @@ class StepOrder:
         """The prefix for the jobs marked in ``present`` with ``free`` GPUs
         beyond their min_res: each job's count index, the pointer, the GPUs
         still free."""
+        pos, ptr, free = self.prefix_np(present, free)
+        return pos.tolist(), ptr, free
+
+    def prefix_np(self, present: np.ndarray, free: int) -> tuple[np.ndarray, int, int]:
+        """:meth:`prefix` with the count indexes as an array. A job's steps
+        come in the order one after another (the sort key's prefix minimum
+        does not rise along them, ties go by step number) and each raises its
+        count index, so a job's index is that of its last step before the
+        pointer."""
         pos = np.zeros(len(self.jobs), dtype=np.int64)
         if free < self.lookahead or not self.oj:
-            return pos.tolist(), 0, free
+            return pos, 0, free
         m = present[self.oj_np]
         need = np.where(m, self.on_np, 0)
         before = np.cumsum(need) - need  # GPUs the earlier steps take
         ptr = int(np.searchsorted(before, free - self.lookahead, side="right"))
-        jobs, targets = self.oj_np[:ptr][m[:ptr]], self.ot_np[:ptr][m[:ptr]]
-        np.maximum.at(pos, jobs, targets)  # a job's steps raise its count index
-        return pos.tolist(), ptr, free - int(need[:ptr].sum())
+        last = m[:ptr] & (self._next_step()[:ptr] >= ptr)  # a job's last step before the pointer
+        pos[self.oj_np[:ptr][last]] = self.ot_np[:ptr][last]
+        return pos, ptr, free - int(need[:ptr].sum())
+
+    def _next_step(self) -> np.ndarray:
+        """For each step of the order, the position of the same job's next
+        step (the order's length after its last one); computed once."""
+        nxt = self.__dict__.get("_nxt")
+        if nxt is None:
+            oj = self.oj_np
+            by_job = np.argsort(oj, kind="stable")  # each job's steps, in order
+            nxt = np.full(len(oj), len(oj), dtype=np.int64)
+            same = oj[by_job[1:]] == oj[by_job[:-1]]
+            nxt[by_job[:-1][same]] = by_job[1:][same]
+            self._nxt = nxt
+        return nxt
 
     def advance(self, pos: list[int], present: list[bool], spd: np.ndarray, ptr: int, free: int) -> tuple[int, int]:
         """Move the prefix forward after jobs left ``present`` (their GPUs

@@ -114,10 +114,23 @@ class Rates:
         top = spec.hi(cap)
         lo = spec.lo if explicit else min(top, max(spec.lo, math.ceil(p * self.min_factor)))
         hi = top if explicit else min(top, max(lo, int(p * self.max_factor)))
-        hit = [c for c in spec.counts(hi) if c >= lo and self._lookup(job, c, t)[0] > 0]
+        hit = [c for c in self._fill(job, t, [c for c in spec.counts(hi) if c >= lo]) if t.rate_at[c][0] > 0]
         if not hit:  # the range holds no count that runs: the smallest one that does
             hit = [c for c in spec.counts(cap) if self._lookup(job, c, t)[0] > 0][:1] or [spec.lo]
         return hit
+
+    def _fill(self, job: JobView, t: JobTable, counts: list[int]) -> list[int]:
+        """:meth:`_lookup` for each of ``counts`` (the job's hybrid choice
+        read once); returns ``counts``."""
+        if self.hybrid(job):
+            for c in counts:
+                self._lookup(job, c, t)
+            return counts
+        rate_at, b, rate = t.rate_at, job.spec.batch_size, self.snap.progress_rate
+        for c in counts:
+            if c not in rate_at:
+                rate_at[c] = (rate(job, c, b), b)
+        return counts
 
     def counts(self, job: JobView) -> list[int]:
         """The counts a job may run at within [min_res, max_res], ascending."""
