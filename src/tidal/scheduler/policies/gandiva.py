@@ -62,17 +62,23 @@ class _Layout:
         self.owner: dict[int, str] = {}
         self.gpus: dict[str, list[int]] = {}
         self.size: dict[str, int] = {}
+        self._free = {node: cluster.gpus_per_node for node in range(cluster.num_nodes)}  # GPUs no one owns
 
     def hold(self, jid: str, gpus: list[int]) -> None:
         self.gpus[jid] = sorted(gpus)
         self.size[jid] = len(gpus)
+        owner, free, node_of = self.owner, self._free, self.c.node_of
         for g in gpus:
-            self.owner[g] = jid
+            if g not in owner:
+                free[node_of(g)] -= 1
+            owner[g] = jid
 
     def release(self, jid: str) -> list[int]:
         gpus = self.gpus.pop(jid)
+        owner, free, node_of = self.owner, self._free, self.c.node_of
         for g in gpus:
-            del self.owner[g]
+            del owner[g]
+            free[node_of(g)] += 1
         return gpus
 
     def free_on(self, node: int) -> list[int]:
@@ -104,11 +110,8 @@ class _Layout:
         return best[2] if best else None
 
     def free_counts(self) -> dict[int, int]:
-        per = self.c.gpus_per_node
-        counts = {node: per for node in range(self.c.num_nodes)}
-        for g in self.owner:
-            counts[self.c.node_of(g)] -= 1
-        return counts
+        """Free GPUs per node (a copy: callers change it)."""
+        return dict(self._free)
 
     def relocate(self, movers: list[str], exclude: frozenset[int]) -> dict[str, int] | None:
         """Target node for each mover (largest first), none in ``exclude``; None if impossible."""
