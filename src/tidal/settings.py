@@ -152,6 +152,10 @@ MAX_STEPS: Setting[int] = Setting("TIDAL_MAX_STEPS", int, 0,
 MASTER_WAIT_S: Setting[float] = Setting("TIDAL_MASTER_WAIT_S", float, 30.0,
                                         "seconds a starting worker keeps trying to reach its job master before "
                                         "it gives up (one line, exit 1)", "worker")
+WARM_SPARES: Setting[int] = Setting("TIDAL_WARM_SPARES", int, 2,
+                                    "tidal run keeps this many warm worker processes (interpreter and imports "
+                                    "done, idle until granted) so that a scale-out's newcomers skip the start-up; "
+                                    "never more than --max-workers allows; 0: none", "master")
 JOIN_TIMEOUT_S: Setting[float] = Setting("TIDAL_JOIN_TIMEOUT_S", float, 90.0,
                                          "seconds a started worker has to register with its job master (tidal "
                                          "run warns at half of it, then fails; a scale-out's newcomers are given "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -89,6 +90,7 @@ def main() -> None:
     finally:
         log.close()
         summ = job.summary()
+        summ["warm_start"] = "tidal.runtime.warm" in sys.modules  # started from a warm spare (tidal run)
         if not job.left:
             summ["final_rank"] = job.rank
         with open(os.path.join(a.out, f"summary-{job.worker_id}.json"), "w") as f:

@@ -2,7 +2,9 @@
 heavy imports while its GPU still belongs to the job that is giving it up,
 then wait at a gate; the agent opens the gate (creates the file) once the
 server has handed the GPU over, and the training script runs in this
-already-warm process. Nothing touches the GPU before the gate opens.
+already-warm process. Nothing touches the GPU before the gate opens. The
+warm-up and the run are :mod:`tidal.runtime.warm`'s, as in a ``tidal run``
+spare.
 
     python -m tidal.agent.prewarm GATE_FILE -- PYTHON -u SCRIPT ARGS...
 """
@@ -10,7 +12,6 @@ already-warm process. Nothing touches the GPU before the gate opens.
 from __future__ import annotations
 
 import os
-import runpy
 import sys
 import time
 
@@ -22,18 +23,15 @@ def main() -> None:
     cmd = argv[1:]
     if cmd and cmd[0] == "-u":
         cmd = cmd[1:]
+    from tidal.runtime.warm import run_granted, warm_up
+
     t0 = time.time()
-    import torch  # noqa: F401  (the expensive part of a start: ~1-2 s)
-
-    import tidal.runtime  # noqa: F401
-
+    warm_up(cmd[0])
     warm = time.time() - t0
     while not os.path.exists(gate):
         time.sleep(0.02)
     print(f"[tidal prewarm] warmed up in {warm:.2f}s, waited {time.time() - t0 - warm:.2f}s at the gate", flush=True)
-    sys.argv = cmd
-    sys.path.insert(0, os.path.dirname(os.path.abspath(cmd[0])))
-    runpy.run_path(cmd[0], run_name="__main__")
+    run_granted(cmd[0], {"argv": cmd[1:]})
 
 
 if __name__ == "__main__":

@@ -141,6 +141,7 @@ class _RunWatch:
         self.errors: list[tuple[str, int]] = []  # workers that exited with an error of their own, first first
         self.dropped = 0  # dropped-worker records printed
         self.finished_printed = False
+        self.warm_said = 0  # warm spares last announced
 
     def on_hung(self, worker_id: str) -> None:
         self.out(f"tidal run: worker {worker_id} is hung; killed it so the others re-form without it")
@@ -165,6 +166,11 @@ class _RunWatch:
             self.out(f"tidal run: worker {w} was lost before its first step and dropped: {d['reason']}"
                      + (f", exit code {c}" if c is not None else "") + "; the job goes on without it")
         self.dropped = len(st.dropped)
+        if st.state == "running" and not st.pending:  # a steady job: the next scale-out's newcomers wait warm
+            warm = self.spawner.fill_spares()
+            if warm == self.spawner.spares.size and warm != self.warm_said:
+                self.out(f"tidal run: {warm} warm spare worker(s) ready: a scale-out starts without start-up")
+            self.warm_said = warm
         # every local worker exited, and no worker of another host (tidal run --join) still trains
         remote = [w for w in st.members if w not in codes] if st.state not in ("finished", "suspended") else []
         done = bool(codes) and all(c is not None for c in codes.values()) and not remote
@@ -260,7 +266,8 @@ def run_job(
     bind, join_s = bind_addr(bind), settings.JOIN_TIMEOUT_S.get()
     adv = advertise_addr(bind, explicit=advertise or settings.ADVERTISE_ADDR.get())
     token = _job_token(adv, out)
-    spawner = LocalSpawner(script, args, env=_worker_env(max_steps, token))
+    spares = max(0, min(settings.WARM_SPARES.get(), (max_size - size) if max_size else 1 << 16))
+    spawner = LocalSpawner(script, args, env=_worker_env(max_steps, token), spares=spares)
     master = JobMaster(job, size, backend=backend, spawner=spawner, switch_lead_s=switch_lead_s, max_size=max_size,
                        straggler_policy=straggler_policy, replication=replication, hang_timeout_s=hang_timeout_s,
                        first_worker=size, store_host=adv, join_timeout_s=join_s, token=token)
@@ -283,6 +290,7 @@ def run_job(
         spawner.terminate()
         rc = 130
     finally:
+        spawner.spares.close()
         st = master.status()
         server.stop()
         jf.unlink(missing_ok=True)

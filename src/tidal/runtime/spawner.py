@@ -30,6 +30,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from tidal import settings
 from tidal.net import LOOPBACK
+from tidal.runtime.warm import SparePool
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class LocalSpawner:
     and a worker beyond the last free GPU is refused."""
 
     def __init__(self, script: str, args: Sequence[str] = (), env: dict[str, str] | None = None,
-                 master_url: str = "", gpus: Sequence[str] | None = None) -> None:
+                 master_url: str = "", gpus: Sequence[str] | None = None, spares: int = 0) -> None:
         self.script, self.args = script, list(args)
         self.env = dict(os.environ if env is None else env)
         self.env.setdefault("OMP_NUM_THREADS", "1")
@@ -136,9 +137,12 @@ class LocalSpawner:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.slots: dict[str, int] = {}  # worker -> LOCAL_RANK (its GPU index with GPUs)
         self.started: dict[str, float] = {}  # worker -> when it was started (monotonic clock)
-        self._tails: dict[str, tuple[deque[str], threading.Thread]] = {}  # its last stderr lines, their reader
+        self._tails: dict[int, tuple[deque[str], threading.Thread]] = {}  # pid -> its last stderr lines, their reader
         self._lock = threading.Lock()
         self.master_url = master_url
+        # warm processes a scale-out's newcomers start from (tidal.runtime.warm); see fill_spares
+        self.spares = SparePool(script, spares,
+                                lambda argv, fds: self._popen(argv, self.env, stdin=subprocess.PIPE, pass_fds=fds))
 
     def _assign(self, launches: Sequence[WorkerLaunch]) -> list[int]:
         """One slot per launch, none held by a live worker; all or none."""
@@ -163,19 +167,34 @@ class LocalSpawner:
         with self._lock:
             slots = self._assign(launches)
         for x, slot in zip(launches, slots):
-            env = dict(self.env, **{settings.MASTER_URL.name: self.master_url, settings.WORKER_ID.name: x.worker_id,
-                                    "LOCAL_RANK": str(slot)})
-            p = subprocess.Popen([sys.executable, "-u", self.script, *self.args], env=env, stderr=subprocess.PIPE)
-            tail: deque[str] = deque(maxlen=8)
-            relay = threading.Thread(target=_relay, args=(p.stderr, tail), name=f"tidal-stderr-{x.worker_id}",
-                                     daemon=True)
-            relay.start()
+            grant = {settings.MASTER_URL.name: self.master_url, settings.WORKER_ID.name: x.worker_id,
+                     "LOCAL_RANK": str(slot)}
+            p = self.spares.take(grant, self.args)
+            how = "warm spare"
+            if p is None:
+                p, how = self._popen([sys.executable, "-u", self.script, *self.args], dict(self.env, **grant)), "new"
             with self._lock:
                 self.procs[x.worker_id] = p
                 self.slots[x.worker_id] = slot
                 self.started[x.worker_id] = time.monotonic()
-                self._tails[x.worker_id] = (tail, relay)
-            log.info("started worker %s (pid %d, LOCAL_RANK %d)", x.worker_id, p.pid, slot)
+            log.info("started worker %s (%s process %d, LOCAL_RANK %d)", x.worker_id, how, p.pid, slot)
+
+    def _popen(self, argv: list[str], env: dict[str, str], stdin: int | None = None,
+               pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+        """A process whose stderr is passed on to ours, its last lines kept."""
+        p = subprocess.Popen(argv, env=env, stdin=stdin, stderr=subprocess.PIPE, pass_fds=pass_fds)
+        tail: deque[str] = deque(maxlen=8)
+        relay = threading.Thread(target=_relay, args=(p.stderr, tail), name=f"tidal-stderr-{p.pid}", daemon=True)
+        relay.start()
+        with self._lock:
+            self._tails[p.pid] = (tail, relay)
+        return p
+
+    def fill_spares(self) -> int:
+        """Start the warm spares that are missing (call when the job is steady);
+        returns how many of them are warm."""
+        self.spares.fill()
+        return self.spares.warm()
 
     def kill(self, worker_id: str) -> None:
         with self._lock:
@@ -191,13 +210,15 @@ class LocalSpawner:
         """The last non-blank line an exited worker wrote to stderr (a
         traceback's exception line), or ""."""
         with self._lock:
-            tail, relay = self._tails.get(worker_id, (deque(), None))
+            p = self.procs.get(worker_id)
+            tail, relay = self._tails.get(p.pid, (deque(), None)) if p is not None else (deque(), None)
         if relay is not None:
             relay.join(timeout=2.0)  # the process exited: its pipe is drained soon
         return tail[-1] if tail else ""
 
     def terminate(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every live worker, SIGKILL after ``grace_s``."""
+        """SIGTERM every live worker, SIGKILL after ``grace_s``; the spares go at once."""
+        self.spares.close()
         with self._lock:
             procs = list(self.procs.values())
         for p in procs:
