@@ -20,6 +20,7 @@ from operator import and_, attrgetter, not_, or_, truth
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple, Sequence
 
+import numpy as np
 from tidal.core.job import JobSpec, JobState
 from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ThroughputProfile
@@ -139,6 +140,16 @@ class Snapshot:
     def idle(self) -> tuple[JobView, ...]:
         """The jobs holding no GPUs, in snapshot order."""
         return tuple(j for j in self.jobs if not j.gpus)
+
+    @cached_property
+    def used_mask(self) -> np.ndarray:
+        """Per GPU of the cluster, whether a job holds it (a read-only bool array)."""
+        mask = np.zeros(self.cluster.num_gpus, dtype=bool)
+        held = [g for gpus in self.held.values() for g in gpus]
+        if held:
+            mask[held] = True
+        mask.flags.writeable = False
+        return mask
 
     @cached_property
     def holders_running(self) -> bool:

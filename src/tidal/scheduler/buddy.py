@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
-from itertools import chain
+from itertools import chain, compress
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -79,6 +79,9 @@ class BuddyAllocator:
             self.used[list(used)] = True
         self._held = np.zeros(size, dtype=np.int64)
         self._holding = False  # whether ``held`` was ever handed out (else it is all zeros)
+        # the smallest block size found to have no free aligned block: no larger
+        # one has any either until GPUs are released (``used`` is only set meanwhile)
+        self._full_from = size + 1
 
     @property
     def held(self) -> np.ndarray:
@@ -91,7 +94,10 @@ class BuddyAllocator:
         return int((~self.used[: self.n]).sum())
 
     def release(self, gpus) -> None:
-        self.used[list(gpus)] = False
+        idx = list(gpus)
+        if idx:
+            self.used[idx] = False
+            self._full_from = self.size + 1
 
     def take(self, gpus) -> None:
         idx = list(gpus)
@@ -134,6 +140,8 @@ class BuddyAllocator:
         """Offset of the best-fit free aligned block of size ``s`` (None if
         none); a block containing one of ``prefer`` wins (grow in place);
         blocks on the nodes of ``near`` come first (pieces of one job)."""
+        if s >= self._full_from and s & (s - 1) == 0:
+            return None  # no free aligned block that large (nor any half of it, see _full_from)
         used, last = self.used, -1
         for g in prefer if s <= self.size else ():
             o = (g // s) * s
@@ -142,7 +150,11 @@ class BuddyAllocator:
             last = o
         offs = self.free_blocks(s)
         if offs.size <= 1:
-            return int(offs[0]) if offs.size else None
+            if offs.size:
+                return int(offs[0])
+            if s & (s - 1) == 0:
+                self._full_from = min(self._full_from, s)
+            return None
         c = self.cluster
         parent = min(2 * s, self.size)
         node_sz = c.gpus_per_node
@@ -245,12 +257,14 @@ def place_buddy(
     got from the placement's lengths (a job may then be missing: count 0).
     ``weights``: how much moving a job costs, relative to 1 (re-pack moves
     the cheap ones first)."""
-    current = {j.job_id: j.gpus for j in snap.jobs if j.gpus}
+    ids, held = snap.ids, snap.held
+    holders = list(compress(ids, map(held.__contains__, ids)))
+    current = dict(zip(holders, map(held.__getitem__, holders)))  # in snapshot order
     want = {jid: n for jid, n in allocation.items() if n > 0}
     if fallback is None:
         fallback = {}
     options: dict[str, list[int]] = {}  # copied from ``fallback`` when a job first fails
-    placer = _Placer(snap.cluster, current, want)
+    placer = _Placer(snap.cluster, current, want, used=snap.used_mask)
     while True:
         failed = placer.run()
         if failed is None:
@@ -265,7 +279,7 @@ def place_buddy(
         else:
             del want[failed]
         if not placer.retry(failed):
-            placer = _Placer(snap.cluster, current, want, placer, failed)
+            placer = placer.restart(failed)
     # the jobs placed before the failed one are placed as a fresh run would
     # (weights only act on a failure): go on from it, now defragmenting
     if placer.run(weights or {}) is None:
@@ -291,13 +305,20 @@ class _Placer:
 
     def __init__(
         self, cluster: Cluster, current: dict[str, tuple[int, ...]], want: dict[str, int],
-        prev: "_Placer | None" = None, kept: str = "",
+        prev: "_Placer | None" = None, kept: str = "", used: np.ndarray | None = None,
     ) -> None:
+        """``used``: the GPUs ``current`` holds, as a mask, if the caller has it."""
         self.current, self.want = current, want  # ``want`` is shared with the caller
         self.buddy = buddy = BuddyAllocator(cluster)
         if prev is None:
             self.keep = {jid: g for jid, g in current.items() if want.get(jid, 0) == len(g)}
-            buddy.used[np.fromiter(chain.from_iterable(self.keep.values()), dtype=np.int64)] = True
+            if used is None:
+                buddy.used[np.fromiter(chain.from_iterable(self.keep.values()), dtype=np.int64)] = True
+            else:  # every held GPU, less those of the jobs that change
+                buddy.used[: len(used)] = used
+                moving = [g for jid in current.keys() - self.keep.keys() for g in current[jid]]
+                if moving:
+                    buddy.used[moving] = False
             self.todo = sorted((jid for jid in want if jid not in self.keep), key=lambda j: (-want[j], j))
         else:  # start over once job ``kept`` keeps its GPUs too (the order of the rest holds)
             self.keep = dict(prev.keep)
@@ -344,6 +365,19 @@ class _Placer:
             placed[jid] = tuple(sorted(gpus))
             self.pos += 1
         return None
+
+    def restart(self, kept: str) -> "_Placer":
+        """Start over now that the failed job ``kept`` keeps its GPUs. When it
+        failed first (nothing placed in this run: the allocator is as it began)
+        this placer goes on in place, as a new one would."""
+        if self.pos or self.placed or self.todo[0] != kept:
+            return _Placer(self.buddy.cluster, self.current, self.want, self, kept)
+        gpus = self.current[kept]
+        self.keep[kept] = gpus
+        self.buddy.used[list(gpus)] = True
+        self.used0 = self.buddy.used.copy()
+        del self.todo[0]
+        return self
 
     def retry(self, jid: str) -> bool:
         """The job that failed now wants a smaller count (or none); False if

@@ -19,6 +19,8 @@ from itertools import compress, filterfalse
 from operator import not_
 from typing import Any, Mapping
 
+import numpy as np
+
 from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ThroughputProfile
 from tidal.core.topology import Cluster
@@ -49,6 +51,7 @@ class ViewCache:
         self.dirty: set[str] = set()
         self.submitted: dict[str, None] = {}  # active jobs in state submitted, in arrival order
         self.owner: dict[int, str] = {}  # GPU -> job
+        self.used = np.zeros(cluster.num_gpus, dtype=bool)  # GPUs held (the snapshot's used_mask)
         self.held = FrozenDict()  # job -> GPUs
         self.sizes = FrozenDict()  # job -> GPU count
         self.seq = FrozenDict()  # active job -> its arrival number (increasing in snapshot order)
@@ -73,6 +76,7 @@ class ViewCache:
         jid, owner = job.spec.job_id, self.owner
         for g in job.gpus:
             owner[g] = jid
+        self.used[list(job.gpus)] = True
         _set(self.held, jid, job.gpus)
         _set(self.sizes, jid, len(job.gpus))
         self._idle.pop(jid, None)
@@ -86,6 +90,7 @@ class ViewCache:
         jid, owner = job.spec.job_id, self.owner
         for g in job.gpus:
             del owner[g]
+        self.used[list(job.gpus)] = False
         _pop(self.held, jid, None)
         _pop(self.sizes, jid, None)
         self._idle[jid] = None  # out of arrival order if it stays idle (see snapshot)
@@ -184,7 +189,13 @@ class ViewCache:
         return snap.indexed(held=held, sizes=self.sizes, ids=ids, free=tuple(self.free),
                             by_free=tuple(map(tuple, self.by_free)),
                             submitted=tuple([views[jid] for jid in self.submitted]),
-                            idle=idle, positions=self.seq, **from_rows)
+                            idle=idle, positions=self.seq, used_mask=self._used_mask(), **from_rows)
+
+
+    def _used_mask(self) -> np.ndarray:
+        mask = self.used.copy()
+        mask.flags.writeable = False
+        return mask
 
 
 class LazyJobs(Sequence[JobView]):
