@@ -150,18 +150,16 @@ def _merge(entries: dict[str, tuple[Steps, int, float]], jobs: list[str], cur: d
     those with a chain); returns the GPUs left and the queue's entries then
     (a job's last record, or for the job that stopped the merge, its entry
     with the GPUs left)."""
-    chains, keys = [], []
-    for x, jid in enumerate(jobs):
-        st, i, ddl = entries[jid]
+    ranked = sorted(jobs, key=lambda jid: (entries[jid][2], jid))  # the queue's tie order
+    chains = []
+    for jid in ranked:
+        st, i, _ = entries[jid]
         chains.append(st.chains.get(i) or _chain(st, i))
-        keys.append((ddl, jid, x))
-    keys.sort()
-    pos = np.empty(len(jobs), dtype=np.int64)
-    pos[[x for _, _, x in keys]] = np.arange(len(jobs))
     lens = [len(c[1]) for c in chains]
     table = np.concatenate([c[0] for c in chains])  # rows: key, extra, need after, place
-    owner = np.repeat(np.arange(len(jobs)), lens)
-    order = np.lexsort((np.repeat(pos << 12, lens) + table[:, 3].astype(np.int64), table[:, 0]))
+    owner = np.repeat(np.arange(len(ranked)), lens)
+    # rows are in (tie order, place) order already: a stable sort on the key alone
+    order = np.argsort(table[:, 0], kind="stable")
     left = free - np.cumsum(table[order, 1].astype(np.int64))
     bad = left < table[order, 2]
     special = None
@@ -171,17 +169,18 @@ def _merge(entries: dict[str, tuple[Steps, int, float]], jobs: list[str], cur: d
         m = int(np.argmax(bad))
         end = m if left[m] < 0 else m + 1
         if end > m:
-            special = jobs[owner[order[m]]]
-    took = np.bincount(owner[order[:end]], minlength=len(jobs)).tolist() if end else [0] * len(jobs)
+            special = ranked[owner[order[m]]]
+    took = np.bincount(owner[order[:end]], minlength=len(ranked)).tolist() if end else [0] * len(ranked)
     if end:
         free = int(left[end - 1])
     heap = []
-    for x, jid in enumerate(jobs):
+    for x, jid in enumerate(ranked):
         st, i, ddl = entries[jid]
         if took[x]:
             i = cur[jid] = chains[x][1][took[x] - 1]
-        p = bisect_right(st.ext[i], free) if jid == special else len(st.ext[i])
-        if p:
+        ext = st.ext[i]
+        p = bisect_right(ext, free) if jid == special else len(ext)
+        if p and ext[0] <= free:  # (a job that can pay no step would only be popped and dropped)
             heap.append((-st.gain[i][p - 1], ddl, jid, st.to[i][p - 1]))
     return free, heap
 

@@ -57,6 +57,8 @@ import math
 from bisect import bisect_left
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import is_not, ne
 
 import numpy as np
 
@@ -281,17 +283,19 @@ class ElasticFlow(Policy):
         levels = memo.levels_of(snap)
         guaranteed: list[JobView] = []
         new_ddl: list[JobView] = []
-        for j in snap.jobs:
+        for j in snap.submitted:  # in snapshot order
             lv = levels[j.job_id]
-            if j.state is JobState.SUBMITTED:
-                if len(lv.counts) < 2:
-                    plan.drop[j.job_id] = f"model {j.spec.model} cannot run on this cluster ({total} GPUs)"
-                elif j.spec.deadline is None:
-                    plan.admit.add(j.job_id)
-                    plan.tags[j.job_id] = {"ef_class": "best-effort"}
-                else:
-                    new_ddl.append(j)
-            elif j.admitted and j.spec.deadline is not None and j.tags.get("ef_class", "guaranteed") == "guaranteed":
+            if len(lv.counts) < 2:
+                plan.drop[j.job_id] = f"model {j.spec.model} cannot run on this cluster ({total} GPUs)"
+            elif j.spec.deadline is None:
+                plan.admit.add(j.job_id)
+                plan.tags[j.job_id] = {"ef_class": "best-effort"}
+            else:
+                new_ddl.append(j)
+        submitted = JobState.SUBMITTED
+        for j in snap.jobs:
+            if (j.spec.deadline is not None and j.admitted and j.state is not submitted
+                    and j.tags.get("ef_class", "guaranteed") == "guaranteed"):
                 guaranteed.append(j)
         guaranteed.sort(key=self._order)
         return levels, guaranteed, new_ddl
@@ -405,24 +409,33 @@ class ElasticFlow(Policy):
         rescale costs, per extra GPU, in single-GPU units) gets more GPUs
         (:func:`tidal.scheduler.greedy.greedy`)."""
         levels, shares, costs = ctx.levels, ctx.shares, ctx.costs
-        jobs = [j for j in schedulable(snap, plan) if len(levels[j.job_id].count_list) > 1]
-        base = {j.job_id: shares.get(j.job_id, 0) for j in jobs}
+        jobs = []
+        base: dict[str, int] = {}
+        sget = shares.get
+        for j in schedulable(snap, plan):
+            jid = j.spec.job_id
+            if len(levels[jid].count_list) > 1:
+                jobs.append(j)
+                base[jid] = sget(jid, 0)
         free = snap.cluster.num_gpus - sum(base.values())
         free = self._floors(snap, jobs, base, levels, free)
         hold = self.slot if self.slot > 0 else 60.0
         memo = self._memo_for(snap, costs)
         tables = memo.tables
         entries: dict[str, tuple[Steps, int, float]] = {}
+        weigh = None if type(self)._weight is not ElasticFlow._weight else 1.0  # ElasticFlow's: always 1
+        inf = math.inf
         for j in jobs:
-            jid = j.job_id
+            spec = j.spec
+            jid = spec.job_id
             lv = levels[jid]
             b = base[jid]
             share = b if jid in shares else None
-            weight = self._weight(snap, j)
+            weight = self._weight(snap, j) if weigh is None else weigh
             hit = tables.get((id(lv), len(j.gpus), j.executed > 0, share, weight))
             steps = hit[1] if hit is not None and hit[0] is lv else memo.steps(snap, j, lv, hold, share, weight)
-            ddl = j.spec.deadline
-            entries[jid] = (steps, bisect_left(lv.count_list, b) if b else 0, math.inf if ddl is None else ddl)
+            ddl = spec.deadline
+            entries[jid] = (steps, bisect_left(lv.count_list, b) if b else 0, inf if ddl is None else ddl)
         for jid, i in greedy(entries, free).items():
             if i:  # level 0 is no GPUs
                 plan.allocation[jid] = levels[jid].count_list[i]
@@ -471,11 +484,13 @@ class _Memo:
         by_job, out = self.by_job, {}
         if len(by_job) > 2 * len(snap.jobs) + 1024:  # forget jobs that left
             by_job = self.by_job = {j.job_id: by_job[j.job_id] for j in snap.jobs if j.job_id in by_job}
+        get = by_job.get
         for j in snap.jobs:
-            jid = j.job_id
-            hit = by_job.get(jid)
-            if hit is None or hit[0] is not j.spec or hit[1] != j.batch:
-                hit = by_job[jid] = (j.spec, j.batch, job_levels(snap, j, self.by_key))
+            spec = j.spec
+            jid = spec.job_id
+            hit = get(jid)
+            if hit is None or hit[0] is not spec or hit[1] != j.batch:
+                hit = by_job[jid] = (spec, j.batch, job_levels(snap, j, self.by_key))
             out[jid] = hit[2]
         return out
 
@@ -518,10 +533,12 @@ def place_shares_first(snap: Snapshot, plan: Plan, ctx: _Context) -> None:
     fallback = _Fallback(plan.allocation, ctx)
     # moving a guaranteed job costs more than a best-effort one, and much
     # more once its plan has no slack left for a migration
-    weights = {j.job_id: (10_000 if j.job_id in ctx.thin else 100) if j.job_id in ctx.shares else 1
-               for j in snap.jobs if j.gpus}
-    plan.placement = place_buddy(snap, plan.allocation, fallback, weights)
-    plan.allocation = {jid: len(g) for jid, g in plan.placement.items()}
+    shares, thin = ctx.shares, ctx.thin
+    weights = dict.fromkeys(snap.held, 1)
+    if shares:
+        weights.update((jid, 10_000 if jid in thin else 100) for jid in shares if jid in weights)
+    plan.placement = placement = place_buddy(snap, plan.allocation, fallback, weights)
+    plan.allocation = dict(zip(placement, map(len, placement.values())))
 
 
 class _Fallback(Mapping[str, list[int]]):
@@ -548,11 +565,15 @@ class _Fallback(Mapping[str, list[int]]):
 def record_rescales(snap: Snapshot, plan: Plan, costs: Costs) -> None:
     """Remember until when each changed job makes (less) progress, so the
     next plan knows even if the overhead outlasts a slot."""
-    for j in snap.jobs:
-        n = plan.allocation.get(j.job_id, 0)
+    alloc, placement, held = plan.allocation, plan.placement, snap.held
+    # a job placed on the very GPUs it holds (and allocated their count) is skipped below: look at the others
+    look = set(compress(alloc, map(is_not, map(placement.get, alloc, repeat(())), map(held.get, alloc))))
+    look.update(compress(alloc, map(ne, map(len, map(placement.get, alloc, repeat(()))), alloc.values())))
+    for j in snap.in_order(look):
+        n = alloc.get(j.job_id, 0)
         if n == 0:
             continue
-        gpus = plan.placement.get(j.job_id, ())
+        gpus = placement.get(j.job_id, ())
         if n == j.size and (gpus == j.gpus or sorted(gpus) == sorted(j.gpus)):
             continue
         if j.size == 0:
