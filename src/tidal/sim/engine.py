@@ -211,6 +211,8 @@ class Simulator(PlanExecutor):
             return  # the policy would change nothing (Policy.settled)
         snap = self.cache.snapshot(now, self.cluster, self.active, self.profiles, self.overheads)
         plan = self.policy.schedule(snap)
+        if self.cache.used is None and "used_mask" in snap.__dict__:
+            self.cache.track_used()  # the policy reads it: hand it over from now on
         self._apply(snap, plan, now)
         self._settled = self.policy.settled(snap, plan)
         stuck = not self.running and self._arrivals_left == 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Iterator, Sequence
-from itertools import compress, filterfalse
+from itertools import compress, filterfalse, repeat
 from operator import not_
 from typing import Any, Mapping
 
@@ -51,7 +51,7 @@ class ViewCache:
         self.dirty: set[str] = set()
         self.submitted: dict[str, None] = {}  # active jobs in state submitted, in arrival order
         self.owner: dict[int, str] = {}  # GPU -> job
-        self.used = np.zeros(cluster.num_gpus, dtype=bool)  # GPUs held (the snapshot's used_mask)
+        self.used: np.ndarray | None = None  # GPUs held, once a policy read a snapshot's used_mask (track_used)
         self.held = FrozenDict()  # job -> GPUs
         self.sizes = FrozenDict()  # job -> GPU count
         self.seq = FrozenDict()  # active job -> its arrival number (increasing in snapshot order)
@@ -60,6 +60,7 @@ class ViewCache:
         self._idle: dict[str, None] = {}  # active jobs holding no GPUs, in arrival order (see snapshot)
         self._returned: set[str] = set()  # jobs that gave back GPUs since the last snapshot
         self._per = per = cluster.gpus_per_node
+        self._num_gpus = cluster.num_gpus
         self.free = [tuple(range(n * per, (n + 1) * per)) for n in range(cluster.num_nodes)]
         self.by_free: list[list[int]] = [[] for _ in range(per + 1)]
         self.by_free[per] = list(range(cluster.num_nodes))
@@ -70,15 +71,24 @@ class ViewCache:
             self.held, self.sizes, self.seq = FrozenDict(self.held), FrozenDict(self.sizes), FrozenDict(self.seq)
             self._shared = False
 
+    def track_used(self) -> None:
+        """From now on keep the mask of held GPUs that snapshots hand over as
+        ``used_mask`` (built from the owners once)."""
+        if self.used is None:
+            self.used = np.zeros(self._num_gpus, dtype=bool)
+            if self.owner:
+                self.used[list(self.owner)] = True
+
     def hold(self, job: SimJob) -> None:
         """Record ``job.gpus`` as held by ``job``."""
-        self._own()
-        jid, owner = job.spec.job_id, self.owner
-        for g in job.gpus:
-            owner[g] = jid
-        self.used[list(job.gpus)] = True
-        _set(self.held, jid, job.gpus)
-        _set(self.sizes, jid, len(job.gpus))
+        if self._shared:
+            self._own()
+        jid, gpus = job.spec.job_id, job.gpus
+        self.owner.update(zip(gpus, repeat(jid)))
+        if self.used is not None:
+            self.used[list(gpus)] = True
+        _set(self.held, jid, gpus)
+        _set(self.sizes, jid, len(gpus))
         self._idle.pop(jid, None)
         self._refree(job.gpus)
 
@@ -86,11 +96,13 @@ class ViewCache:
         """Forget the GPUs ``job`` holds (before they change or are freed)."""
         if not job.gpus:
             return
-        self._own()
+        if self._shared:
+            self._own()
         jid, owner = job.spec.job_id, self.owner
         for g in job.gpus:
             del owner[g]
-        self.used[list(job.gpus)] = False
+        if self.used is not None:
+            self.used[list(job.gpus)] = False
         _pop(self.held, jid, None)
         _pop(self.sizes, jid, None)
         self._idle[jid] = None  # out of arrival order if it stays idle (see snapshot)
@@ -112,7 +124,8 @@ class ViewCache:
     # -- job life ----------------------------------------------------------------
     def arrive(self, job: SimJob) -> None:
         jid = job.spec.job_id
-        self._own()
+        if self._shared:
+            self._own()
         self._arrivals += 1
         _set(self.seq, jid, self._arrivals)
         self._idle[jid] = None
@@ -124,7 +137,8 @@ class ViewCache:
     def leave(self, job: SimJob) -> None:
         """``job`` completed or was dropped."""
         jid = job.spec.job_id
-        self._own()
+        if self._shared:
+            self._own()
         _pop(self.seq, jid)
         self._idle.pop(jid, None)
         del self.views[jid], self.tags[jid]
@@ -186,11 +200,13 @@ class ViewCache:
             jobs = LazyJobs(ids, tuple(self._idle), idle, rows)
             from_rows = {"view_of": _ById(jobs), "holders_running": rows.all_running()}
         snap = Snapshot(now=now, cluster=cluster, jobs=jobs, profiles=profiles, overheads=overheads)
-        return snap.indexed(held=held, sizes=self.sizes, ids=ids, free=tuple(self.free),
-                            by_free=tuple(map(tuple, self.by_free)),
-                            submitted=tuple([views[jid] for jid in self.submitted]),
-                            idle=idle, positions=self.seq, used_mask=self._used_mask(), **from_rows)
-
+        snap.indexed(held=held, sizes=self.sizes, ids=ids, free=tuple(self.free),
+                     by_free=tuple(map(tuple, self.by_free)),
+                     submitted=tuple([views[jid] for jid in self.submitted]),
+                     idle=idle, positions=self.seq, **from_rows)
+        if self.used is not None:
+            snap.indexed(used_mask=self._used_mask())
+        return snap
 
     def _used_mask(self) -> np.ndarray:
         mask = self.used.copy()

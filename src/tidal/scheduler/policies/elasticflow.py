@@ -208,14 +208,24 @@ class ElasticFlow(Policy):
     ) -> bool:
         """Does the stored plan still deliver the remaining work (plus ``slack``
         seconds of work at its current rate) by the deadline?"""
-        need = j.remaining * (1 + 1e-9) + EPS + slack * lv.rate_of(count_at(segs, snap.now) or len(j.gpus))
+        return self._delivers(snap, j, segs, lv, costs) >= self._needs(snap, j, segs, lv, (slack,))[0]
+
+    @staticmethod
+    def _needs(snap: Snapshot, j: JobView, segs: Segments, lv: Levels, slacks: tuple[float, ...]) -> list[float]:
+        """The work :meth:`_on_track` asks of a stored plan, per slack."""
+        rate = lv.rate_of(count_at(segs, snap.now) or len(j.gpus))
+        base = j.remaining * (1 + 1e-9) + EPS
+        return [base + slack * rate for slack in slacks]
+
+    @staticmethod
+    def _delivers(snap: Snapshot, j: JobView, segs: Segments, lv: Levels, costs: Costs) -> float:
+        """The work a stored plan still delivers by the deadline."""
         if len(segs) == 2 and segs[0][0] <= snap.now and segs[0][1] == len(j.gpus):
             # the common case: one count from before now to the release, held now
             r = lv.rate_of(segs[0][1])
-            return r * (min(segs[1][0], j.spec.deadline) - snap.now - dead_time(snap, j, costs)) >= need
-        got = deliverable(segs, snap.now, float(j.spec.deadline), lv, j.size, j.executed > 0, costs,
-                          dead_time(snap, j, costs))
-        return got >= need
+            return r * (min(segs[1][0], j.spec.deadline) - snap.now - dead_time(snap, j, costs))
+        return deliverable(segs, snap.now, float(j.spec.deadline), lv, j.size, j.executed > 0, costs,
+                           dead_time(snap, j, costs))
 
     # -- the three steps ------------------------------------------------------
     def schedule(self, snap: Snapshot) -> Plan:
@@ -312,15 +322,19 @@ class ElasticFlow(Policy):
         kept: list[JobView] = []
         thin: list[JobView] = []
         margin = self.reserve_rescales * costs.migrate
-        for j in guaranteed:
+        for j in guaranteed:  # on track (see _on_track), and without slack for a migration left (thin)?
             segs = j.tags.get("ef_plan")
-            if segs and self._on_track(snap, j, segs, levels[j.job_id], costs):
-                kept.append(j)
-                book.plans[j.job_id] = segs
-                if margin > 0 and not self._on_track(snap, j, segs, levels[j.job_id], costs, margin):
-                    thin.append(j)
-            else:
-                refill.append(j)
+            if segs:
+                lv = levels[j.job_id]
+                got = self._delivers(snap, j, segs, lv, costs)
+                need, need_slack = self._needs(snap, j, segs, lv, (0.0, margin))
+                if got >= need:
+                    kept.append(j)
+                    book.plans[j.job_id] = segs
+                    if margin > 0 and not got >= need_slack:
+                        thin.append(j)
+                    continue
+            refill.append(j)
         if not reserve_all(book.tl, [book.plans[j.job_id] for j in kept]):
             # stored plans collide (should not happen): keep them one by one
             book.tl = Timeline(snap.now, snap.cluster.num_gpus, self.slot)

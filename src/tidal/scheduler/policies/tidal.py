@@ -43,6 +43,7 @@ shortens their average JCT without touching any deadline job's GPUs.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -53,6 +54,7 @@ from tidal.scheduler.timeline import Levels
 
 
 _ID = itemgetter(3)
+_SPEC = itemgetter(0)  # JobView.spec
 _BEST_EFFORT = ("best-effort", "late")
 
 
@@ -86,11 +88,13 @@ class Tidal(ElasticFlow):
         """Guaranteed jobs whose plan, made in this call, ends in the last
         ``tight_slack`` of the time to their deadline."""
         out = set()
-        by_id = {j.job_id: j for j in snap.jobs}
+        pos = snap.positions
         for jid, tags in plan.tags.items():
             segs = tags.get("ef_plan")
-            j = by_id.get(jid)
-            if not segs or tags.get("ef_class") != "guaranteed" or j is None or j.spec.deadline is None:
+            if not segs or tags.get("ef_class") != "guaranteed" or jid not in pos:
+                continue
+            j = snap.view_of[jid]
+            if j.spec.deadline is None:
                 continue
             ddl = float(j.spec.deadline)
             if ddl - segs[-1][0] < self.tight_slack * max(ddl - snap.now, 1e-9):
@@ -102,7 +106,7 @@ class Tidal(ElasticFlow):
         Algorithm 2 again with the guaranteed jobs' split counts as a base."""
         self._pass = _Pass(self._squeezed(snap, plan))
         try:
-            if any(j.spec.deadline is not None for j in snap.jobs):
+            if any(spec.deadline is not None for spec in map(_SPEC, snap.jobs)):
                 split = Plan(admit=plan.admit, drop=plan.drop)
                 super().allocate(snap, split, ctx)
                 self._pass.split = split.allocation
@@ -123,9 +127,10 @@ class Tidal(ElasticFlow):
         for j in jobs:  # guaranteed jobs keep their split; best-effort ones in LAS order
             spec = j.spec
             jid = spec.job_id
-            if spec.deadline is None or j.tags.get("ef_class") in _BEST_EFFORT:  # self._best_effort(j), inlined
-                q = queues[jid] = queue_of(j, th)
-                keyed.append((q, not j.running, spec.submit_time, jid))
+            tags = j.tags
+            if spec.deadline is None or tags.get("ef_class") in _BEST_EFFORT:  # self._best_effort(j), inlined
+                q = queues[jid] = bisect_right(th, j.attained - tags.get("tiresias_base", 0.0))  # queue_of
+                keyed.append((q, not j.state.holds_gpus, spec.submit_time, jid))
             else:
                 n = split.get(jid, 0)
                 if n > bget(jid, 0):
@@ -146,7 +151,9 @@ class Tidal(ElasticFlow):
         p = self._pass
         if p is not None and p.split is None:  # the split
             return self.tight_weight if job.job_id in p.squeezed else 1.0
+        q = p.queues.get(job.spec.job_id) if p is not None and p.queues is not None else None
+        if q is not None:  # a best-effort job the floors saw
+            return 2.0 ** -q
         if not self._best_effort(job):
             return 1.0
-        q = p.queues.get(job.job_id) if p is not None and p.queues is not None else None
         return 2.0 ** -(queue_of(job, self.thresholds) if q is None else q)
