@@ -148,6 +148,9 @@ class BuddyAllocator:
             if o != last and not _count(used[o : o + s]):  # the aligned block around g is free
                 return int(o)
             last = o
+        if (s >= 8 and not near and s & (s - 1) == 0 and s <= self.size and self.cluster.gpus_per_node == 8
+                and used.flags.c_contiguous and not (self._holding and self._held.any())):
+            return self._best_whole_nodes(s)
         offs = self.free_blocks(s)
         if offs.size <= 1:
             if offs.size:
@@ -188,6 +191,25 @@ class BuddyAllocator:
             return int(offs[int(np.argmin(key))])
         order = np.lexsort((offs, sw_free, node_free, par_free, displaced, far))
         return int(offs[order[0]])
+
+    def _best_whole_nodes(self, s: int) -> int | None:
+        """:meth:`best_fit_block`'s usual case for blocks of whole 8-GPU nodes
+        (``s`` a power of two >= 8, nothing held elsewhere, no pieces): the
+        same key (free GPUs in the buddy pair, then in the switch; lowest
+        offset on ties) from the free count of every node."""
+        free8 = 8 - ((self.used.view(np.uint64) * _BYTE_SUM) >> np.uint64(56)).astype(np.int64)
+        cs = free8 if s == 8 else free8.reshape(-1, s // 8).sum(axis=1)  # free GPUs per aligned block
+        blocks = np.flatnonzero(cs == s)
+        if blocks.size <= 1:
+            if blocks.size:
+                return int(blocks[0]) * s
+            self._full_from = min(self._full_from, s)
+            return None
+        sw_sz = 8 * self.cluster.nodes_per_switch
+        key = cs.reshape(-1, 2).sum(axis=1)[blocks >> 1] * (sw_sz + 1)  # 2 s <= size: two blocks exist
+        if self.size % sw_sz == 0:
+            key += free8.reshape(-1, sw_sz // 8).sum(axis=1)[(blocks * s) // sw_sz]
+        return int(blocks[int(np.argmin(key))]) * s
 
     def alloc(self, n: int, prefer: tuple[int, ...] = ()) -> tuple[int, ...] | None:
         """``n`` GPUs as aligned power-of-two blocks, or None (nothing taken).
