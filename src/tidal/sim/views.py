@@ -16,7 +16,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Iterator, Sequence
 from itertools import compress, filterfalse, repeat
-from operator import not_
+from operator import floordiv, not_
 from typing import Any, Mapping
 
 import numpy as np
@@ -111,15 +111,16 @@ class ViewCache:
 
     def _refree(self, gpus: tuple[int, ...]) -> None:
         """Update the free lists of the nodes of ``gpus``."""
-        per, owner = self._per, self.owner
-        for node in {g // per for g in gpus}:
-            new = tuple(filterfalse(owner.__contains__, range(node * per, (node + 1) * per)))
-            old = len(self.free[node])
-            if len(new) != old:
-                nodes = self.by_free[old]
+        per, held, free, by_free = self._per, self.owner.__contains__, self.free, self.by_free
+        for node in set(map(floordiv, gpus, repeat(per))):
+            base = node * per
+            new = tuple(filterfalse(held, range(base, base + per)))
+            old, k = len(free[node]), len(new)
+            if k != old:
+                nodes = by_free[old]
                 del nodes[bisect_left(nodes, node)]
-                insort(self.by_free[len(new)], node)
-            self.free[node] = new
+                insort(by_free[k], node)
+            free[node] = new
 
     # -- job life ----------------------------------------------------------------
     def arrive(self, job: SimJob) -> None:

@@ -208,24 +208,7 @@ class ElasticFlow(Policy):
     ) -> bool:
         """Does the stored plan still deliver the remaining work (plus ``slack``
         seconds of work at its current rate) by the deadline?"""
-        return self._delivers(snap, j, segs, lv, costs) >= self._needs(snap, j, segs, lv, (slack,))[0]
-
-    @staticmethod
-    def _needs(snap: Snapshot, j: JobView, segs: Segments, lv: Levels, slacks: tuple[float, ...]) -> list[float]:
-        """The work :meth:`_on_track` asks of a stored plan, per slack."""
-        rate = lv.rate_of(count_at(segs, snap.now) or len(j.gpus))
-        base = j.remaining * (1 + 1e-9) + EPS
-        return [base + slack * rate for slack in slacks]
-
-    @staticmethod
-    def _delivers(snap: Snapshot, j: JobView, segs: Segments, lv: Levels, costs: Costs) -> float:
-        """The work a stored plan still delivers by the deadline."""
-        if len(segs) == 2 and segs[0][0] <= snap.now and segs[0][1] == len(j.gpus):
-            # the common case: one count from before now to the release, held now
-            r = lv.rate_of(segs[0][1])
-            return r * (min(segs[1][0], j.spec.deadline) - snap.now - dead_time(snap, j, costs))
-        return deliverable(segs, snap.now, float(j.spec.deadline), lv, j.size, j.executed > 0, costs,
-                           dead_time(snap, j, costs))
+        return plan_delivers(snap, j, segs, lv, costs) >= plan_needs(snap, j, segs, lv, (slack,))[0]
 
     # -- the three steps ------------------------------------------------------
     def schedule(self, snap: Snapshot) -> Plan:
@@ -326,8 +309,8 @@ class ElasticFlow(Policy):
             segs = j.tags.get("ef_plan")
             if segs:
                 lv = levels[j.job_id]
-                got = self._delivers(snap, j, segs, lv, costs)
-                need, need_slack = self._needs(snap, j, segs, lv, (0.0, margin))
+                got = plan_delivers(snap, j, segs, lv, costs)
+                need, need_slack = plan_needs(snap, j, segs, lv, (0.0, margin))
                 if got >= need:
                     kept.append(j)
                     book.plans[j.job_id] = segs
@@ -537,6 +520,23 @@ def dead_time(snap: Snapshot, j: JobView, costs: Costs) -> float:
     if busy is not None:
         return max(float(busy) - snap.now, 0.0)
     return costs.worst_change if j.state is JobState.RESIZING else 0.0
+
+
+def plan_needs(snap: Snapshot, j: JobView, segs: Segments, lv: Levels, slacks: tuple[float, ...]) -> list[float]:
+    """The work :meth:`ElasticFlow._on_track` asks of a stored plan, per slack."""
+    rate = lv.rate_of(count_at(segs, snap.now) or len(j.gpus))
+    base = j.remaining * (1 + 1e-9) + EPS
+    return [base + slack * rate for slack in slacks]
+
+
+def plan_delivers(snap: Snapshot, j: JobView, segs: Segments, lv: Levels, costs: Costs) -> float:
+    """The work a stored plan still delivers by the deadline."""
+    if len(segs) == 2 and segs[0][0] <= snap.now and segs[0][1] == len(j.gpus):
+        # the common case: one count from before now to the release, held now
+        r = lv.rate_of(segs[0][1])
+        return r * (min(segs[1][0], j.spec.deadline) - snap.now - dead_time(snap, j, costs))
+    return deliverable(segs, snap.now, float(j.spec.deadline), lv, j.size, j.executed > 0, costs,
+                       dead_time(snap, j, costs))
 
 
 def place_shares_first(snap: Snapshot, plan: Plan, ctx: _Context) -> None:
