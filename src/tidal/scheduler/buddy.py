@@ -283,6 +283,8 @@ def place_buddy(
     holders = list(compress(ids, map(held.__contains__, ids)))
     current = dict(zip(holders, map(held.__getitem__, holders)))  # in snapshot order
     want = {jid: n for jid, n in allocation.items() if n > 0}
+    if want == snap.sizes:  # every job keeps its count and nobody else gets GPUs: all keep their GPUs
+        return current
     if fallback is None:
         fallback = {}
     options: dict[str, list[int]] = {}  # copied from ``fallback`` when a job first fails
