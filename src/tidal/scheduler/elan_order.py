@@ -114,14 +114,25 @@ class StepOrder:
             self.rate2d[x, : len(r)] = r
         self.positive = bool((self.rate2d > 0).all())  # every count runs (the padding is 1)
         self.capped: dict[tuple[int, int, int], tuple[float, int]] = {}  # (job, count index, free) -> step
-        self.thr = np.array([1e-9 * max(1.0, j.remaining) for j in self.jobs])
+        self.lows_np = np.array(self.lows, dtype=np.int64)
+        self.counts2d = np.zeros((len(self.jobs), width), dtype=np.int64)
+        for x, c in enumerate(self.counts):
+            self.counts2d[x, : len(c)] = c
+        self._job_arrays()
+
+    def _job_arrays(self) -> None:
+        """The arrays of the jobs' state: remaining work (and the exact
+        loop's completion tolerance on it), GPUs held by running jobs."""
+        self.rem_np = np.array([j.remaining for j in self.jobs], dtype=float)
+        self.thr = 1e-9 * np.maximum(1.0, self.rem_np)
+        self.size_np = np.array([j.size if j.running else 0 for j in self.jobs], dtype=np.int64)
 
     def with_jobs(self, jobs: Sequence[OrderJob]) -> StepOrder:
         """This order for the same jobs at another time (their remaining work
         and GPUs held): the job-independent arrays are shared."""
         o = copy.copy(self)
         o.jobs = list(jobs)
-        o.thr = np.array([1e-9 * max(1.0, j.remaining) for j in o.jobs])
+        o._job_arrays()
         return o
 
     def prefix(self, present: np.ndarray, free: int) -> tuple[list[int], int, int]:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.elan_cache import ElanCache, JobTable
 from tidal.scheduler.elan_order import OrderJob, StepOrder, job_steps
+from tidal.scheduler.elan_event import decided, event_pair
 from tidal.scheduler.elan_pair import fluid_pair
 from tidal.scheduler.estimate import rigid_count
 
@@ -245,7 +246,13 @@ def adds_no_jct(rates: Rates, active: list[JobView], w: JobView, total: int,
         return False
     ov = rates.snap.overheads
     cost = ov.stop_resume_s if ov.mode == "stop-resume" else ov.pause_s
-    with_w, without = fluid_pair(order, xs, order.index[w.job_id], total, cost)
+    x = order.index[w.job_id]
+    if order.positive:  # the event-driven estimate, trusted where it decides by a wide margin
+        sums = event_pair(order, xs, x, total, cost)
+        verdict = None if sums is None else decided(*sums)
+        if verdict is not None:
+            return verdict
+    with_w, without = fluid_pair(order, xs, x, total, cost)
     return with_w <= without * (1 + 1e-9)
 
 

@@ -1,0 +1,310 @@
+"""Elan's fluid admission estimate, event-driven (used only by
+:mod:`tidal.scheduler.policies.elan`).
+
+The estimate of Elan's admission test (§VI-C) re-applies the allocation rule
+at every completion (:func:`~tidal.scheduler.elan_order.fluid_sum`), and
+there every completion updates every live job's remaining work. Here a job's
+remaining work is kept as of the last change of its speed
+(``rem(t) = rem0 - speed * (t - t0)``) and its completion time sits in a
+heap, so a completion costs only the jobs whose speed it changes.
+
+Which jobs those are follows from the step order
+(:class:`~tidal.scheduler.elan_order.StepOrder`): the rule's prefix and its
+last steps (the tail) together take the present jobs' steps in the order as
+long as each fits in the GPUs left. A completion only returns GPUs, so the
+steps taken stay taken and the rule goes on from the first step not taken:
+the jobs whose speed changes are those whose steps it now takes. When a step
+does not fit while GPUs are left, the rule's tail re-runs its heap with
+capped steps; this module does not follow that case and reports it (the
+policy then runs the exact estimate). Once every present job's steps are
+taken no speed changes again, and the completion times left are summed as
+they stand.
+
+The test's two runs (w started now; w waiting for the first completion) are
+run side by side as in :mod:`tidal.scheduler.elan_pair`: while they hold the
+same jobs the rule is followed once for both, and each run moves its own
+clock and the speeds that change; where their completions differ each run
+goes on alone until they hold the same jobs again.
+
+The arithmetic is not the exact loop's (floats differ in the last bits, and
+jobs that end within the loop's tolerance of one another end one after the
+other here), so the policy trusts these sums only when they decide the test
+by a wide margin (:func:`decided`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from typing import Sequence
+
+import numpy as np
+
+from tidal.scheduler.elan_order import StepOrder
+
+MARGIN = 1e-7  # relative gap between the two sums below which the exact estimate decides
+
+
+class Capped(Exception):
+    """The rule's tail needs capped steps: not followed here."""
+
+
+class _Alloc:
+    """The allocation side of a run (shared by both runs while they agree):
+    the jobs present, each one's count index, the first step not taken, the
+    GPUs left, the min_res sum, the live count, the job waiting to join."""
+
+    __slots__ = ("present", "eff", "ptr", "left", "lows", "live", "late")
+
+    def __init__(self, present: list[bool], eff: list[int], ptr: int, left: int, lows: int, live: int,
+                 late: int | None) -> None:
+        self.present, self.eff, self.ptr, self.left = present, eff, ptr, left
+        self.lows, self.live, self.late = lows, live, late
+
+    def copy(self) -> _Alloc:
+        return _Alloc(self.present.copy(), self.eff.copy(), self.ptr, self.left, self.lows, self.live, self.late)
+
+    def same(self, o: _Alloc) -> bool:
+        """The same jobs at the same counts."""
+        return (self.late is None and o.late is None and self.live == o.live and self.left == o.left
+                and self.eff == o.eff and self.present == o.present)
+
+
+class _Run:
+    """One run's clocks: each job's remaining work as of ``t0``, its speed and
+    completion time, the heap of completion times, the sum so far."""
+
+    __slots__ = ("rem", "t0", "spd", "fin", "heap", "acc", "al", "result")
+
+    def __init__(self, rem: np.ndarray, spd: np.ndarray, t: float, al: _Alloc) -> None:
+        fin = (t + rem / spd).tolist()
+        self.rem, self.spd, self.fin, self.t0, self.al = rem.tolist(), spd.tolist(), fin, [t] * len(fin), al
+        self.heap = [(fin[x], x) for x in itertools.compress(range(len(fin)), al.present)]
+        heapq.heapify(self.heap)
+        self.acc = 0.0
+        self.result: float | None = None
+
+    def peek(self) -> tuple[float, int]:
+        """The next completion (stale heap entries dropped)."""
+        heap, fin, present = self.heap, self.fin, self.al.present
+        while heap:
+            t, x = heap[0]
+            if present[x] and fin[x] == t:
+                return t, x
+            heapq.heappop(heap)
+        return math.inf, -1
+
+    def quiet_sum(self) -> float:
+        """The sum once no speed changes: the completion times as they stand."""
+        return self.acc + sum(itertools.compress(self.fin, self.al.present))
+
+
+def decided(with_w: float, without: float) -> bool | None:
+    """Elan's test on the two sums (``with_w <= without * (1 + 1e-9)``), or
+    None when they are within :data:`MARGIN` of that bound."""
+    bound = without * (1 + 1e-9)
+    if not (math.isfinite(with_w) and math.isfinite(bound)) or abs(with_w - bound) <= MARGIN * abs(bound):
+        return None
+    return with_w <= bound
+
+
+def event_pair(order: StepOrder, members: Sequence[int], w: int, total: int,
+               shrink_cost: float) -> tuple[float, float] | None:
+    """``(fluid_sum(order, members + [w], total, None, c), fluid_sum(order,
+    members, total, w, c))`` up to rounding (module docstring), or None
+    where the rule's tail needs capped steps. ``order.positive`` must hold."""
+    try:
+        a = _start(order, list(members) + [w], total, None, shrink_cost)
+        b = _start(order, members, total, w, shrink_cost)
+        while a.result is None or b.result is None:
+            if a.al is b.al:
+                _together(order, a, b, total)
+                continue
+            for r in (a, b):
+                if r.result is None:
+                    _alone(order, r, total)
+            if a.result is None and b.result is None and a.al.same(b.al):
+                a.al.ptr = max(a.al.ptr, b.al.ptr)
+                b.al = a.al
+    except Capped:
+        return None
+    return a.result, b.result  # type: ignore[return-value]
+
+
+def _together(order: StepOrder, a: _Run, b: _Run, total: int) -> None:
+    """Completions of both runs while they end the same job next (one
+    :func:`_event` for both, written out); on a different one, ``b`` gets
+    its own copy of the allocation."""
+    al = a.al
+    present, eff = al.present, al.eff
+    oj, ot, on, rs, counts, lowv, end = order.oj, order.ot, order.on, order.rs, order.counts, order.lows, len(order.oj)
+    ha, fa, ra, t0a, sa = a.heap, a.fin, a.rem, a.t0, a.spd
+    hb, fb, rb, t0b, sb = b.heap, b.fin, b.rem, b.t0, b.spd
+    pop, push = heapq.heappop, heapq.heappush
+    ptr, left, live, lows, acc_a, acc_b = al.ptr, al.left, al.live, al.lows, a.acc, b.acc
+    while True:
+        if ptr >= end:
+            a.result = acc_a + sum(itertools.compress(fa, present))
+            b.result = acc_b + sum(itertools.compress(fb, present))
+            break
+        ta, xa = ha[0]
+        while not present[xa] or fa[xa] != ta:
+            pop(ha)
+            ta, xa = ha[0]
+        tb, xb = hb[0]
+        while not present[xb] or fb[xb] != tb:
+            pop(hb)
+            tb, xb = hb[0]
+        if xa != xb:
+            break
+        pop(ha)
+        pop(hb)
+        acc_a += ta
+        acc_b += tb
+        present[xa] = False
+        live -= 1
+        left += counts[xa][eff[xa]]
+        lows -= lowv[xa]
+        eff[xa] = 0
+        if not live:
+            a.result, b.result = acc_a, acc_b
+            break
+        changed = []
+        while ptr < end:
+            y = oj[ptr]
+            if present[y]:
+                n = on[ptr]
+                if n > left:
+                    if left:
+                        raise Capped
+                    break
+                eff[y] = ot[ptr]
+                left -= n
+                changed.append(y)
+            ptr += 1
+        for y in changed:
+            s = rs[y][eff[y]]
+            if s != sa[y]:
+                v = ra[y] - sa[y] * (ta - t0a[y])
+                ra[y], t0a[y], sa[y] = v, ta, s
+                fa[y] = f = ta + v / s
+                push(ha, (f, y))
+            if s != sb[y]:
+                v = rb[y] - sb[y] * (tb - t0b[y])
+                rb[y], t0b[y], sb[y] = v, tb, s
+                fb[y] = f = tb + v / s
+                push(hb, (f, y))
+    al.ptr, al.left, al.live, al.lows, a.acc, b.acc = ptr, left, live, lows, acc_a, acc_b
+    if a.result is None:
+        b.al = al.copy()
+
+
+def _alone(order: StepOrder, r: _Run, total: int) -> None:
+    """One completion of run ``r`` by itself."""
+    al = r.al
+    if al.ptr >= len(order.oj) and al.late is None:
+        r.result = r.quiet_sum()
+        return
+    t, x = r.peek()
+    heapq.heappop(r.heap)
+    r.acc += t
+    _event(order, al, ((r, t),), x, total)
+    if not al.live:
+        r.result = r.acc if al.late is None else math.inf
+
+
+def _scratch(order: StepOrder, mask: np.ndarray, lows: int, total: int) -> tuple[np.ndarray, int, int]:
+    """The rule for the jobs in ``mask``: each one's count index, the first
+    step not taken and the GPUs left (raises :class:`Capped`)."""
+    pos, ptr, free = order.prefix_np(mask, total - lows)
+    if 0 < free < order.lookahead:
+        oj, ot, on, end = order.oj, order.ot, order.on, len(order.oj)
+        while ptr < end:
+            x = oj[ptr]
+            if mask[x]:
+                if on[ptr] > free:
+                    if free:
+                        raise Capped
+                    break
+                pos[x] = ot[ptr]
+                free -= on[ptr]
+            ptr += 1
+    return pos, ptr, free
+
+
+def _start(order: StepOrder, members: Sequence[int], total: int, late: int | None, cost: float) -> _Run:
+    """A run at time 0, running jobs that start below the GPUs they hold
+    charged the shrink cost."""
+    n = len(order.jobs)
+    mask = np.zeros(n, dtype=bool)
+    mask[list(members)] = True
+    lows = int(order.lows_np[mask].sum())
+    pos, ptr, left = _scratch(order, mask, lows, total)
+    idx = np.arange(n)
+    spd = order.rate2d[idx, pos]
+    rem = np.where(mask, order.rem_np, math.inf)
+    squeezed = mask & (order.counts2d[idx, pos] < order.size_np)
+    rem += np.where(squeezed, cost * spd, 0.0)
+    al = _Alloc(mask.tolist(), pos.tolist(), ptr, left, lows, len(members), late)
+    return _Run(rem, spd, 0.0, al)
+
+
+def _event(order: StepOrder, al: _Alloc, runs: tuple[tuple[_Run, float], ...], x: int, total: int) -> None:
+    """Job ``x`` ends in ``runs`` (each at its own time), which share ``al``:
+    the waiting job joins, or the rule takes the steps that now fit, and
+    their jobs' new speeds are set in every run."""
+    present, eff = al.present, al.eff
+    present[x] = False
+    al.live -= 1
+    left = al.left + order.counts[x][eff[x]]
+    al.lows -= order.lows[x]
+    eff[x] = 0
+    if al.late is not None and al.lows + order.lows[al.late] <= total:
+        al.left = left
+        _join(order, al, runs[0][0], runs[0][1], total)
+        return
+    oj, ot, on, end = order.oj, order.ot, order.on, len(order.oj)
+    ptr = al.ptr
+    changed = []
+    while ptr < end:
+        y = oj[ptr]
+        if present[y]:
+            n = on[ptr]
+            if n > left:
+                if left:
+                    raise Capped
+                break
+            eff[y] = ot[ptr]
+            left -= n
+            changed.append(y)
+        ptr += 1
+    al.ptr, al.left = ptr, left
+    if not changed:
+        return
+    rs, push = order.rs, heapq.heappush
+    for r, t in runs:
+        rem, t0, spd, fin, heap = r.rem, r.t0, r.spd, r.fin, r.heap
+        for y in changed:
+            s = rs[y][eff[y]]
+            if s != spd[y]:
+                v = rem[y] - spd[y] * (t - t0[y])
+                rem[y], t0[y], spd[y] = v, t, s
+                fin[y] = f = t + v / s
+                push(heap, (f, y))
+
+
+def _join(order: StepOrder, al: _Alloc, r: _Run, t: float, total: int) -> None:
+    """The waiting job starts at ``t``: the rule from scratch, every present
+    job's remaining work brought to ``t`` at its new speed."""
+    w, al.late = al.late, None
+    al.present[w] = True
+    al.live += 1
+    al.lows += order.lows[w]
+    mask = np.array(al.present, dtype=bool)
+    pos, al.ptr, al.left = _scratch(order, mask, al.lows, total)
+    rem = np.array(r.rem) - np.array(r.spd) * (t - np.array(r.t0))
+    rem[w] = order.jobs[w].remaining
+    al.eff[:] = pos.tolist()
+    fresh = _Run(np.where(mask, rem, math.inf), order.rate2d[np.arange(len(mask)), pos], t, al)
+    r.rem, r.spd, r.fin, r.t0, r.heap = fresh.rem, fresh.spd, fresh.fin, fresh.t0, fresh.heap
