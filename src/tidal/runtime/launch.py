@@ -12,13 +12,16 @@ The master's address is written to ``$TIDAL_HOME/jobs/<job>.json`` (default
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from tidal import settings
 from tidal.net import advertise_addr, bind_addr
@@ -281,14 +284,16 @@ def run_job(
     watch = _RunWatch(master, spawner, out, t0, join_s)
     rc = 0
     try:
-        if not host_master(master, stop=watch.stop, on_status=watch.on_status, on_hung=watch.on_hung,
-                           status_every_s=progress_every_s, timeout_s=timeout_s) or watch.failure:
-            out(f"tidal run: {watch.failure or 'timeout'}; stopping the job")
-            spawner.terminate()
-            rc = 1
-    except KeyboardInterrupt:
+        with _terminated_as_interrupt():
+            if not host_master(master, stop=watch.stop, on_status=watch.on_status, on_hung=watch.on_hung,
+                               status_every_s=progress_every_s, timeout_s=timeout_s) or watch.failure:
+                out(f"tidal run: {watch.failure or 'timeout'}; stopping the job")
+                spawner.terminate()
+                rc = 1
+    except KeyboardInterrupt as e:
+        rc = 143 if isinstance(e, _Terminated) else 130
+        out(f"tidal run: {'SIGTERM' if rc == 143 else 'interrupted (Ctrl-C)'}; stopping the workers")
         spawner.terminate()
-        rc = 130
     finally:
         spawner.spares.close()
         st = master.status()
@@ -300,6 +305,29 @@ def run_job(
         out(f"tidal run: job {job} did not finish ({st.state}): every worker exited (exit codes {codes})")
     _summary(job, st, master, time.time() - t0, out)
     return _run_code(rc, watch, spawner, out)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM reached the launcher (a batch system stopping it)."""
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupt() -> Iterator[None]:
+    """SIGTERM stops the job as Ctrl-C does (the workers, in sessions of their
+    own, get neither signal from a terminal: the launcher stops them). Only
+    in the main thread, where Python handles signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:  # noqa: ARG001
+        raise _Terminated
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _run_code(rc: int, watch: _RunWatch, spawner: LocalSpawner, out: Callable[[str], None]) -> int:

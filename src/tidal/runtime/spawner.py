@@ -181,8 +181,13 @@ class LocalSpawner:
 
     def _popen(self, argv: list[str], env: dict[str, str], stdin: int | None = None,
                pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
-        """A process whose stderr is passed on to ours, its last lines kept."""
-        p = subprocess.Popen(argv, env=env, stdin=stdin, stderr=subprocess.PIPE, pass_fds=pass_fds)
+        """A process whose stderr is passed on to ours, its last lines kept. It
+        runs in a session of its own, as torchrun's workers do: a terminal's
+        Ctrl-C reaches the launcher only, which stops the workers in order
+        (:meth:`terminate`), and where the kernel groups CPU time by session
+        (autogroup) each worker is scheduled like a torchrun worker."""
+        p = subprocess.Popen(argv, env=env, stdin=stdin, stderr=subprocess.PIPE, pass_fds=pass_fds,
+                             start_new_session=True)
         tail: deque[str] = deque(maxlen=8)
         relay = threading.Thread(target=_relay, args=(p.stderr, tail), name=f"tidal-stderr-{p.pid}", daemon=True)
         relay.start()
