@@ -122,6 +122,7 @@ def test_a_scale_out_under_tidal_run_starts_from_a_warm_spare(tmp_path: Path) ->
     assert not left, left
 
 
+@pytest.mark.slow  # ~10 s; by default the spares' own test covers the warm-up and the run
 @pytest.mark.timeout(120)
 def test_an_agents_gated_process_warms_the_same_way_and_runs_once_the_gate_opens(tmp_path: Path) -> None:
     (tmp_path / "helper_mod.py").write_text("import os\nWHO = os.environ.get('X')\n")
