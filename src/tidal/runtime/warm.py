@@ -226,7 +226,10 @@ def main(argv: list[str] | None = None) -> None:
     sys.modules.setdefault("tidal.runtime.warm", sys.modules[__name__])  # one module, however it was started
     warm_up(script)
     if ready >= 0:
-        os.write(ready, b"1")  # the launcher can tell the user a scale-out starts warm now
+        try:
+            os.write(ready, b"1")  # the launcher can tell the user a scale-out starts warm now
+        except OSError:
+            pass  # granted before it was warm: the launcher closed its end
         os.close(ready)
     line = sys.stdin.readline()
     if not line.strip():
