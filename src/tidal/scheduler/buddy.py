@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _BYTE_SUM = np.uint64(0x0101010101010101)
 _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # block size -> word of that many bools
+_BYTE_ONES = {2: 0x0101, 4: 0x01010101}  # times a word of bools: their sum in the top byte
 _OR, _count = np.bitwise_or.reduce, np.count_nonzero  # C-level, without ndarray.any's Python wrapper
 
 
@@ -148,9 +149,9 @@ class BuddyAllocator:
             if o != last and not _count(used[o : o + s]):  # the aligned block around g is free
                 return int(o)
             last = o
-        if (s >= 8 and not near and s & (s - 1) == 0 and s <= self.size and self.cluster.gpus_per_node == 8
+        if (not near and s & (s - 1) == 0 and s <= self.size and self.cluster.gpus_per_node == 8
                 and used.flags.c_contiguous and not (self._holding and self._held.any())):
-            return self._best_whole_nodes(s)
+            return self._best_whole_nodes(s) if s >= 8 else self._best_in_node(s)
         offs = self.free_blocks(s)
         if offs.size <= 1:
             if offs.size:
@@ -210,6 +211,31 @@ class BuddyAllocator:
         if self.size % sw_sz == 0:
             key += free8.reshape(-1, sw_sz // 8).sum(axis=1)[(blocks * s) // sw_sz]
         return int(blocks[int(np.argmin(key))]) * s
+
+    def _best_in_node(self, s: int) -> int | None:
+        """:meth:`best_fit_block`'s usual case for blocks within an 8-GPU node
+        (``s`` 1, 2 or 4): the same key (free GPUs in the buddy pair, node,
+        switch; lowest offset on ties) read at the free blocks only."""
+        used = self.used
+        offs = np.flatnonzero(used.view(_WORD[s]) == 0) * s
+        if offs.size <= 1:
+            if offs.size:
+                return int(offs[0])
+            self._full_from = min(self._full_from, s)
+            return None
+        node_used = (used.view(np.uint64) * _BYTE_SUM) >> np.uint64(56)
+        p = 2 * s
+        if p == 8:
+            par_free = 8 - node_used[offs >> 3].astype(np.int64)
+        else:
+            word = used.view(_WORD[p])
+            par_free = p - ((word * _WORD[p](_BYTE_ONES[p])) >> _WORD[p](8 * p - 8))[offs // p].astype(np.int64)
+        sw_sz = 8 * self.cluster.nodes_per_switch
+        key = par_free * (9 * (sw_sz + 1)) + (8 - node_used[offs >> 3].astype(np.int64)) * (sw_sz + 1)
+        if self.size % sw_sz == 0:
+            sw_free = sw_sz - node_used.astype(np.int64).reshape(-1, sw_sz // 8).sum(axis=1)
+            key += sw_free[offs // sw_sz]
+        return int(offs[int(np.argmin(key))])
 
     def alloc(self, n: int, prefer: tuple[int, ...] = ()) -> tuple[int, ...] | None:
         """``n`` GPUs as aligned power-of-two blocks, or None (nothing taken).
