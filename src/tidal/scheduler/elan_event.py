@@ -53,22 +53,19 @@ class Capped(Exception):
 class _Alloc:
     """The allocation side of a run (shared by both runs while they agree):
     the jobs present, each one's count index, the first step not taken, the
-    GPUs left, the min_res sum, the live count, the job waiting to join."""
+    GPUs left, the live count."""
 
-    __slots__ = ("present", "eff", "ptr", "left", "lows", "live", "late")
+    __slots__ = ("present", "eff", "ptr", "left", "live")
 
-    def __init__(self, present: list[bool], eff: list[int], ptr: int, left: int, lows: int, live: int,
-                 late: int | None) -> None:
-        self.present, self.eff, self.ptr, self.left = present, eff, ptr, left
-        self.lows, self.live, self.late = lows, live, late
+    def __init__(self, present: list[bool], eff: list[int], ptr: int, left: int, live: int) -> None:
+        self.present, self.eff, self.ptr, self.left, self.live = present, eff, ptr, left, live
 
     def copy(self) -> _Alloc:
-        return _Alloc(self.present.copy(), self.eff.copy(), self.ptr, self.left, self.lows, self.live, self.late)
+        return _Alloc(self.present.copy(), self.eff.copy(), self.ptr, self.left, self.live)
 
     def same(self, o: _Alloc) -> bool:
         """The same jobs at the same counts."""
-        return (self.late is None and o.late is None and self.live == o.live and self.left == o.left
-                and self.eff == o.eff and self.present == o.present)
+        return self.live == o.live and self.left == o.left and self.eff == o.eff and self.present == o.present
 
 
 class _Run:
@@ -77,11 +74,12 @@ class _Run:
 
     __slots__ = ("rem", "t0", "spd", "fin", "heap", "acc", "al", "result")
 
-    def __init__(self, rem: np.ndarray, spd: np.ndarray, t: float, al: _Alloc) -> None:
-        fin = (t + rem / spd).tolist()
-        self.rem, self.spd, self.fin, self.t0, self.al = rem.tolist(), spd.tolist(), fin, [t] * len(fin), al
-        self.heap = [(fin[x], x) for x in itertools.compress(range(len(fin)), al.present)]
-        heapq.heapify(self.heap)
+    def __init__(self, rem: np.ndarray, spd: np.ndarray, t: float, al: _Alloc, mask: np.ndarray) -> None:
+        fin = t + rem / spd
+        idx = np.flatnonzero(mask)
+        by = np.argsort(fin[idx], kind="stable")  # a sorted list is a heap
+        self.heap = list(zip(fin[idx][by].tolist(), idx[by].tolist()))
+        self.rem, self.spd, self.fin, self.t0, self.al = rem.tolist(), spd.tolist(), fin.tolist(), [t] * len(fin), al
         self.acc = 0.0
         self.result: float | None = None
 
@@ -115,34 +113,33 @@ def event_pair(order: StepOrder, members: Sequence[int], w: int, total: int,
     members, total, w, c))`` up to rounding (module docstring), or None
     where the rule's tail needs capped steps. ``order.positive`` must hold."""
     try:
-        a = _start(order, list(members) + [w], total, None, shrink_cost)
-        b = _start(order, members, total, w, shrink_cost)
+        a = _start(order, list(members) + [w], total, shrink_cost)
+        b = _start_late(order, members, w, total, shrink_cost)
+        _alone(order, a)  # b has had its first completion, where w joined
         while a.result is None or b.result is None:
-            if a.al is b.al:
-                _together(order, a, b, total)
-                continue
-            for r in (a, b):
-                if r.result is None:
-                    _alone(order, r, total)
             if a.result is None and b.result is None and a.al.same(b.al):
                 a.al.ptr = max(a.al.ptr, b.al.ptr)
                 b.al = a.al
+                _together(order, a, b)  # returns done, or with b.al a copy where they differ
+            for r in (a, b):
+                if r.result is None:
+                    _alone(order, r)
     except Capped:
         return None
     return a.result, b.result  # type: ignore[return-value]
 
 
-def _together(order: StepOrder, a: _Run, b: _Run, total: int) -> None:
+def _together(order: StepOrder, a: _Run, b: _Run) -> None:
     """Completions of both runs while they end the same job next (one
     :func:`_event` for both, written out); on a different one, ``b`` gets
     its own copy of the allocation."""
     al = a.al
     present, eff = al.present, al.eff
-    oj, ot, on, rs, counts, lowv, end = order.oj, order.ot, order.on, order.rs, order.counts, order.lows, len(order.oj)
+    oj, ot, on, rs, counts, end = order.oj, order.ot, order.on, order.rs, order.counts, len(order.oj)
     ha, fa, ra, t0a, sa = a.heap, a.fin, a.rem, a.t0, a.spd
     hb, fb, rb, t0b, sb = b.heap, b.fin, b.rem, b.t0, b.spd
     pop, push = heapq.heappop, heapq.heappush
-    ptr, left, live, lows, acc_a, acc_b = al.ptr, al.left, al.live, al.lows, a.acc, b.acc
+    ptr, left, live, acc_a, acc_b = al.ptr, al.left, al.live, a.acc, b.acc
     while True:
         if ptr >= end:
             a.result = acc_a + sum(itertools.compress(fa, present))
@@ -165,7 +162,6 @@ def _together(order: StepOrder, a: _Run, b: _Run, total: int) -> None:
         present[xa] = False
         live -= 1
         left += counts[xa][eff[xa]]
-        lows -= lowv[xa]
         eff[xa] = 0
         if not live:
             a.result, b.result = acc_a, acc_b
@@ -195,23 +191,23 @@ def _together(order: StepOrder, a: _Run, b: _Run, total: int) -> None:
                 rb[y], t0b[y], sb[y] = v, tb, s
                 fb[y] = f = tb + v / s
                 push(hb, (f, y))
-    al.ptr, al.left, al.live, al.lows, a.acc, b.acc = ptr, left, live, lows, acc_a, acc_b
+    al.ptr, al.left, al.live, a.acc, b.acc = ptr, left, live, acc_a, acc_b
     if a.result is None:
         b.al = al.copy()
 
 
-def _alone(order: StepOrder, r: _Run, total: int) -> None:
+def _alone(order: StepOrder, r: _Run) -> None:
     """One completion of run ``r`` by itself."""
     al = r.al
-    if al.ptr >= len(order.oj) and al.late is None:
+    if al.ptr >= len(order.oj):
         r.result = r.quiet_sum()
         return
     t, x = r.peek()
     heapq.heappop(r.heap)
     r.acc += t
-    _event(order, al, ((r, t),), x, total)
+    _event(order, al, ((r, t),), x)
     if not al.live:
-        r.result = r.acc if al.late is None else math.inf
+        r.result = r.acc
 
 
 def _scratch(order: StepOrder, mask: np.ndarray, lows: int, total: int) -> tuple[np.ndarray, int, int]:
@@ -233,37 +229,62 @@ def _scratch(order: StepOrder, mask: np.ndarray, lows: int, total: int) -> tuple
     return pos, ptr, free
 
 
-def _start(order: StepOrder, members: Sequence[int], total: int, late: int | None, cost: float) -> _Run:
-    """A run at time 0, running jobs that start below the GPUs they hold
-    charged the shrink cost."""
-    n = len(order.jobs)
-    mask = np.zeros(n, dtype=bool)
-    mask[list(members)] = True
+def _begin(order: StepOrder, mask: np.ndarray, total: int, cost: float) -> tuple:
+    """The rule for the jobs in ``mask`` at time 0 (:func:`_scratch`), their
+    speeds, and their remaining work with the shrink cost charged to running
+    jobs that start below the GPUs they hold."""
     lows = int(order.lows_np[mask].sum())
     pos, ptr, left = _scratch(order, mask, lows, total)
-    idx = np.arange(n)
+    idx = np.arange(len(mask))
     spd = order.rate2d[idx, pos]
     rem = np.where(mask, order.rem_np, math.inf)
     squeezed = mask & (order.counts2d[idx, pos] < order.size_np)
     rem += np.where(squeezed, cost * spd, 0.0)
-    al = _Alloc(mask.tolist(), pos.tolist(), ptr, left, lows, len(members), late)
-    return _Run(rem, spd, 0.0, al)
+    return pos, ptr, left, lows, spd, rem
 
 
-def _event(order: StepOrder, al: _Alloc, runs: tuple[tuple[_Run, float], ...], x: int, total: int) -> None:
+def _start(order: StepOrder, members: Sequence[int], total: int, cost: float) -> _Run:
+    """The run with every member started at time 0."""
+    mask = np.zeros(len(order.jobs), dtype=bool)
+    mask[list(members)] = True
+    pos, ptr, left, lows, spd, rem = _begin(order, mask, total, cost)
+    al = _Alloc(mask.tolist(), pos.tolist(), ptr, left, len(members))
+    return _Run(rem, spd, 0.0, al, mask)
+
+
+def _start_late(order: StepOrder, members: Sequence[int], w: int, total: int, cost: float) -> _Run:
+    """The run where ``w`` waits, after its first completion (numpy: no
+    heap needed before it), where ``w`` joins (raises :class:`Capped` if its
+    min_res does not fit then, a case not followed here)."""
+    mask = np.zeros(len(order.jobs), dtype=bool)
+    mask[list(members)] = True
+    pos, ptr, left, lows, spd, rem = _begin(order, mask, total, cost)
+    fin = rem / spd
+    x = int(np.argmin(fin))  # the heap's first: the earliest, then the smaller index
+    t = float(fin[x])
+    mask[x] = False
+    lows += order.lows[w] - order.lows[x]
+    if lows > total:
+        raise Capped
+    mask[w] = True
+    rem -= spd * t
+    rem[w], rem[x] = order.jobs[w].remaining, math.inf
+    pos, ptr, left = _scratch(order, mask, lows, total)
+    al = _Alloc(mask.tolist(), pos.tolist(), ptr, left, len(members))
+    r = _Run(rem, order.rate2d[np.arange(len(mask)), pos], t, al, mask)
+    r.acc = t
+    return r
+
+
+def _event(order: StepOrder, al: _Alloc, runs: tuple[tuple[_Run, float], ...], x: int) -> None:
     """Job ``x`` ends in ``runs`` (each at its own time), which share ``al``:
-    the waiting job joins, or the rule takes the steps that now fit, and
-    their jobs' new speeds are set in every run."""
+    the rule takes the steps that now fit, and their jobs' new speeds are set
+    in every run."""
     present, eff = al.present, al.eff
     present[x] = False
     al.live -= 1
     left = al.left + order.counts[x][eff[x]]
-    al.lows -= order.lows[x]
     eff[x] = 0
-    if al.late is not None and al.lows + order.lows[al.late] <= total:
-        al.left = left
-        _join(order, al, runs[0][0], runs[0][1], total)
-        return
     oj, ot, on, end = order.oj, order.ot, order.on, len(order.oj)
     ptr = al.ptr
     changed = []
@@ -292,19 +313,3 @@ def _event(order: StepOrder, al: _Alloc, runs: tuple[tuple[_Run, float], ...], x
                 rem[y], t0[y], spd[y] = v, t, s
                 fin[y] = f = t + v / s
                 push(heap, (f, y))
-
-
-def _join(order: StepOrder, al: _Alloc, r: _Run, t: float, total: int) -> None:
-    """The waiting job starts at ``t``: the rule from scratch, every present
-    job's remaining work brought to ``t`` at its new speed."""
-    w, al.late = al.late, None
-    al.present[w] = True
-    al.live += 1
-    al.lows += order.lows[w]
-    mask = np.array(al.present, dtype=bool)
-    pos, al.ptr, al.left = _scratch(order, mask, al.lows, total)
-    rem = np.array(r.rem) - np.array(r.spd) * (t - np.array(r.t0))
-    rem[w] = order.jobs[w].remaining
-    al.eff[:] = pos.tolist()
-    fresh = _Run(np.where(mask, rem, math.inf), order.rate2d[np.arange(len(mask)), pos], t, al)
-    r.rem, r.spd, r.fin, r.t0, r.heap = fresh.rem, fresh.spd, fresh.fin, fresh.t0, fresh.heap
