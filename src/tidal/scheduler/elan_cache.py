@@ -9,7 +9,9 @@ while those inputs stay the same. The cache never changes a decision: an entry
 is used only for the spec it was built from (the same object, or an equal
 one, ``meta`` included; specs are immutable), and a change of profiles,
 cluster size or options empties it. It holds at most ``limit`` jobs; when
-full, the oldest half is dropped.
+full, the oldest half is dropped. Jobs of the same shape (model, batch, GPU
+range, hybrid scaling) have the same counts, rates and steps: a new job's are
+copied from the first table of its shape.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tidal.core.job import JobSpec
 class JobTable:
     """One job's tables (filled by the policy's :class:`Rates`)."""
 
-    __slots__ = ("spec", "counts", "ctup", "rates", "one", "rate_at", "steps")
+    __slots__ = ("spec", "counts", "ctup", "rates", "one", "rate_at", "steps", "shape")
 
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec  # the spec the tables were built from
@@ -32,6 +34,7 @@ class JobTable:
         self.one: float | None = None  # one-GPU rate at the spec's batch
         self.rate_at: dict[int, tuple[float, int]] = {}  # count -> (progress rate, batch)
         self.steps: dict[int, list[tuple]] = {}  # lookahead -> uncapped step sequence
+        self.shape: JobTable = self  # the table its counts and rates were copied from
 
 
 class ElanCache:
@@ -43,6 +46,9 @@ class ElanCache:
         self._profiles: Any = None
         self._context: tuple = ()
         self._jobs: dict[str, JobTable] = {}  # job id -> tables
+        # what a job's counts and rates depend on (model, batch, range, hybrid) -> the first
+        # table built for it: a job of the same shape shares its counts, rates and steps
+        self.shapes: dict[tuple, JobTable] = {}
         # (lookahead, the jobs' tables, the step order built on them): a decision
         # over the very same jobs reuses the order's job-independent part
         self.last_order: tuple[int, list[JobTable], Any] | None = None
@@ -52,6 +58,7 @@ class ElanCache:
         anything else empties the cache."""
         if profiles is not self._profiles or context != self._context:
             self._jobs.clear()
+            self.shapes.clear()
             self.last_order = None
             self._profiles, self._context = profiles, context
 
@@ -69,6 +76,7 @@ class ElanCache:
         elif len(jobs) >= self.limit:
             for key in list(jobs)[: max(1, len(jobs) // 2)]:
                 del jobs[key]
+            self.shapes.clear()
         hit = jobs[spec.job_id] = JobTable(spec)
         return hit
 

@@ -85,7 +85,7 @@ class Rates:
                                     j.running, j.size))
                 seq = t.steps.get(lookahead)
                 if seq is None:
-                    seq = t.steps[lookahead] = job_steps(ojs[-1], lookahead)
+                    seq = t.steps[lookahead] = _steps(t, ojs[-1], lookahead)
                 seqs.append(seq)
             last = self.cache.last_order  # type: ignore[union-attr]
             if last is not None and last[0] == lookahead and len(last[1]) == len(tables) and all(
@@ -100,10 +100,19 @@ class Rates:
     def _table(self, job: JobView) -> JobTable:
         t = self._tables(job.spec)
         if t.rates is None:
+            spec = job.spec
+            key = (spec.model, spec.batch_size, spec.requested_gpus, spec.elastic, spec.min_gpus, spec.max_gpus,
+                   spec.allowed_gpus, self.hybrid(job))
+            src = self.cache.shapes.get(key)  # type: ignore[union-attr]
+            if src is not None and src.rates is not None:
+                t.counts, t.ctup, t.one, t.rates, t.rate_at, t.shape = (src.counts, src.ctup, src.one, src.rates,
+                                                                        src.rate_at, src)
+                return t
             t.counts = self._counts(job, t)
             t.ctup = tuple(t.counts)
             t.one = self.snap.throughput(job, 1) or 1.0
             t.rates = tuple(self._lookup(job, c, t)[0] for c in t.counts)
+            self.cache.shapes[key] = t  # type: ignore[union-attr]
         return t
 
     def _counts(self, job: JobView, t: JobTable) -> list[int]:
@@ -163,6 +172,16 @@ class Rates:
             b = total_batch(self.snap, job, n, self.saturation) if self.hybrid(job) else job.spec.batch_size
             hit = t.rate_at[n] = (self.snap.progress_rate(job, n, b), b)
         return hit
+
+
+def _steps(t: JobTable, j: OrderJob, lookahead: int) -> list[tuple]:
+    """The job's steps (:func:`~tidal.scheduler.elan_order.job_steps`): those
+    of the first table of its shape with its own submit time and id."""
+    src = t.shape.steps.get(lookahead) if t.shape is not t else None
+    if src is None:
+        return job_steps(j, lookahead)
+    head = (j.submit, j.job_id)
+    return [(st[0],) + head + st[3:] for st in src]
 
 
 def _remerge(old_tables: list[JobTable], old: list[tuple], tables: list[JobTable], seqs: list[list[tuple]]) -> list[tuple]:
