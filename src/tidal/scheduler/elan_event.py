@@ -52,20 +52,20 @@ class Capped(Exception):
 
 class _Alloc:
     """The allocation side of a run (shared by both runs while they agree):
-    the jobs present, each one's count index, the first step not taken, the
+    the jobs present, the GPUs each one gets, the first step not taken, the
     GPUs left, the live count."""
 
-    __slots__ = ("present", "eff", "ptr", "left", "live")
+    __slots__ = ("present", "held", "ptr", "left", "live")
 
-    def __init__(self, present: list[bool], eff: list[int], ptr: int, left: int, live: int) -> None:
-        self.present, self.eff, self.ptr, self.left, self.live = present, eff, ptr, left, live
+    def __init__(self, present: list[bool], held: list[int], ptr: int, left: int, live: int) -> None:
+        self.present, self.held, self.ptr, self.left, self.live = present, held, ptr, left, live
 
     def copy(self) -> _Alloc:
-        return _Alloc(self.present.copy(), self.eff.copy(), self.ptr, self.left, self.live)
+        return _Alloc(self.present.copy(), self.held.copy(), self.ptr, self.left, self.live)
 
     def same(self, o: _Alloc) -> bool:
         """The same jobs at the same counts."""
-        return self.live == o.live and self.left == o.left and self.eff == o.eff and self.present == o.present
+        return self.live == o.live and self.left == o.left and self.held == o.held and self.present == o.present
 
 
 class _Run:
@@ -134,40 +134,34 @@ def _together(order: StepOrder, a: _Run, b: _Run) -> None:
     :func:`_event` for both, written out); on a different one, ``b`` gets
     its own copy of the allocation."""
     al = a.al
-    present, eff = al.present, al.eff
-    oj, ot, on, rs, counts, end = order.oj, order.ot, order.on, order.rs, order.counts, len(order.oj)
+    present, held = al.present, al.held
+    oj, on, oc, os_, end = order.oj, order.on, order.oc, order.os, len(order.oj)
     ha, fa, ra, t0a, sa = a.heap, a.fin, a.rem, a.t0, a.spd
     hb, fb, rb, t0b, sb = b.heap, b.fin, b.rem, b.t0, b.spd
     pop, push = heapq.heappop, heapq.heappush
     ptr, left, live, acc_a, acc_b = al.ptr, al.left, al.live, a.acc, b.acc
-    while True:
-        if ptr >= end:
-            a.result = acc_a + sum(itertools.compress(fa, present))
-            b.result = acc_b + sum(itertools.compress(fb, present))
-            break
-        ta, xa = ha[0]
+    while ptr < end:
+        ta, xa = pop(ha)
         while not present[xa] or fa[xa] != ta:
-            pop(ha)
-            ta, xa = ha[0]
-        tb, xb = hb[0]
+            ta, xa = pop(ha)
+        tb, xb = pop(hb)
         while not present[xb] or fb[xb] != tb:
-            pop(hb)
-            tb, xb = hb[0]
+            tb, xb = pop(hb)
         if xa != xb:
+            push(ha, (ta, xa))
+            push(hb, (tb, xb))
             break
-        pop(ha)
-        pop(hb)
         acc_a += ta
         acc_b += tb
         present[xa] = False
         live -= 1
-        left += counts[xa][eff[xa]]
-        eff[xa] = 0
+        left += held[xa]
+        held[xa] = 0
         if not live:
             a.result, b.result = acc_a, acc_b
             break
-        changed = []
-        while ptr < end:
+        new = {}
+        while ptr < end:  # the steps that now fit
             y = oj[ptr]
             if present[y]:
                 n = on[ptr]
@@ -175,22 +169,22 @@ def _together(order: StepOrder, a: _Run, b: _Run) -> None:
                     if left:
                         raise Capped
                     break
-                eff[y] = ot[ptr]
+                held[y] = oc[ptr]
+                new[y] = os_[ptr]
                 left -= n
-                changed.append(y)
             ptr += 1
-        for y in changed:
-            s = rs[y][eff[y]]
-            if s != sa[y]:
-                v = ra[y] - sa[y] * (ta - t0a[y])
-                ra[y], t0a[y], sa[y] = v, ta, s
-                fa[y] = f = ta + v / s
-                push(ha, (f, y))
-            if s != sb[y]:
-                v = rb[y] - sb[y] * (tb - t0b[y])
-                rb[y], t0b[y], sb[y] = v, tb, s
-                fb[y] = f = tb + v / s
-                push(hb, (f, y))
+        for y, s in new.items():  # their jobs' new speeds, in both runs
+            v = ra[y] - sa[y] * (ta - t0a[y])
+            ra[y], t0a[y], sa[y] = v, ta, s
+            fa[y] = f = ta + v / s
+            push(ha, (f, y))
+            v = rb[y] - sb[y] * (tb - t0b[y])
+            rb[y], t0b[y], sb[y] = v, tb, s
+            fb[y] = f = tb + v / s
+            push(hb, (f, y))
+    else:
+        a.result = acc_a + sum(itertools.compress(fa, present))
+        b.result = acc_b + sum(itertools.compress(fb, present))
     al.ptr, al.left, al.live, a.acc, b.acc = ptr, left, live, acc_a, acc_b
     if a.result is None:
         b.al = al.copy()
@@ -205,7 +199,7 @@ def _alone(order: StepOrder, r: _Run) -> None:
     t, x = r.peek()
     heapq.heappop(r.heap)
     r.acc += t
-    _event(order, al, ((r, t),), x)
+    _event(order, al, r, t, x)
     if not al.live:
         r.result = r.acc
 
@@ -243,12 +237,17 @@ def _begin(order: StepOrder, mask: np.ndarray, total: int, cost: float) -> tuple
     return pos, ptr, left, lows, spd, rem
 
 
+def _held(order: StepOrder, mask: np.ndarray, pos: np.ndarray) -> list[int]:
+    """The GPUs each job in ``mask`` gets at count indexes ``pos`` (others: 0)."""
+    return np.where(mask, order.counts2d[np.arange(len(mask)), pos], 0).tolist()
+
+
 def _start(order: StepOrder, members: Sequence[int], total: int, cost: float) -> _Run:
     """The run with every member started at time 0."""
     mask = np.zeros(len(order.jobs), dtype=bool)
     mask[list(members)] = True
     pos, ptr, left, lows, spd, rem = _begin(order, mask, total, cost)
-    al = _Alloc(mask.tolist(), pos.tolist(), ptr, left, len(members))
+    al = _Alloc(mask.tolist(), _held(order, mask, pos), ptr, left, len(members))
     return _Run(rem, spd, 0.0, al, mask)
 
 
@@ -270,24 +269,24 @@ def _start_late(order: StepOrder, members: Sequence[int], w: int, total: int, co
     rem -= spd * t
     rem[w], rem[x] = order.jobs[w].remaining, math.inf
     pos, ptr, left = _scratch(order, mask, lows, total)
-    al = _Alloc(mask.tolist(), pos.tolist(), ptr, left, len(members))
+    al = _Alloc(mask.tolist(), _held(order, mask, pos), ptr, left, len(members))
     r = _Run(rem, order.rate2d[np.arange(len(mask)), pos], t, al, mask)
     r.acc = t
     return r
 
 
-def _event(order: StepOrder, al: _Alloc, runs: tuple[tuple[_Run, float], ...], x: int) -> None:
-    """Job ``x`` ends in ``runs`` (each at its own time), which share ``al``:
-    the rule takes the steps that now fit, and their jobs' new speeds are set
-    in every run."""
-    present, eff = al.present, al.eff
+def _event(order: StepOrder, al: _Alloc, r: _Run, t: float, x: int) -> None:
+    """Job ``x`` ends in run ``r`` at ``t``: the rule takes the steps that
+    now fit, and their jobs get their new speeds."""
+    present, held = al.present, al.held
     present[x] = False
     al.live -= 1
-    left = al.left + order.counts[x][eff[x]]
-    eff[x] = 0
-    oj, ot, on, end = order.oj, order.ot, order.on, len(order.oj)
+    left = al.left + held[x]
+    held[x] = 0
+    oj, on, oc, os_, end = order.oj, order.on, order.oc, order.os, len(order.oj)
+    rem, t0, spd, fin, heap = r.rem, r.t0, r.spd, r.fin, r.heap
     ptr = al.ptr
-    changed = []
+    new = {}
     while ptr < end:
         y = oj[ptr]
         if present[y]:
@@ -296,20 +295,13 @@ def _event(order: StepOrder, al: _Alloc, runs: tuple[tuple[_Run, float], ...], x
                 if left:
                     raise Capped
                 break
-            eff[y] = ot[ptr]
+            held[y] = oc[ptr]
+            new[y] = os_[ptr]
             left -= n
-            changed.append(y)
         ptr += 1
     al.ptr, al.left = ptr, left
-    if not changed:
-        return
-    rs, push = order.rs, heapq.heappush
-    for r, t in runs:
-        rem, t0, spd, fin, heap = r.rem, r.t0, r.spd, r.fin, r.heap
-        for y in changed:
-            s = rs[y][eff[y]]
-            if s != spd[y]:
-                v = rem[y] - spd[y] * (t - t0[y])
-                rem[y], t0[y], spd[y] = v, t, s
-                fin[y] = f = t + v / s
-                push(heap, (f, y))
+    for y, s in new.items():
+        v = rem[y] - spd[y] * (t - t0[y])
+        rem[y], t0[y], spd[y] = v, t, s
+        fin[y] = f = t + v / s
+        heapq.heappush(heap, (f, y))

@@ -105,6 +105,8 @@ class StepOrder:
         self.ot = [st[4] for st in merged]  # count index after the step
         self.og = [st[5] for st in merged]  # the step's gain
         self.on = [st[6] for st in merged]  # GPUs the step adds
+        self.oc = [self.counts[x][k] for x, k in zip(self.oj, self.ot)]  # the job's GPUs after the step
+        self.os = [self.rs[x][k] for x, k in zip(self.oj, self.ot)]  # its progress rate after it
         self.oj_np = np.array(self.oj, dtype=np.int64)
         self.ot_np = np.array(self.ot, dtype=np.int64)
         self.on_np = np.array(self.on, dtype=np.int64)
