@@ -255,7 +255,14 @@ def adds_no_jct(rates: Rates, active: list[JobView], w: JobView, total: int,
     allocation rule (re-applied at each completion); waiting, ``w`` joins at
     the first completion that leaves room for its min_res. ``known``: the
     round's step order covering them, ``active``'s indexes in it and the sum
-    of their min_res (the caller keeps them)."""
+    of their min_res (the caller keeps them).
+
+    The two estimates are first made event-driven
+    (:func:`~tidal.scheduler.elan_event.event_pair`, several times faster;
+    its sums differ from the exact loop's only by rounding); where they are
+    within :data:`~tidal.scheduler.elan_event.MARGIN` of the bound, or the
+    rule needs steps that event-driven run does not follow, the exact paired
+    estimate (:func:`~tidal.scheduler.elan_pair.fluid_pair`) decides."""
     lo = rates.counts(w)[0]
     if known is None:
         order = rates.order(active + [w])
