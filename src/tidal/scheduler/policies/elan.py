@@ -273,8 +273,9 @@ def adds_no_jct(rates: Rates, active: list[JobView], w: JobView, total: int,
     ov = rates.snap.overheads
     cost = ov.stop_resume_s if ov.mode == "stop-resume" else ov.pause_s
     x = order.index[w.job_id]
-    if order.positive:  # the event-driven estimate, trusted where it decides by a wide margin
+    if order.positive and not order.capped_seen:  # the event-driven estimate, trusted where it decides by a margin
         sums = event_pair(order, xs, x, total, cost)
+        order.capped_seen = sums is None
         verdict = None if sums is None else decided(*sums)
         if verdict is not None:
             return verdict
