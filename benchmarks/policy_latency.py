@@ -21,7 +21,7 @@ all jobs; policies keep per-job tables and admission tags across them);
     python benchmarks/policy_latency.py --json          # one JSON line: every policy
     python benchmarks/policy_latency.py --policy elasticflow --events 50
 
-Target: every policy p95 < 50 ms (placement included) at 1,024 GPUs with 500 jobs.
+Target: every policy p95 <= 25 ms and cold p95 <= 50 ms (placement included) at 1,024 GPUs with 500 jobs.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from tidal.scheduler.registry import get_policy, policy_names
 log = logging.getLogger("policy_latency")
 
 NOW = 100_000.0
-TARGET_MS = 50.0
+TARGET_MS = 25.0  # every decision's p95, with a 2x margin on the 50 ms budget
+COLD_TARGET_MS = 50.0  # the first decision over jobs the policy has not seen
 
 
 def build_snapshot(cluster_spec: str, jobs: int, new: int, seed: int) -> Snapshot:
@@ -200,10 +201,12 @@ def main() -> None:
                 flush=True,
             )
     if args.json:
-        slow = sorted(n for n, r in rows.items() if "error" in r or r["p95_ms"] >= TARGET_MS)
+        slow = sorted(n for n, r in rows.items()
+                      if "error" in r or r["p95_ms"] > TARGET_MS or r["cold_p95_ms"] > COLD_TARGET_MS)
         print(json.dumps({
             "benchmark": "policy_latency", "cluster": args.cluster, "gpus": snaps[0].cluster.num_gpus,
-            "jobs": args.jobs, "events": args.events, "target_p95_ms": TARGET_MS, "over_target": slow,
+            "jobs": args.jobs, "events": args.events, "target_p95_ms": TARGET_MS, "target_cold_p95_ms": COLD_TARGET_MS,
+            "over_target": slow,
             "policies": rows,
         }), flush=True)
 
