@@ -135,7 +135,7 @@ def _together(order: StepOrder, a: _Run, b: _Run) -> None:
     its own copy of the allocation."""
     al = a.al
     present, held = al.present, al.held
-    oj, on, oc, os_, end = order.oj, order.on, order.oc, order.os, len(order.oj)
+    end = len(order.oj)
     ha, fa, ra, t0a, sa = a.heap, a.fin, a.rem, a.t0, a.spd
     hb, fb, rb, t0b, sb = b.heap, b.fin, b.rem, b.t0, b.spd
     pop, push = heapq.heappop, heapq.heappush
@@ -160,19 +160,7 @@ def _together(order: StepOrder, a: _Run, b: _Run) -> None:
         if not live:
             a.result, b.result = acc_a, acc_b
             break
-        new = {}
-        while ptr < end:  # the steps that now fit
-            y = oj[ptr]
-            if present[y]:
-                n = on[ptr]
-                if n > left:
-                    if left:
-                        raise Capped
-                    break
-                held[y] = oc[ptr]
-                new[y] = os_[ptr]
-                left -= n
-            ptr += 1
+        new, ptr, left = _fit(order, present, held, ptr, left)  # the steps that now fit
         for y, s in new.items():  # their jobs' new speeds, in both runs
             v = ra[y] - sa[y] * (ta - t0a[y])
             ra[y], t0a[y], sa[y] = v, ta, s
@@ -275,17 +263,13 @@ def _start_late(order: StepOrder, members: Sequence[int], w: int, total: int, co
     return r
 
 
-def _event(order: StepOrder, al: _Alloc, r: _Run, t: float, x: int) -> None:
-    """Job ``x`` ends in run ``r`` at ``t``: the rule takes the steps that
-    now fit, and their jobs get their new speeds."""
-    present, held = al.present, al.held
-    present[x] = False
-    al.live -= 1
-    left = al.left + held[x]
-    held[x] = 0
+def _fit(order: StepOrder, present: list[bool], held: list[int], ptr: int,
+         left: int) -> tuple[dict[int, float], int, int]:
+    """The rule's steps that fit in ``left`` free GPUs, from ``ptr`` on:
+    (each stepping job's new speed, the next step, the GPUs left); the jobs'
+    GPU counts are written to ``held``. Raises :class:`Capped` where a step
+    needs more GPUs than are left while some are free."""
     oj, on, oc, os_, end = order.oj, order.on, order.oc, order.os, len(order.oj)
-    rem, t0, spd, fin, heap = r.rem, r.t0, r.spd, r.fin, r.heap
-    ptr = al.ptr
     new = {}
     while ptr < end:
         y = oj[ptr]
@@ -299,7 +283,19 @@ def _event(order: StepOrder, al: _Alloc, r: _Run, t: float, x: int) -> None:
             new[y] = os_[ptr]
             left -= n
         ptr += 1
-    al.ptr, al.left = ptr, left
+    return new, ptr, left
+
+
+def _event(order: StepOrder, al: _Alloc, r: _Run, t: float, x: int) -> None:
+    """Job ``x`` ends in run ``r`` at ``t``: the rule takes the steps that
+    now fit, and their jobs get their new speeds."""
+    present, held = al.present, al.held
+    present[x] = False
+    al.live -= 1
+    left = al.left + held[x]
+    held[x] = 0
+    rem, t0, spd, fin, heap = r.rem, r.t0, r.spd, r.fin, r.heap
+    new, al.ptr, al.left = _fit(order, present, held, al.ptr, left)
     for y, s in new.items():
         v = rem[y] - spd[y] * (t - t0[y])
         rem[y], t0[y], spd[y] = v, t, s
