@@ -51,6 +51,11 @@ class FreeMap:
         self._mod: dict[int, list[int]] = {}  # changed nodes: their free GPUs now
         self._gone: set[int] = set()  # nodes free at first that were emptied
         self._tail: dict[int, None] = {}  # nodes that became free again, in order
+        # changed nodes by their free count now: per count, a bit set of nodes (bit i: node i)
+        self._mod_bits = [0] * (cluster.gpus_per_node + 1)
+        # per count, where in ``by_free[k]`` the first node not yet changed may be (nodes never
+        # leave ``_mod``, so it only moves forward)
+        self._first = [0] * (cluster.gpus_per_node + 1)
 
     def _free(self, node: int) -> Sequence[int]:
         m = self._mod.get(node)
@@ -73,7 +78,7 @@ class FreeMap:
     def take(self, node: int, k: int) -> list[int]:
         gpus = self._free(node)
         out, rest = list(gpus[:k]), list(gpus[k:])
-        self._mod[node] = rest
+        self._set(node, rest)
         if not rest:
             if node in self._tail:
                 del self._tail[node]
@@ -87,24 +92,38 @@ class FreeMap:
             node = node_of(g)
             cur = self._mod.get(node)
             if cur is None:
-                cur = self._mod[node] = list(self._base[node])
+                cur = list(self._base[node])
+                self._set(node, cur)
             if not cur:
                 self._tail[node] = None
+            self._mod_bits[len(cur)] &= ~(1 << node)
             cur.append(g)
+            self._mod_bits[len(cur)] |= 1 << node
         for node in {node_of(g) for g in gpus}:
             self._mod[node].sort()
 
+    def _set(self, node: int, free: list[int]) -> None:
+        """Node ``node`` now has the free GPUs ``free`` (kept in the count buckets)."""
+        bits, old = self._mod_bits, self._mod.get(node)
+        if old is not None:
+            bits[len(old)] &= ~(1 << node)
+        self._mod[node] = free
+        bits[len(free)] |= 1 << node
+
     def _best_node(self, need: int) -> int | None:
         """The fullest node with at least ``need`` free GPUs (lowest id on ties)."""
-        mod = self._mod
+        mod, bits, first, by_free = self._mod, self._mod_bits, self._first, self._by_free
         for k in range(need, self.cluster.gpus_per_node + 1):
-            cands = [n for n, v in mod.items() if len(v) == k]
-            for n in self._by_free[k]:
-                if n not in mod:
-                    cands.append(n)
-                    break
-            if cands:
-                return min(cands)
+            nodes, i = by_free[k], first[k]
+            while i < len(nodes) and nodes[i] in mod:
+                i += 1
+            first[k] = i
+            b = bits[k]
+            if b:
+                best = (b & -b).bit_length() - 1  # the lowest changed node with k free
+                return min(best, nodes[i]) if i < len(nodes) else best
+            if i < len(nodes):
+                return nodes[i]
         return None
 
     def best_fit(self, n: int, prefer_nodes: list[int] | None = None) -> list[int]:
