@@ -274,9 +274,22 @@ def restart_reason(obs: JobObs, now: float, b: Bounds) -> str:
         return ""
     if obs.workers_seen and not obs.live_workers and not obs.workers_clean and not obs.workers_erred:
         return "no live worker is left (every worker was killed or lost)"
-    if b.stall_s > 0 and obs.formed and obs.step_at and now > obs.step_at + b.stall_s:
-        return f"stalled: no step committed for {now - obs.step_at:.0f} s ({settings.STALL_TIMEOUT_S.name}={b.stall_s:g})"
+    idle = stalled_for(obs.step_at, now, b.stall_s)
+    if obs.formed and idle:
+        return stall_reason(idle, b.stall_s)
     return ""
+
+
+def stalled_for(step_at: float, now: float, stall_s: float) -> float:
+    """How long a formed job's step has not advanced (``step_at``: when it
+    last did, 0 unknown), if that is past the stall bound ``stall_s``; 0: not
+    stalled (or ``stall_s`` 0: never judged). The API and the dashboard mark
+    a job stalled by this too."""
+    return now - step_at if stall_s > 0 and step_at > 0 and now > step_at + stall_s else 0.0
+
+
+def stall_reason(idle_s: float, stall_s: float) -> str:
+    return f"stalled: no step committed for {idle_s:.0f} s ({settings.STALL_TIMEOUT_S.name}={stall_s:g})"
 
 
 def give_up_reason(obs: JobObs, now: float, b: Bounds) -> str:

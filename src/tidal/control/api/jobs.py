@@ -25,10 +25,12 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from tidal import settings
 from tidal.control.autoconf import new_state
 from tidal.control.api.deps import CoordinatorDep, JobId, LogsDirDep, StoreDep, UserDep, own_job
 from tidal.control.db import GPU, Event, Job, Process, Store
 from tidal.control.jobrules import check_env, check_paths
+from tidal.control.phases import stall_reason, stalled_for
 from tidal.control.snapshot import job_spec
 from tidal.control.spawner import worker_resources
 from tidal.control.spec import JobSubmission
@@ -253,6 +255,9 @@ def job_reason(j: Job, now: float) -> str:
     tags = j.tags or {}
     if j.state == "restarting" or (j.state == "pending" and (j.progress or {}).get("state") == "restarting"):
         return str(tags.get("_reason") or "")
+    idle = stalled_s(j, now)
+    if idle:
+        return stall_reason(idle, settings.STALL_TIMEOUT_S.get())
     crash = tags.get("_crash") or {}
     wait = float(tags.get("_backoff_until") or 0.0) - now
     if crash and wait > 0:
@@ -261,17 +266,28 @@ def job_reason(j: Job, now: float) -> str:
     return ""
 
 
+def stalled_s(j: Job, now: float) -> float:
+    """How long the running job has committed no step, once that is past
+    the stall time-out the coordinator restarts a job after
+    (:func:`tidal.control.phases.stalled_for`); 0: it is not stalled."""
+    progress = j.progress or {}
+    if j.state not in ("running", "resizing") or progress.get("state") not in ("running", "changing"):
+        return 0.0
+    return round(stalled_for(float(progress.get("step_at") or 0.0), now, settings.STALL_TIMEOUT_S.get()), 1)
+
+
 def job_json(s: Session, store: Store, j: Job, detail: bool = False) -> dict[str, Any]:
     """A job as the API shows it; ``detail`` adds its spec, progress and processes."""
     progress = j.progress or {}
     jobspec = j.spec.get("jobspec", {})
+    now = time.time()
     out = {
         "id": j.id, "user": j.user, "name": j.name, "state": j.state, "submit_time": j.submit_time,
         "start_time": j.start_time, "end_time": j.end_time, "gpus": store.job_gpus(s, j.id),
         "target": j.target, "step": progress.get("step", 0),
         "iterations": jobspec.get("iterations"), "world_size": progress.get("world_size", 0),
         "rescales": j.rescales, "drop_reason": j.drop_reason, "pinned": j.spec.get("pinned"),
-        "deadline": jobspec.get("deadline"), "reason": job_reason(j, time.time()),
+        "deadline": jobspec.get("deadline"), "reason": job_reason(j, now), "stalled_s": stalled_s(j, now),
     }
     if detail:
         out.update(spec=j.spec.get("submission", {}), progress=j.progress, master_url=j.master_url,

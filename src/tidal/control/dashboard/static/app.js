@@ -161,15 +161,52 @@ function jobColor(id) {
 
 function relTime(t, now) {
   if (t === null || t === undefined) return "–";
-  const d = t - now, a = Math.abs(d);
-  const txt = a < 90 ? `${Math.round(a)} s` : a < 5400 ? `${Math.round(a / 60)} min` : `${(a / 3600).toFixed(1)} h`;
+  const d = t - now, txt = relSpan(Math.abs(d));
   return d >= 0 ? `in ${txt}` : `${txt} ago`;
 }
 
 function progressOf(j) {
-  // the step it reached (a finished job: the step it ended at) of its iterations; a script may end first
-  if (!j.iterations) return j.state === "completed" ? 1 : 0;
-  return Math.min(1, (j.step || 0) / j.iterations);
+  // the step it reached (a finished job: the step it ended at) of its iterations, as `tidal jobs` counts it;
+  // null when there is no such share (no iterations, or a script that went past them)
+  const step = j.step || 0;
+  return j.iterations && step <= j.iterations ? step / j.iterations : null;
+}
+
+function stepText(j) {
+  // the step as `tidal jobs` shows it: "128/100000", or the step alone
+  const step = j.step || 0;
+  return j.iterations && step <= j.iterations ? `${step}/${j.iterations}` : String(step);
+}
+
+function pctText(p) {
+  return p === null ? "" : `${(100 * p).toFixed(p > 0 && p < 0.001 ? 2 : p < 0.1 ? 1 : 0)}%`;
+}
+
+function stateBadges(j) {
+  // the state as `tidal jobs` shows it; a job past the control plane's stall time-out is marked stalled
+  const out = [el("span", { class: `badge ${j.state}${j.stalled_s ? " stalled" : ""}`, dataset: { role: "state" } }, j.state)];
+  if (j.stalled_s) out.push(" ", el("span", { class: "badge stalled", dataset: { role: "stalled" }, title: j.reason || "" },
+                                   `stalled ${relSpan(j.stalled_s)}`));
+  return out;
+}
+
+function relSpan(s) {
+  return s < 90 ? `${Math.round(s)} s` : s < 5400 ? `${Math.round(s / 60)} min` : `${(s / 3600).toFixed(1)} h`;
+}
+
+function deadlineText(j, now) {
+  // a live job: its deadline from now; an ended one: whether it was met (no countdown)
+  if (!j.deadline_at) return "–";
+  if (!FINISHED.has(j.state)) return relTime(j.deadline_at, now);
+  if (!j.end_time || j.state !== "completed") return clockTime(j.deadline_at);
+  const by = j.end_time - j.deadline_at;
+  return by <= 0 ? `${clockTime(j.deadline_at)} (met)` : `${clockTime(j.deadline_at)} (missed by ${relSpan(by)})`;
+}
+
+function finishText(j, now) {
+  // an ended job: when it ended; a live one: when it is predicted to
+  if (FINISHED.has(j.state)) return j.end_time ? `ended ${clockTime(j.end_time)} (${relTime(j.end_time, now)})` : "ended";
+  return j.predicted_finish ? relTime(j.predicted_finish, now) : "–";
 }
 
 function rows(tbody, list, make) {
@@ -214,7 +251,8 @@ function renderCluster(s) {
 // -- jobs table --------------------------------------------------------------------------------------------------------
 function sortValue(j, key) {
   if (key === "gpus_now") return j.gpus.length;
-  if (key === "progress") return progressOf(j);
+  if (key === "progress") return progressOf(j) ?? -Infinity;
+  if (key === "predicted_finish" && FINISHED.has(j.state)) return j.end_time ?? -Infinity;
   const v = j[key];
   return v === null || v === undefined ? -Infinity : v;
 }
@@ -239,20 +277,27 @@ function renderJobs(s) {
   rows($("jobs-table").tBodies[0], list, (j) => jobRow(j, s.time));
 }
 
-function jobRow(j, now) {
+function progressCell(j) {
   const pct = progressOf(j);
   const bar = el("span", { class: "bar" }, el("span", { class: "fill" }));
-  bar.firstChild.style.width = `${(100 * pct).toFixed(1)}%`;
-  const late = j.deadline_at && j.predicted_finish && j.predicted_finish > j.deadline_at;
-  const tr = el("tr", { dataset: { job: j.id, state: j.state } },
+  bar.firstChild.style.width = `${(100 * (pct ?? 0)).toFixed(1)}%`;
+  return el("td", { class: "progress" }, bar, " ", el("span", { class: "step" }, stepText(j)),
+            pct === null ? null : el("span", { class: "pct muted" }, ` ${pctText(pct)}`));
+}
+
+function jobRow(j, now) {
+  const ended = FINISHED.has(j.state);
+  const late = !ended && j.deadline_at && j.predicted_finish && j.predicted_finish > j.deadline_at;
+  const missed = ended && j.state === "completed" && j.deadline_at && j.end_time > j.deadline_at;
+  const tr = el("tr", { dataset: { job: j.id, state: j.state, stalled: j.stalled_s ? "1" : "" } },
     el("td", {}, el("a", { href: `#/job/${encodeURIComponent(j.id)}` }, j.id)),
     el("td", {}, j.user),
-    el("td", {}, el("span", { class: `badge ${j.state}` }, j.state)),
+    el("td", { class: "state" }, ...stateBadges(j)),
     el("td", { class: "num" }, `${j.gpus.length} / ${j.min_gpus ?? "–"} / ${j.max_gpus ?? "–"}`),
     el("td", { class: "num" }, j.samples_per_s ? `${fmtNum(j.samples_per_s)} samples/s` : "–"),
-    el("td", {}, bar, ` ${(100 * pct).toFixed(0)}%`),
-    el("td", {}, j.deadline_at ? relTime(j.deadline_at, now) : "–"),
-    el("td", { class: late ? "late" : "" }, j.predicted_finish ? relTime(j.predicted_finish, now) : "–"));
+    progressCell(j),
+    el("td", { class: `deadline${missed ? " late" : ""}` }, deadlineText(j, now)),
+    el("td", { class: `finish${late ? " late" : ""}` }, finishText(j, now)));
   return tr;
 }
 
@@ -273,18 +318,21 @@ function renderJob(s) {
   $("job-error").hidden = true;
   $("job-body").hidden = false;
   $("job-title").textContent = j.id;
-  $("job-state").textContent = j.state;
-  $("job-state").className = `badge ${j.state}`;
+  $("job-state").replaceChildren(...stateBadges(j));
   renderActions(j);
+  const pct = progressOf(j), ended = FINISHED.has(j.state);
   dl($("job-summary"), [
     ["Tenant", j.user], ["GPUs now / min / max", `${j.gpus.length} / ${j.min_gpus} / ${j.max_gpus}`],
-    ["Pinned", j.pinned ?? "no"], ["Step", `${j.step} of ${j.iterations ?? "?"} (${(100 * progressOf(j)).toFixed(1)}%)`],
+    ["Pinned", j.pinned ?? "no"], ["Step", stepText(j) + (pct === null ? "" : ` (${pctText(pct)})`)],
     ["Throughput", j.samples_per_s ? `${fmtNum(j.samples_per_s)} samples/s (${fmtNum(j.steps_per_s)} steps/s)` : "–"],
-    ["Deadline", j.deadline_at ? `${clockTime(j.deadline_at)} (${relTime(j.deadline_at, s.time)})` : "none"],
-    ["Predicted finish", j.predicted_finish ? `${clockTime(j.predicted_finish)} (${relTime(j.predicted_finish, s.time)})` : "–"],
+    ["Deadline", !j.deadline_at ? "none" : ended ? deadlineText(j, s.time)
+                                          : `${clockTime(j.deadline_at)} (${relTime(j.deadline_at, s.time)})`],
+    ended ? ["Ended", j.end_time ? `${clockTime(j.end_time)} (${relTime(j.end_time, s.time)})` : "–"]
+          : ["Predicted finish", j.predicted_finish ? `${clockTime(j.predicted_finish)} (${relTime(j.predicted_finish, s.time)})` : "–"],
     ["Rescales", j.timeline.changes.length], ["Exit", j.exit_info || j.drop_reason || "–"],
     ["Reason", j.reason || "–"],
   ]);
+  renderSizing(j);
   renderAdmission(j, s.policy);
   renderTimeline(j, s.time);
   renderThroughput(j, s.time);
@@ -326,6 +374,28 @@ async function act(path, body) {
                                         : `refused (${r.status}): ${detail}`;
   if (r.ok) delete $("scale-gpus").dataset.edited;
   if (r.status === 401) showLogin("Your token is no longer valid.");
+}
+
+function mib(bytes) {
+  return bytes ? `${Math.round(bytes / 1048576)} MiB per worker` : "none";
+}
+
+function renderSizing(j) {
+  // an auto-sized job (no GPU count in its spec): what it measured, its plan and its memory limit
+  const z = j.sizing;
+  $("job-sizing-head").hidden = $("job-sizing").hidden = !z;
+  if (!z) return;
+  const pairs = [["Stage", z.stage === "planned" ? "planned" : z.stage === "sampling" ? "measuring sizes" : "not started"]];
+  if (z.stage === "sampling") {
+    pairs.push(["Measuring", `${z.target} GPU${z.target === 1 ? "" : "s"}` + (z.queue.length ? `, then ${z.queue.join(", ")}` : "")]);
+  }
+  if (z.measured.length) pairs.push(["Measured at", z.measured.map((n) => `${n} GPU${n === 1 ? "" : "s"}`).join(", ")]);
+  if (z.plan) {
+    pairs.push(["Plan", `${z.plan.gpus} GPUs (range ${z.plan.min}–${z.plan.max})`]);
+    if (z.plan.reason) pairs.push(["Why", z.plan.reason]);
+  }
+  pairs.push(["Memory limit", mib(z.memory)]);
+  dl($("job-sizing"), pairs);
 }
 
 function renderAdmission(j, policy) {
@@ -375,10 +445,15 @@ function renderScheduler(s) {
   timeChart($("latency-chart"), [{ points: ds.map((d) => [d.time, 1000 * d.latency_s]), cls: "line live",
                                    label: "decision latency (ms)" }], [], [],
             { yLabel: "ms", yMin: 0, height: 120, empty: "no decision recorded" });
-  rows($("decisions-table").tBodies[0], sc.decisions, (d) => {
+  // identical consecutive rounds are one row: "×N" and the time span they cover
+  rows($("decisions-table").tBodies[0], sc.rows || [], (d) => {
     const changes = Object.entries(d.changes).map(([id, [a, b]]) => `${id}: ${a}→${b}`);
     if (d.other_jobs) changes.push(`(+${d.other_jobs} other tenants' jobs)`);
-    return el("tr", {}, el("td", {}, clockTime(d.time)), el("td", { class: "num" }, `${(1000 * d.latency_s).toFixed(2)} ms`),
+    const when = d.count > 1 ? `${clockTime(d.first_time)}–${clockTime(d.time)}` : clockTime(d.time);
+    const lat = d.count > 1 ? `${(1000 * d.latency_s).toFixed(2)} ms (max ${(1000 * d.latency_max_s).toFixed(2)})`
+                            : `${(1000 * d.latency_s).toFixed(2)} ms`;
+    return el("tr", { dataset: { count: d.count } }, el("td", {}, when),
+      el("td", { class: "num count" }, d.count > 1 ? `×${d.count}` : ""), el("td", { class: "num" }, lat),
       el("td", { class: "num" }, d.jobs), el("td", {}, d.admit.join(", ") || "–"),
       el("td", {}, Object.entries(d.drop).map(([id, why]) => `${id}: ${why}`).join("; ") || "–"),
       el("td", {}, changes.join(", ") || "–"));
