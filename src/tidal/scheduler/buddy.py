@@ -39,12 +39,12 @@ import numpy as np
 
 from tidal.core.topology import Cluster
 from tidal.scheduler.api import Snapshot
+from tidal.scheduler.nodebits import NodeBits
 
 log = logging.getLogger(__name__)
 
 _BYTE_SUM = np.uint64(0x0101010101010101)
 _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # block size -> word of that many bools
-_BYTE_ONES = {2: 0x0101, 4: 0x01010101}  # times a word of bools: their sum in the top byte
 _OR, _count = np.bitwise_or.reduce, np.count_nonzero  # C-level, without ndarray.any's Python wrapper
 
 
@@ -65,7 +65,11 @@ def is_aligned_block(gpus: tuple[int, ...] | list[int]) -> bool:
 
 
 class BuddyAllocator:
-    """Free/used map of a cluster with aligned-block allocation."""
+    """Free/used map of a cluster with aligned-block allocation.
+
+    On clusters of 8-GPU nodes the best-fit search reads per-node counts
+    (:class:`~tidal.scheduler.nodebits.NodeBits`) that every take and release
+    keeps up to date, instead of the whole GPU mask."""
 
     def __init__(self, cluster: Cluster, used: set[int] | None = None) -> None:
         self.cluster = cluster
@@ -74,15 +78,29 @@ class BuddyAllocator:
         while size < self.n:
             size *= 2
         self.size = size  # padded to a power of two; padding is "used"
-        self.used = np.ones(size, dtype=bool)
-        self.used[: self.n] = False
+        self._used = np.ones(size, dtype=bool)
+        self._used[: self.n] = False
         if used:
-            self.used[list(used)] = True
+            self._used[list(used)] = True
+        self._bits: NodeBits | None = None  # built when first searched
+        self._exposed = False  # ``used`` was handed out: it may be written behind our back
         self._held = np.zeros(size, dtype=np.int64)
         self._holding = False  # whether ``held`` was ever handed out (else it is all zeros)
         # the smallest block size found to have no free aligned block: no larger
         # one has any either until GPUs are released (``used`` is only set meanwhile)
         self._full_from = size + 1
+
+    @property
+    def used(self) -> np.ndarray:
+        """Per GPU (padding included), whether it is used. Writable in place;
+        once handed out, every search re-reads it."""
+        self._exposed = True
+        return self._used
+
+    @used.setter
+    def used(self, mask: np.ndarray) -> None:
+        self._used = mask
+        self._bits = None
 
     @property
     def held(self) -> np.ndarray:
@@ -91,24 +109,54 @@ class BuddyAllocator:
         self._holding = True
         return self._held
 
+    def mask(self) -> np.ndarray:
+        """A copy of the used mask."""
+        return self._used.copy()
+
+    def any_used(self, gpus) -> bool:
+        """Whether one of ``gpus`` is used."""
+        return bool(self._used[list(gpus)].any())
+
+    def mark(self, gpus, used: bool = True) -> None:
+        """Set ``gpus`` used (or free) without checks."""
+        idx = list(gpus)
+        if idx:
+            self._used[idx] = used
+            if self._bits is not None:
+                self._bits.set_gpus(idx, used)
+
+    def _mark_range(self, lo: int, hi: int) -> None:
+        """GPUs ``lo .. hi-1`` become used."""
+        self._used[lo:hi] = True
+        if self._bits is not None:
+            self._bits.set_range(lo, hi, True)
+
+    def _node_bits(self) -> NodeBits | None:
+        """The per-node counts (8-GPU nodes only), rebuilt if stale."""
+        if self._bits is None or self._exposed:
+            if self.cluster.gpus_per_node != 8 or self.size % 8:
+                return None
+            self._bits = NodeBits(self._used, self.cluster.nodes_per_switch)
+        return self._bits
+
     def free_count(self) -> int:
-        return int((~self.used[: self.n]).sum())
+        return int((~self._used[: self.n]).sum())
 
     def release(self, gpus) -> None:
         idx = list(gpus)
         if idx:
-            self.used[idx] = False
+            self.mark(idx, False)
             self._full_from = self.size + 1
 
     def take(self, gpus) -> None:
         idx = list(gpus)
-        if self.used[idx].any():
-            raise ValueError(f"GPUs {sorted(g for g in idx if self.used[g])} are already used")
-        self.used[idx] = True
+        if self._used[idx].any():
+            raise ValueError(f"GPUs {sorted(g for g in idx if self._used[g])} are already used")
+        self.mark(idx)
 
     def free_blocks(self, s: int) -> np.ndarray:
         """Offsets of free aligned blocks of size ``s``."""
-        used = self.used
+        used = self._used
         if s & (s - 1) == 0 and s <= self.size and used.flags.c_contiguous:
             if s in _WORD:  # a block of s bools is one s-byte word
                 return np.flatnonzero(used.view(_WORD[s]) == 0) * s
@@ -118,7 +166,7 @@ class BuddyAllocator:
     def _free_per_block(self, sizes: set[int]) -> dict[int, np.ndarray]:
         """Free GPUs per aligned block, for each size in ``sizes`` (powers of
         two summed pairwise level by level; other sizes directly)."""
-        free = ~self.used
+        free = ~self._used
         out: dict[int, np.ndarray] = {}
         pow2 = {x for x in sizes if x & (x - 1) == 0}
         for x in sizes - pow2:
@@ -143,15 +191,26 @@ class BuddyAllocator:
         blocks on the nodes of ``near`` come first (pieces of one job)."""
         if s >= self._full_from and s & (s - 1) == 0:
             return None  # no free aligned block that large (nor any half of it, see _full_from)
-        used, last = self.used, -1
+        used, last = self._used, -1
         for g in prefer if s <= self.size else ():
             o = (g // s) * s
             if o != last and not _count(used[o : o + s]):  # the aligned block around g is free
                 return int(o)
             last = o
-        if (not near and s & (s - 1) == 0 and s <= self.size and self.cluster.gpus_per_node == 8
-                and used.flags.c_contiguous and not (self._holding and self._held.any())):
-            return self._best_whole_nodes(s) if s >= 8 else self._best_in_node(s)
+        if (not near and s & (s - 1) == 0 and s <= self.size
+                and not (self._holding and self._held.any())):
+            bits = self._node_bits()
+            if bits is not None:  # the usual case: the key below, from the per-node counts
+                off = bits.best_whole_nodes(s, self.size) if s >= 8 else bits.best_in_node(s)
+                if off is None:
+                    self._full_from = min(self._full_from, s)
+                return off
+        return self._best_general(s, near)
+
+    def _best_general(self, s: int, near: tuple[int, ...]) -> int | None:
+        """:meth:`best_fit_block` from the whole mask: the key (blocks off the
+        nodes of ``near`` last, GPUs other jobs hold, free GPUs in the buddy
+        pair, node, switch; lowest offset on ties)."""
         offs = self.free_blocks(s)
         if offs.size <= 1:
             if offs.size:
@@ -166,7 +225,7 @@ class BuddyAllocator:
         sizes = {parent} | ({node_sz} if s < node_sz else set()) | ({sw_sz} if self.size % sw_sz == 0 else set())
         per = self._free_per_block(sizes)
         moved = self._holding and bool(self._held.any())
-        if not moved and not near:  # the usual case: the key of the general case below, in fewer steps
+        if not moved and not near:  # the key of the general case below, in fewer steps
             key = per[parent][offs // parent] * ((node_sz + 1) * (sw_sz + 1))
             if s < node_sz:
                 key += per[node_sz][offs // node_sz] * (sw_sz + 1)
@@ -193,50 +252,6 @@ class BuddyAllocator:
         order = np.lexsort((offs, sw_free, node_free, par_free, displaced, far))
         return int(offs[order[0]])
 
-    def _best_whole_nodes(self, s: int) -> int | None:
-        """:meth:`best_fit_block`'s usual case for blocks of whole 8-GPU nodes
-        (``s`` a power of two >= 8, nothing held elsewhere, no pieces): the
-        same key (free GPUs in the buddy pair, then in the switch; lowest
-        offset on ties) from the free count of every node."""
-        free8 = 8 - ((self.used.view(np.uint64) * _BYTE_SUM) >> np.uint64(56)).astype(np.int64)
-        cs = free8 if s == 8 else free8.reshape(-1, s // 8).sum(axis=1)  # free GPUs per aligned block
-        blocks = np.flatnonzero(cs == s)
-        if blocks.size <= 1:
-            if blocks.size:
-                return int(blocks[0]) * s
-            self._full_from = min(self._full_from, s)
-            return None
-        sw_sz = 8 * self.cluster.nodes_per_switch
-        key = cs.reshape(-1, 2).sum(axis=1)[blocks >> 1] * (sw_sz + 1)  # 2 s <= size: two blocks exist
-        if self.size % sw_sz == 0:
-            key += free8.reshape(-1, sw_sz // 8).sum(axis=1)[(blocks * s) // sw_sz]
-        return int(blocks[int(np.argmin(key))]) * s
-
-    def _best_in_node(self, s: int) -> int | None:
-        """:meth:`best_fit_block`'s usual case for blocks within an 8-GPU node
-        (``s`` 1, 2 or 4): the same key (free GPUs in the buddy pair, node,
-        switch; lowest offset on ties) read at the free blocks only."""
-        used = self.used
-        offs = np.flatnonzero(used.view(_WORD[s]) == 0) * s
-        if offs.size <= 1:
-            if offs.size:
-                return int(offs[0])
-            self._full_from = min(self._full_from, s)
-            return None
-        node_used = (used.view(np.uint64) * _BYTE_SUM) >> np.uint64(56)
-        p = 2 * s
-        if p == 8:
-            par_free = 8 - node_used[offs >> 3].astype(np.int64)
-        else:
-            word = used.view(_WORD[p])
-            par_free = p - ((word * _WORD[p](_BYTE_ONES[p])) >> _WORD[p](8 * p - 8))[offs // p].astype(np.int64)
-        sw_sz = 8 * self.cluster.nodes_per_switch
-        key = par_free * (9 * (sw_sz + 1)) + (8 - node_used[offs >> 3].astype(np.int64)) * (sw_sz + 1)
-        if self.size % sw_sz == 0:
-            sw_free = sw_sz - node_used.astype(np.int64).reshape(-1, sw_sz // 8).sum(axis=1)
-            key += sw_free[offs // sw_sz]
-        return int(offs[int(np.argmin(key))])
-
     def alloc(self, n: int, prefer: tuple[int, ...] = ()) -> tuple[int, ...] | None:
         """``n`` GPUs as aligned power-of-two blocks, or None (nothing taken).
         A count that is not a power of two goes to one node if one can hold
@@ -244,7 +259,11 @@ class BuddyAllocator:
         per = self.cluster.gpus_per_node
         parts = pieces(n)
         if len(parts) > 1 and n <= per:
-            free_per_node = (~self.used[: self.cluster.num_nodes * per]).reshape(-1, per).sum(axis=1)
+            bits = self._node_bits()
+            if bits is not None:
+                free_per_node = bits.free8[: self.cluster.num_nodes].copy()
+            else:
+                free_per_node = (~self._used[: self.cluster.num_nodes * per]).reshape(-1, per).sum(axis=1)
             for node in sorted(np.flatnonzero(free_per_node >= n).tolist(), key=lambda x: (free_per_node[x], x)):
                 got = self._alloc_in(node * per, per, parts)
                 if got is not None:
@@ -255,22 +274,21 @@ class BuddyAllocator:
             if off is None:
                 self.release(got)
                 return None
-            block = range(off, off + s)
-            self.used[off : off + s] = True
-            got.extend(block)
+            self._mark_range(off, off + s)
+            got.extend(range(off, off + s))
         return tuple(got)
 
     def _alloc_in(self, base: int, width: int, parts: list[int]) -> tuple[int, ...] | None:
         """Aligned blocks for ``parts`` inside GPUs ``base .. base+width-1``."""
         got: list[int] = []
         for s in parts:
-            seg = self.used[base : base + width].reshape(-1, s)
+            seg = self._used[base : base + width].reshape(-1, s)
             free = np.flatnonzero(~seg.any(axis=1))
             if free.size == 0:
                 self.release(got)
                 return None
             off = base + int(free[0]) * s
-            self.used[off : off + s] = True
+            self._mark_range(off, off + s)
             got.extend(range(off, off + s))
         return tuple(got)
 
@@ -363,20 +381,23 @@ class _Placer:
         if prev is None:
             self.keep = {jid: g for jid, g in current.items() if want.get(jid, 0) == len(g)}
             if used is None:
-                buddy.used[np.fromiter(chain.from_iterable(self.keep.values()), dtype=np.int64)] = True
+                buddy.mark(chain.from_iterable(self.keep.values()))
             else:  # every held GPU, less those of the jobs that change
-                buddy.used[: len(used)] = used
+                mask = np.ones(buddy.size, dtype=bool)
+                mask[: len(used)] = used
+                mask[len(used) : buddy.n] = False
                 moving = [g for jid in current.keys() - self.keep.keys() for g in current[jid]]
                 if moving:
-                    buddy.used[moving] = False
+                    mask[moving] = False
+                buddy.used = mask
             self.todo = sorted((jid for jid in want if jid not in self.keep), key=lambda j: (-want[j], j))
         else:  # start over once job ``kept`` keeps its GPUs too (the order of the rest holds)
             self.keep = dict(prev.keep)
             self.keep[kept] = current[kept]
             buddy.used = prev.used0.copy()
-            buddy.used[list(current[kept])] = True
+            buddy.mark(current[kept])
             self.todo = [j for j in prev.todo if j != kept]
-        self.used0 = buddy.used.copy()
+        self.used0 = buddy.mask()
         self.placed: dict[str, tuple[int, ...]] = {}
         self.pos = 0
 
@@ -399,7 +420,7 @@ class _Placer:
             gpus = None
             if have and n < len(have):
                 part = _keep_part(have, n)
-                if part and not buddy.used[list(part)].any():
+                if part and not buddy.any_used(part):
                     buddy.take(part)
                     gpus = part
             if gpus is None:
@@ -424,8 +445,8 @@ class _Placer:
             return _Placer(self.buddy.cluster, self.current, self.want, self, kept)
         gpus = self.current[kept]
         self.keep[kept] = gpus
-        self.buddy.used[list(gpus)] = True
-        self.used0 = self.buddy.used.copy()
+        self.buddy.mark(gpus)
+        self.used0 = self.buddy.mask()
         del self.todo[0]
         return self
 
@@ -494,7 +515,7 @@ def _repack(cluster: Cluster, current: dict[str, tuple[int, ...]], want: dict[st
         for jid in group:
             have = current.get(jid, ())
             part = have if len(have) == size else (_keep_part(have, size) if len(have) > size else ())
-            if part and len(part) == size and is_aligned_block(part) and not buddy.used[list(part)].any():
+            if part and len(part) == size and is_aligned_block(part) and not buddy.any_used(part):
                 buddy.take(part)
                 buddy.held[list(have)] = 0
                 out[jid] = tuple(sorted(part))

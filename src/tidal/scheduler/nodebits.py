@@ -1,0 +1,120 @@
+"""Per-node bit patterns of used GPUs, kept up to date as blocks are taken
+and released, for :class:`tidal.scheduler.buddy.BuddyAllocator`'s best-fit
+search on clusters of 8-GPU nodes.
+
+Node ``k`` holds GPUs ``8k .. 8k+7``; its pattern is one byte (bit ``i`` set:
+GPU ``8k+i`` used). Tables indexed by that byte give, for a block size of 1, 2
+or 4, the node's best free aligned block (fewest free GPUs in its buddy pair,
+then lowest offset) and its rank, so a search reads one small array per node
+instead of the whole GPU mask; the free GPUs per node and per switch are kept
+as counts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_NONE = 1 << 20  # rank of a node without a free block of the size
+
+
+def _tables(s: int) -> tuple[np.ndarray, np.ndarray]:
+    """For block size ``s`` (1, 2, 4) and every node byte: the rank
+    ``free in buddy pair * 9 + free in node`` of the node's best free aligned
+    block (``_NONE`` if none) and that block's offset in the node."""
+    rank = np.full(256, _NONE, dtype=np.int64)
+    local = np.zeros(256, dtype=np.int64)
+    ones, pair_ones = (1 << s) - 1, (1 << 2 * s) - 1
+    for b in range(256):
+        node_free = 8 - b.bit_count()
+        best = None
+        for off in range(0, 8, s):
+            if b >> off & ones:
+                continue
+            par = off - off % (2 * s)
+            key = (2 * s - (b >> par & pair_ones).bit_count(), off)
+            if best is None or key < best:
+                best = key
+        if best is not None:
+            rank[b] = best[0] * 9 + node_free
+            local[b] = best[1]
+    return rank, local
+
+
+_RANK = {s: _tables(s) for s in (1, 2, 4)}
+_USED8 = np.array([b.bit_count() for b in range(256)], dtype=np.int64)
+
+
+class NodeBits:
+    """Used-GPU bytes per 8-GPU node, free GPUs per node and per switch, of a
+    used mask (padding included; its length a multiple of 8)."""
+
+    def __init__(self, used: np.ndarray, nodes_per_switch: int) -> None:
+        self.bytes = np.packbits(used.reshape(-1, 8), axis=1, bitorder="little").ravel().astype(np.int64)
+        self.free8 = 8 - _USED8[self.bytes]  # free GPUs per node
+        nodes = self.bytes.size
+        self.nps = nodes_per_switch
+        self.sw_sz = 8 * nodes_per_switch
+        # per switch (aligned run of nodes_per_switch nodes): free GPUs, when the
+        # nodes split into whole switches (else the key has no switch term)
+        self.swf: np.ndarray | None = None
+        if nodes % nodes_per_switch == 0:
+            self.swf = self.free8.reshape(-1, nodes_per_switch).sum(axis=1)
+        # the switch term is the same for every block with one switch: left out
+        self.sw_of_node = np.arange(nodes) // nodes_per_switch if self.swf is not None and self.swf.size > 1 else None
+
+    def set_range(self, lo: int, hi: int, used: bool) -> None:
+        """GPUs ``lo .. hi-1`` become used (or free)."""
+        while lo < hi:
+            n = lo >> 3
+            end = min(hi, (n + 1) << 3)
+            self._set(n, ((1 << (end - lo)) - 1) << (lo & 7), used)
+            lo = end
+
+    def set_gpus(self, gpus, used: bool) -> None:
+        """GPUs ``gpus`` (any order) become used (or free)."""
+        masks: dict[int, int] = {}
+        for g in gpus:
+            n = g >> 3
+            masks[n] = masks.get(n, 0) | 1 << (g & 7)
+        for n, m in masks.items():
+            self._set(n, m, used)
+
+    def _set(self, n: int, mask: int, used: bool) -> None:
+        """Bits ``mask`` of node ``n`` become set (used) or clear."""
+        old = int(self.bytes[n])
+        new = old | mask if used else old & ~mask
+        if new != old:
+            self.bytes[n] = new
+            d = new.bit_count() - old.bit_count()
+            self.free8[n] -= d
+            if self.swf is not None:
+                self.swf[n // self.nps] -= d
+
+    def best_in_node(self, s: int) -> int | None:
+        """Offset of the best free aligned block of ``s`` (1, 2 or 4) GPUs:
+        fewest free GPUs in its buddy pair, then node, then switch; the lowest
+        offset on ties (None if there is none)."""
+        rank, local = _RANK[s]
+        nb = self.bytes
+        key = rank[nb]
+        if self.sw_of_node is not None:
+            key = key * (self.sw_sz + 1) + self.swf[self.sw_of_node]
+        i = int(key.argmin())
+        if int(key[i]) >= _NONE * (1 if self.sw_of_node is None else self.sw_sz + 1):
+            return None
+        return i * 8 + int(local[nb[i]])
+
+    def best_whole_nodes(self, s: int, size: int) -> int | None:
+        """Offset of the best free aligned block of ``s`` GPUs (a power of two
+        >= 8, at most ``size``, the padded GPU count): fewest free GPUs in its
+        buddy pair, then in its switch; the lowest offset on ties."""
+        free8 = self.free8
+        cs = free8 if s == 8 else free8.reshape(-1, s // 8).sum(axis=1)  # free GPUs per aligned block
+        blocks = np.flatnonzero(cs == s)
+        if blocks.size <= 1:
+            return int(blocks[0]) * s if blocks.size else None
+        sw_sz = self.sw_sz
+        key = cs.reshape(-1, 2).sum(axis=1)[blocks >> 1] * (sw_sz + 1)  # 2 s <= size: two blocks exist
+        if size % sw_sz == 0:
+            key += self.swf[(blocks * s) // sw_sz]
+        return int(blocks[int(np.argmin(key))]) * s
