@@ -86,7 +86,7 @@ OFFLINE = [
     (["job", "x", "-o", "xml"], "choose one of"),
     (["agent", "--virtual-gpus", "0"], "--virtual-gpus"),
     (["agent", "--virtual-gpus", "1", "--label", "rack1"], "expected KEY=VALUE"),
-    (["server", "--policy", "nope"], "unknown policy 'nope'"),
+    (["server", "--policy", "nope"], "--policy nope: unknown policy"),
     (["server", "--port", "99999"], "--port"),
     (["server", "--tls-cert", "{d}/none.pem", "--tls-key", "{d}/none.key"], "no such file"),
     (["server", "--tls-cert", "{d}/ok.py"], "together"),

@@ -48,7 +48,7 @@ def _up_fails(args: list[str], message: str, home: Path) -> None:
     (["--gpus", "1", "--nodes", "2"], "error: --gpus 1 does not divide into 2 nodes"),
     (["--port", "0"], "error: --port 0: a port is 1-65535"),
     (["--port", "70000"], "error: --port 70000: a port is 1-65535"),
-    (["--policy", "nope"], "error: --policy nope: unknown; known: "),
+    (["--policy", "nope"], "error: --policy nope: unknown policy (known: "),
 ])
 def test_impossible_up_options_fail_at_once(args, message, tmp_path):
     _up_fails(args, message, tmp_path / "home")
@@ -68,7 +68,7 @@ def test_up_refuses_a_taken_port_a_busy_home_and_a_file_as_home(tmp_path):
         held.flush()
         _up_fails(["--port", str(free_port())], f"--home {home}: another `tidal up` (pid 4242) runs on it", home)
     (tmp_path / "f").write_text("")
-    _up_fails([], f"error: --home {tmp_path / 'f'}: not a directory", tmp_path / "f")
+    _up_fails([], f"error: --home {tmp_path / 'f'}: exists and is not a directory", tmp_path / "f")
 
 
 def test_up_refuses_a_home_whose_nodes_had_other_gpu_counts(tmp_path):

@@ -92,11 +92,15 @@ def server(
                                     "then $RAY_ADDRESS."),
 ) -> None:
     """Run the control plane (REST API + scheduler loop)."""
+    from tidal.cli.checks import address_problem, home_problem, number_problem, port_problem
     from tidal.control.server import serve
-    from tidal.scheduler.registry import is_policy, policy_names
+    from tidal.net import bind_addr
 
-    if not is_policy(policy):
-        err.print("[red]error:[/] " + escape(f"unknown policy {policy!r}; known: {', '.join(policy_names())}"))
+    bind = bind_addr(host)
+    why = (policy_problem(policy) or number_problem("--tick", tick, low=0.0, low_open=True, high=3600.0, unit="s")
+           or address_problem(bind, "--host") or port_problem(port, bind) or (None if db else home_problem(settings.home())))
+    if why:
+        err.print("[red]error:[/] " + escape(why))
         raise typer.Exit(2)
     for f in (tls_cert, tls_key):
         if f is not None and not f.is_file():
@@ -146,6 +150,11 @@ def agent_token(home: Optional[Path] = typer.Option(
 
     from tidal.control.server import secret_path
 
+    from tidal.cli.checks import home_problem
+
+    if why := home_problem(Path(home or settings.home()), f"--home {home}" if home is not None else ""):
+        err.print("[red]error:[/] " + escape(why))
+        raise typer.Exit(2)
     path = Path(home) / "server.secret" if home is not None else secret_path(settings.home())
     print(Credentials.from_file(path).agent_token())
 
@@ -215,28 +224,16 @@ def agent(
 def _port_problem(port: int) -> Optional[str]:
     """Why the server cannot listen on the loopback ``port`` (taken, out of
     range, privileged), or None (so the server that answers there is ours)."""
-    import errno
+    from tidal.cli.checks import port_problem
 
-    from tidal.net import LOOPBACK
-
-    if not 1 <= port <= 65535:
-        return f"--port {port}: a port is 1-65535"
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no owner
-        try:
-            sock.bind((LOOPBACK, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                return (f"--port {port}: in use (another `tidal up` or `tidal server`?): stop it, "
-                        "or choose another with --port")
-            return f"--port {port}: cannot listen there ({e.strerror}); choose another with --port"
-    return None
+    why = port_problem(port) if port else f"--port {port}: a port is 1-65535"
+    return why and why.replace("in use by another process", "in use (another `tidal up` or `tidal server`?)")
 
 
 def _up_problem(gpus: int, nodes: int, policy: str, home: Path) -> Optional[str]:
     """Why ``tidal up`` cannot start with these options, or None."""
+    from tidal.cli.checks import home_problem
     from tidal.control.local import MAX_GPUS_PER_NODE, MAX_NODES
-    from tidal.scheduler.registry import is_policy, policy_names
 
     if nodes < 1:
         return f"--nodes {nodes}: need at least 1"
@@ -249,17 +246,19 @@ def _up_problem(gpus: int, nodes: int, policy: str, home: Path) -> Optional[str]
     if gpus // nodes > MAX_GPUS_PER_NODE:
         return (f"--gpus {gpus}: at most {MAX_GPUS_PER_NODE} per node, so at most {MAX_GPUS_PER_NODE * nodes} "
                 f"with {nodes} node(s)")
-    if not is_policy(policy):
-        return f"--policy {policy}: unknown; known: {', '.join(policy_names())}"
-    if home.exists() and not home.is_dir():
-        return f"--home {home}: not a directory"
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        return f"--home {home}: cannot create it ({e.strerror})"
-    if not os.access(home, os.W_OK | os.X_OK):
-        return f"--home {home}: not writable"
-    return None
+    if why := policy_problem(policy):
+        return why
+    return home_problem(home, f"--home {home}")
+
+
+def policy_problem(policy: str, option: str = "--policy") -> Optional[str]:
+    """Why ``policy`` names no scheduling policy (with the closest name), or None."""
+    from tidal.cli.checks import suggest
+    from tidal.scheduler.registry import is_policy, policy_names
+
+    if is_policy(policy):
+        return None
+    return f"{option} {policy}: unknown policy{suggest(policy, policy_names())} (known: {', '.join(policy_names())})"
 
 
 def _lock_home(home: Path) -> Any:
@@ -347,6 +346,8 @@ def _run_until_stopped(c: Any, policy: str) -> None:
         (c.home / "token").write_text(user_token)
         _say(f"Tidal cluster up: {c.url} — {c.nodes} node(s) × {c.gpus_per_node} virtual GPU(s), policy {policy}")
         _say(f"state in {c.home}; user token in {c.home / 'token'}; admin token in {c.home / 'admin.token'}")
+        _say(f"dashboard: {c.url}/dashboard/  (open it in a browser on this machine; log in with the admin token "
+             f"in {c.home / 'admin.token'} to see every job, or with the user token in {c.home / 'token'})")
         _say_resuming(c)
         _say("submit with: tidal submit job.yaml   (Ctrl-C suspends the running jobs and stops the cluster)")
         while True:
@@ -424,7 +425,9 @@ def submit(
     spec: Optional[Path] = typer.Argument(None, help="YAML job spec (or use the flags)."),
     name: Optional[str] = typer.Option(None, "--name", help="Job name (its id is the name plus a suffix)."),
     script: Optional[str] = typer.Option(None, "--script", help="Training script: a path on the agents' hosts."),
-    gpus: Optional[str] = typer.Option(None, "--gpus", help="N, LOW-HIGH, or a,b,c"),
+    gpus: Optional[str] = typer.Option(
+        None, "--gpus", help="N (rigid: exactly N), LOW-HIGH (elastic range) or a,b,c (allowed sizes). Leave it "
+                             "out (here and in the spec) to have the job sized automatically (docs/autoconf.md)."),
     iterations: Optional[int] = typer.Option(None, "--iterations", help="Training steps the job runs (or give "
                                                                          "epochs in a spec)."),
     deadline: Optional[float] = typer.Option(None, "--deadline", help="Seconds after submission."),
@@ -600,12 +603,25 @@ def logs(job_id: str, follow: bool = typer.Option(False, "--follow", "-f",
         while True:
             job = api.job(job_id)  # read before the logs: once it has ended, this read is the last
             ended = not follow or job["state"] in ENDED
+            _check_worker(job, worker, ended)
             tail.poll(job, final=ended)
             if ended:
                 break
             time.sleep(1)
+    except typer.Exit:
+        raise
     except Exception as e:  # noqa: BLE001
         _fail(e)
+
+
+def _check_worker(job: dict, worker: Optional[str], ended: bool) -> None:
+    """Exit 2 naming the job's processes when ``--worker`` names none of them
+    (while following a running job it may still start: a scale-out)."""
+    known = sorted({p["name"] for p in job.get("processes", [])}, key=lambda n: (n != "master", len(n), n))
+    if worker and worker not in known and ended:
+        err.print("[red]error:[/] " + escape(f"--worker {worker}: job {job['id']} has no process {worker!r}; "
+                                              f"its processes: {', '.join(known) or 'none yet'}"))
+        raise typer.Exit(2)
 
 
 @app.command()

@@ -10,6 +10,9 @@ from typing import Optional
 import typer
 
 from tidal.cli.app import app
+from tidal.cli.checks import bounded
+
+_SECONDS = bounded(low=0.0, low_open=True, unit="s")  # a timeout: more than 0 s
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -19,18 +22,22 @@ def run(
     ctx: typer.Context,
     script: str = typer.Argument(..., help="Training script; arguments after it are passed to it."),
     workers: int = typer.Option(2, "--workers", "-n", help="Initial size: the number of workers."),
-    max_workers: Optional[int] = typer.Option(None, "--max-workers", help="Largest size scale-out may reach."),
+    max_workers: Optional[int] = typer.Option(None, "--max-workers", help="Largest size scale-out may reach.",
+                                                 callback=bounded(low=1)),
     job: Optional[str] = typer.Option(None, "--job", help="Job name for `tidal scale` (default: script name)."),
     state: Optional[str] = typer.Option(None, "--state", help="Master state backend: file://PATH or sqlite://PATH."),
-    switch_lead: float = typer.Option(0.0, "--switch-lead", help="T_a in seconds: lead time of a planned switch."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop the job after this many seconds."),
+    switch_lead: float = typer.Option(0.0, "--switch-lead", help="T_a in seconds: lead time of a planned switch.",
+                                     callback=bounded(low=0.0, unit="s")),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop the job after this many seconds.",
+                                             callback=_SECONDS),
     straggler_policy: str = typer.Option(
         "report", "--straggler-policy",
         help="A worker >1.2x the median compute time for 10 steps: report | remove | replace | share (EDL §5.2)."),
     replication: str = typer.Option(
         "topology", "--replication",
         help="How newcomers get the state: topology (nearest live worker, concurrent) | single | broadcast."),
-    hang_timeout: float = typer.Option(30.0, "--hang-timeout", help="Kill a worker hung this many seconds (0: never)."),
+    hang_timeout: float = typer.Option(30.0, "--hang-timeout", help="Kill a worker hung this many seconds (0: never).",
+                                      callback=bounded(low=0.0, unit="s")),
     bind: Optional[str] = typer.Option(
         None, "--bind", help="Address the master listens on (0.0.0.0: every interface); default $TIDAL_BIND_ADDR "
                              "or 127.0.0.1."),
@@ -57,6 +64,9 @@ def run(
         raise typer.BadParameter(f"one of {', '.join(STRAGGLER_POLICIES)}", param_hint="--straggler-policy")
     if replication not in MODES:
         raise typer.BadParameter(f"one of {', '.join(MODES)}", param_hint="--replication")
+    if why := _run_problem(job, state, bind, advertise_addr, port, join):
+        typer.echo(f"tidal run: {why}", err=True)
+        raise typer.Exit(2)
     if join:
         import os
 
@@ -75,11 +85,32 @@ def run(
     raise typer.Exit(rc)
 
 
+def _run_problem(job: Optional[str], state: Optional[str], bind: Optional[str], advertise: Optional[str],
+                 port: int, join: Optional[str]) -> Optional[str]:
+    """Why ``tidal run`` cannot start with these options (checked before any
+    process starts), or None."""
+    from pathlib import Path
+
+    from tidal import settings
+    from tidal.cli.checks import address_problem, home_problem, name_problem, port_problem, state_problem
+    from tidal.net import bind_addr
+
+    if join:
+        return None
+    if why := name_problem("--job", job) or state_problem(state):
+        return why
+    if advertise is not None and not advertise.strip():
+        return "--advertise-addr '': give an address, or leave the option out"
+    host = bind_addr(bind)
+    return (address_problem(host, "--bind" if bind is not None else f"${settings.BIND_ADDR.name}")
+            or port_problem(port, host) or home_problem(Path(settings.home())))
+
+
 @app.command("migrate")
 def migrate(
     job: str = typer.Argument(..., help="The name given to `tidal run` (or its master URL)."),
     ranks: list[int] = typer.Argument(..., help="Ranks to move."),
-    timeout: float = typer.Option(120.0, "--timeout", help="Give up after this many seconds."),
+    timeout: float = typer.Option(120.0, "--timeout", help="Give up after this many seconds.", callback=_SECONDS),
 ) -> None:
     """Move workers of a `tidal run` job in one change (EDL §5.2): replacements
     start and warm up while the job trains, then the old ones leave and the
@@ -92,10 +123,12 @@ def migrate(
 @app.command("profile")
 def profile_cmd(
     job: str = typer.Argument(..., help="The name given to `tidal run` (or its master URL)."),
-    min_p: int = typer.Option(1, "--min", help="Smallest worker count to measure."),
-    max_p: int = typer.Option(..., "--max", help="Largest worker count (the job is scaled there first)."),
-    batch: int = typer.Option(..., "--batch", help="The job's global batch size (the profile's row)."),
-    steps: int = typer.Option(20, "--steps", help="Steps measured per size."),
+    min_p: int = typer.Option(1, "--min", help="Smallest worker count to measure.", callback=bounded(low=1)),
+    max_p: int = typer.Option(..., "--max", help="Largest worker count (the job is scaled there first).",
+                              callback=bounded(low=1)),
+    batch: int = typer.Option(..., "--batch", help="The job's global batch size (the profile's row).",
+                              callback=bounded(low=1)),
+    steps: int = typer.Option(20, "--steps", help="Steps measured per size.", callback=bounded(low=1)),
     out: str = typer.Option("profiles", "--out", help="Directory of the profile CSV."),
     model: str = typer.Option("job", "--model", help="Model name: the CSV is OUT/MODEL.csv."),
 ) -> None:
@@ -128,7 +161,7 @@ def scale(
     job: str = typer.Argument(..., help="Job: a live-cluster job id, or the name given to `tidal run` (or its master URL)."),
     gpus: Optional[int] = typer.Argument(None, help="Live cluster: pin the job at this many GPUs until released with 0."),
     workers: Optional[int] = typer.Option(None, "--workers", "-n", help="`tidal run` job: target number of workers."),
-    timeout: float = typer.Option(120.0, "--timeout", help="Give up after this many seconds."),
+    timeout: float = typer.Option(120.0, "--timeout", help="Give up after this many seconds.", callback=_SECONDS),
     wait: bool = typer.Option(True, "--wait/--no-wait",
                               metavar="", help="`tidal run` job: wait until it runs at the new size (a live-cluster job's pin "
                                    "returns at once; the policy applies it in its next round)."),

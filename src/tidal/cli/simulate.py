@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.markup import escape
 
 from tidal.cli.app import app
+from tidal.cli.checks import bounded, dir_problem
 from tidal.core.errors import InputError
 
 
@@ -129,17 +130,61 @@ def _on_result(err: Console, as_json: bool):
     return done
 
 
+#: the files of ``--report`` (the page, and its plots while it is written)
+REPORT_FILES = ("report.html", "report.tmp", "report.util.png", "report.jct.png")
+MAX_SLOT_S = 86400.0  # a longer round makes every job wait that long: the JCTs would say nothing
+
+
+def _too_big(jobs: list, topo: Any, source: str) -> Optional[str]:
+    """Why the trace cannot run on the cluster: a job asking for more GPUs
+    than the cluster has would never get its size (a rigid job would wait
+    forever, an elastic one would be run at a size it never asked for), so
+    the run is refused instead of reporting numbers for another workload."""
+    big = [j for j in jobs if j.requested_gpus > topo.num_gpus]
+    if not big:
+        return None
+    first = big[0]
+    more = f" (and {len(big) - 1} more)" if len(big) > 1 else ""
+    return (f"{source}: job {first.job_id!r} asks for {first.requested_gpus} GPUs{more}, but cluster {topo.name} "
+            f"has {topo.num_gpus}; use a larger --cluster, or leave such jobs out of the trace")
+
+
+def _options_problem(names: list[str], fidelity: str, out: Optional[Path], trace: Path) -> Optional[str]:
+    """Why ``tidal simulate`` cannot run with these options (checked before
+    anything is read or simulated), or None."""
+    from tidal.cli.checks import suggest
+    from tidal.scheduler.registry import ALIASES, is_policy, policy_names
+
+    bad = [n for n in names if not is_policy(n)]
+    if not names or bad:
+        hint = suggest(bad[0], [*policy_names(), *ALIASES]) if bad else ""
+        return (f"unknown policy {', '.join(bad) or '(none)'}{hint} (known: {', '.join(policy_names())}; "
+                f"aliases: {', '.join(sorted(ALIASES))})")
+    if fidelity not in ("tidal", "artifact"):
+        return f"--fidelity: choose tidal or artifact, not {fidelity!r}"
+    if out is not None and (why := dir_problem(out, f"--out {out}")):
+        return why
+    if not str(trace).strip() or str(trace) == ".":
+        return "--trace '': give a trace file (or a shipped trace's name: 195job, cluster10)"
+    return None
+
+
 @app.command()
 def simulate(
     trace: Path = typer.Option(..., "--trace", help="Trace CSV (ITP, Philly with deadlines, or Philly)."),
     fmt: str = typer.Option("auto", "--format", help="auto | itp | philly | philly-ef"),
     cluster: str = typer.Option("n32g8", "--cluster", help="Cluster spec like n32g8, or a cluster CSV."),
     policy: str = typer.Option("fifo", "--policy", help="Policy name(s), comma separated."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default out/<trace>_<cluster>)."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="Output directory (default out/<trace>_<cluster>). It holds this run's files only: "
+                            "the files a previous run wrote there (summary.json, *_jobs.csv, the plots, "
+                            "report.html) are replaced or removed; other files are left alone."),
     seed: int = typer.Option(0, "--seed", help="Seed for trace synthesis (Philly models, batch sizes)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N jobs."),
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print one JSON object per policy."),
-    slot: float = typer.Option(60.0, "--slot", min=0.0, help="Scheduling slot in seconds (0: schedule at every event)."),
+    slot: float = typer.Option(60.0, "--slot", callback=bounded(low=0.0, high=MAX_SLOT_S, unit="s"),
+                               help=f"Scheduling slot in seconds (0: schedule at every event; at most "
+                                    f"{MAX_SLOT_S:g}, a day)."),
     overhead: str = typer.Option("stop-free", "--overhead", help="Rescale overhead model: stop-free | stop-resume."),
     profiles_dir: Optional[Path] = typer.Option(None, "--profiles", help="Throughput profile directory (default: shipped A100)."),
     rigid: bool = typer.Option(False, "--rigid", metavar="", help="Treat every job as rigid (not elastic)."),
@@ -154,18 +199,12 @@ def simulate(
     from tidal.core.overhead import OverheadModel
     from tidal.core.profile import load_profiles
     from tidal.core.topology import parse_cluster
-    from tidal.scheduler.registry import ALIASES, is_policy, policy_names
     from tidal.sim.traces import load_trace
 
     err = Console(stderr=True, soft_wrap=True)
     names = [p.strip() for p in policy.split(",") if p.strip()]
-    bad = [n for n in names if not is_policy(n)]
-    if not names or bad:
-        err.print("[red]error:[/] " + escape(f"unknown policy {', '.join(bad) or '(none)'}; known: "
-                                              f"{', '.join(policy_names())} (aliases: {', '.join(sorted(ALIASES))})"))
-        raise typer.Exit(2)
-    if fidelity not in ("tidal", "artifact"):
-        err.print("[red]error:[/] " + escape(f"--fidelity: choose tidal or artifact, not {fidelity!r}"))
+    if why := _options_problem(names, fidelity, out, trace):
+        err.print("[red]error:[/] " + escape(why))
         raise typer.Exit(2)
     try:
         prof = load_profiles(profiles_dir)
@@ -175,6 +214,13 @@ def simulate(
     except (InputError, ValueError) as exc:
         err.print("[red]error:[/] " + escape(f"{exc}"))
         raise typer.Exit(2)
+    if why := _too_big(list(tr.jobs), topo, Path(tr.source).name):
+        err.print("[red]error:[/] " + escape(why))
+        raise typer.Exit(2)
+    out_dir = out or Path("out") / f"{Path(tr.source).stem}_{topo.name}"
+    if why := dir_problem(out_dir, f"--out {out_dir}"):
+        err.print("[red]error:[/] " + escape(why))
+        raise typer.Exit(2)
     err.print(f"trace: {tr.describe()}")
     err.print(f"cluster: {topo.name} ({topo.num_gpus} GPUs, {topo.num_nodes} nodes, "
               f"{topo.num_switches} switch{'es' if topo.num_switches != 1 else ''})")
@@ -183,7 +229,6 @@ def simulate(
         show_progress=sys.stderr.isatty(), console=err,
         on_result=_on_result(err, as_json), fidelity=fidelity,
     )
-    out_dir = out or Path("out") / f"{Path(tr.source).stem}_{topo.name}"
     _outputs(results, out_dir, f"{Path(tr.source).name} on {topo.name}", err, table=not as_json, wide=wide,
              report=report)
 
@@ -192,18 +237,28 @@ def _outputs(results: list, out_dir: Path, title: str, err: Console, *, table: b
              report: bool) -> None:
     """The run's files, its table on stdout (unless --json) and with --report its page."""
     from tidal.cli.tables import wide_console
-    from tidal.sim.metrics import summarize, write_outputs
+    from tidal.sim.metrics import clear_outputs, summarize, write_outputs
 
     summaries = [summarize(r) for r in results]
-    paths = write_outputs(results, out_dir)
+    page, existed = None, out_dir.exists()
+    try:
+        paths = write_outputs(results, out_dir, extra=REPORT_FILES)
+        if report:
+            from tidal.sim.report import write_report
+
+            page = write_report(results, summaries, out_dir / "report.html", title=title,
+                                command=shlex.join(["tidal", *sys.argv[1:]]))
+    except OSError as e:
+        clear_outputs(out_dir, REPORT_FILES)
+        if not existed and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # made by this run, and nothing in it
+        err.print("[red]error:[/] " + escape(f"--out {out_dir}: cannot write {e.filename or 'the results'} "
+                                              f"({e.strerror or e}); none of this run's files was left there"))
+        raise typer.Exit(1)
     if table:
         # a pipe gets every column unless $COLUMNS says how wide to be
         con = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)
         (wide_console(con) if wide else con).print(results_table(summaries, title, wide=wide, width=con.width))
     err.print(f"wrote {out_dir}/ (summary.json, *_jobs.csv, {paths['utilization'].name}, {paths['jct_cdf'].name})")
-    if report:
-        from tidal.sim.report import write_report
-
-        page = write_report(results, summaries, out_dir / "report.html", title=title,
-                            command=shlex.join(["tidal", *sys.argv[1:]]))
+    if page is not None:
         err.print(f"report: {page}")

@@ -3,7 +3,8 @@ pydantic so that an error names the field.
 
 GPU request forms (SideCar's "optional numbers of GPUs", ElasticFlow's
 serverless jobs), read by :func:`parse_gpu_request` alone:
-  gpus: 4            a count (rigid unless ``elastic: true``, then preferred)
+  gpus: 4            a count: rigid (always 4 GPUs), unless ``elastic: true``
+                     (then 4 is preferred) or ``min_gpus``/``max_gpus`` bound it
   gpus: "2-8"        an elastic range
   gpus: [1, 2, 4]    an allowed set (as text, e.g. on the command line: "1,2,4")
   (none) + deadline  serverless: the scheduler picks the count
@@ -213,7 +214,8 @@ class JobSubmission(BaseModel):
     gpus: int | str | list[int] | None = None
     min_gpus: int | None = Field(default=None, ge=1, le=MAX_GPUS)
     max_gpus: int | None = Field(default=None, ge=1, le=MAX_GPUS)
-    elastic: bool = True
+    elastic: bool | None = Field(default=None, description="may be rescaled: true by default for a range, a set "
+                                                            "or no count; a plain count is rigid unless true")
     global_batch_size: int = Field(default=32, ge=1, le=10**9)
     iterations: int | None = Field(default=None, ge=1, le=10**12)
     epochs: float | None = Field(default=None, gt=0, le=10**6, allow_inf_nan=False)
@@ -261,7 +263,12 @@ class JobSubmission(BaseModel):
     @field_validator("resources", mode="before")
     @classmethod
     def _auto_resources(cls, v: Any) -> Any:
-        return {"auto": True} if isinstance(v, str) and v.strip().lower() == "auto" else v
+        if isinstance(v, str):
+            if v.strip().lower() == "auto":
+                return {"auto": True}
+            raise ValueError(f"{v!r} is not a resource request: write `resources: auto` to size the job "
+                             "automatically, or give limits like `resources: {memory: 2Gi, cpus: 1.5}`")
+        return v
 
     @property
     def auto(self) -> bool:
@@ -289,6 +296,17 @@ class JobSubmission(BaseModel):
                              "use (a share of the host's ARG_MAX); pass large data in a file")
         return self
 
+    def rescalable(self, gpus: GpuRequest | None = None) -> bool:
+        """Whether the scheduler may run the job at another size: a range, a
+        set or no count always; a plain count only with ``elastic: true`` or
+        ``min_gpus``/``max_gpus`` around it (so ``gpus: 1`` gets 1 GPU)."""
+        gpus = gpus or parse_gpu_request(self.gpus)
+        if gpus.flexible:
+            return True
+        if self.elastic is not None:
+            return self.elastic
+        return self.min_gpus is not None or self.max_gpus is not None
+
     def total_iterations(self) -> int:
         if self.iterations is not None:
             return self.iterations
@@ -310,8 +328,35 @@ class JobSubmission(BaseModel):
             allowed_gpus=gpus.allowed,
             deadline=(submit_time + self.deadline) if self.deadline else None,
             priority=self.priority,
-            elastic=self.elastic or gpus.flexible,
+            elastic=self.rescalable(gpus),
         )
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(key)
+        self.key, self.line, self.first = key, line, first
+
+
+def _unique_keys_loader() -> type:
+    """A YAML ``SafeLoader`` that refuses a mapping with a key given twice
+    (plain YAML keeps the last silently; JSON specs are read by it too)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if not isinstance(key, (str, int, float, bool)):
+                    continue  # an unhashable key: the safe constructor names it
+                if key in seen:
+                    raise _DuplicateKey(key, line, seen[key])
+                seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
 
 
 def load_spec_file(path: str | Path) -> JobSubmission:
@@ -320,9 +365,16 @@ def load_spec_file(path: str | Path) -> JobSubmission:
 
     p = Path(path)
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=_unique_keys_loader())  # noqa: S506 - a SafeLoader
     except FileNotFoundError:
         raise InputError("no such file", source=str(p)) from None
+    except IsADirectoryError:
+        raise InputError("a directory, not a spec file", source=str(p)) from None
+    except OSError as e:
+        raise InputError(f"cannot read it ({e.strerror})", source=str(p)) from None
+    except _DuplicateKey as e:
+        raise InputError(f"the key {e.key!r} is given twice (first at line {e.first}); keep one", source=str(p),
+                         line=e.line) from None
     except UnicodeDecodeError as e:
         raise InputError(f"not a text (UTF-8) file: byte {e.start} cannot be decoded", source=str(p)) from None
     except yaml.YAMLError as e:

@@ -106,12 +106,27 @@ def _default_switches(nodes: int, name: str = "") -> int:
     return max(1, nodes // 32) if nodes % 32 == 0 else 1
 
 
+_CLUSTER_COLUMNS = ("num_switch", "num_node_p_switch", "num_gpu_p_node")
+
+
 def _read_cluster_csv(path: Path) -> Cluster:
-    with path.open(newline="") as fh:
-        reader = csv.DictReader(fh)
-        rows = list(reader)
+    if path.is_dir():
+        raise InputError("a directory, not a cluster CSV file", source=str(path), field="cluster")
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as fh:
+            reader = csv.DictReader(fh)
+            header = reader.fieldnames or []
+            rows = list(reader)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise InputError(f"not a readable cluster CSV file ({getattr(e, 'strerror', None) or e})",
+                         source=str(path)) from None
+    missing = [c for c in _CLUSTER_COLUMNS if c not in header]
+    if missing:
+        found = ",".join(header)[:60] or "nothing"
+        raise InputError(f"not a cluster CSV: its header needs the columns {','.join(_CLUSTER_COLUMNS)} "
+                         f"(found {found!r}); or give a spec like n32g8", source=str(path), line=1)
     if not rows:
-        raise InputError("no data row", source=str(path), line=2)
+        raise InputError("no data row under the header", source=str(path), line=2)
     row = rows[0]
     values = {}
     for field in ("num_switch", "num_node_p_switch", "num_gpu_p_node"):

@@ -255,19 +255,42 @@ def plot_jct_cdf(results: Iterable[SimResult], path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(results: list[SimResult], out: Path) -> dict[str, Path]:
-    """Per-job CSV per policy, summary.json, utilization.png, jct_cdf.png."""
+#: the files :func:`write_outputs` writes into its folder (``*`` is a policy's name)
+OUTPUT_FILES = ("summary.json", "*_jobs.csv", "utilization.png", "jct_cdf.png")
+
+
+def clear_outputs(out: Path, extra: Iterable[str] = ()) -> None:
+    """Remove the files a run writes into ``out`` (:data:`OUTPUT_FILES`,
+    ``extra`` names or patterns) and their ``.tmp`` leftovers: a folder then
+    holds one run's results, never an older run's beside them. Other files stay."""
+    for pattern in (*OUTPUT_FILES, *extra):
+        for p in [*out.glob(pattern), *out.glob(pattern + ".tmp")]:
+            if p.is_file() or p.is_symlink():
+                p.unlink(missing_ok=True)
+
+
+def write_outputs(results: list[SimResult], out: Path, extra: Iterable[str] = ()) -> dict[str, Path]:
+    """Per-job CSV per policy, summary.json, utilization.png, jct_cdf.png,
+    replacing the previous run's files (:func:`clear_outputs`; ``extra``: other
+    files of the run the caller writes afterwards). If writing fails (a full
+    disk), none of this run's files is left half-written: they are removed
+    and the error raised."""
     out.mkdir(parents=True, exist_ok=True)
+    clear_outputs(out, extra)
     paths: dict[str, Path] = {}
-    for r in results:
-        p = out / f"{r.policy}_jobs.csv"
-        write_job_csv(r, p)
-        paths[f"{r.policy}_jobs"] = p
-    summary = [summarize(r) for r in results]
-    write_json(summary, out / "summary.json")
-    paths["summary"] = out / "summary.json"
-    plot_utilization(results, out / "utilization.png")
-    plot_jct_cdf(results, out / "jct_cdf.png")
+    try:
+        for r in results:
+            p = out / f"{r.policy}_jobs.csv"
+            write_job_csv(r, p)
+            paths[f"{r.policy}_jobs"] = p
+        summary = [summarize(r) for r in results]
+        write_json(summary, out / "summary.json")
+        paths["summary"] = out / "summary.json"
+        plot_utilization(results, out / "utilization.png")
+        plot_jct_cdf(results, out / "jct_cdf.png")
+    except BaseException:
+        clear_outputs(out, extra)
+        raise
     paths["utilization"] = out / "utilization.png"
     paths["jct_cdf"] = out / "jct_cdf.png"
     return paths
