@@ -201,7 +201,7 @@ class BuddyAllocator:
                 and not (self._holding and self._held.any())):
             bits = self._node_bits()
             if bits is not None:  # the usual case: the key below, from the per-node counts
-                off = bits.best_whole_nodes(s, self.size) if s >= 8 else bits.best_in_node(s)
+                off = bits.best_whole_nodes(s) if s >= 8 else bits.best_in_node(s)
                 if off is None:
                     self._full_from = min(self._full_from, s)
                 return off
@@ -256,12 +256,18 @@ class BuddyAllocator:
         """``n`` GPUs as aligned power-of-two blocks, or None (nothing taken).
         A count that is not a power of two goes to one node if one can hold
         all its pieces (the fullest such node)."""
+        if n > 0 and n & (n - 1) == 0:  # one block
+            off = self.best_fit_block(n, prefer)
+            if off is None:
+                return None
+            self._mark_range(off, off + n)
+            return tuple(range(off, off + n))
         per = self.cluster.gpus_per_node
         parts = pieces(n)
         if len(parts) > 1 and n <= per:
             bits = self._node_bits()
             if bits is not None:
-                free_per_node = bits.free8[: self.cluster.num_nodes].copy()
+                free_per_node = bits.free8[: self.cluster.num_nodes]
             else:
                 free_per_node = (~self._used[: self.cluster.num_nodes * per]).reshape(-1, per).sum(axis=1)
             for node in sorted(np.flatnonzero(free_per_node >= n).tolist(), key=lambda x: (free_per_node[x], x)):

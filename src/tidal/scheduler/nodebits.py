@@ -50,17 +50,22 @@ class NodeBits:
 
     def __init__(self, used: np.ndarray, nodes_per_switch: int) -> None:
         self.bytes = np.packbits(used.reshape(-1, 8), axis=1, bitorder="little").ravel().astype(np.int64)
-        self.free8 = 8 - _USED8[self.bytes]  # free GPUs per node
         nodes = self.bytes.size
         self.nps = nodes_per_switch
         self.sw_sz = 8 * nodes_per_switch
         # per switch (aligned run of nodes_per_switch nodes): free GPUs, when the
-        # nodes split into whole switches (else the key has no switch term)
+        # nodes split into several whole switches (else the key has no switch
+        # term, or the same one for every block: left out)
         self.swf: np.ndarray | None = None
-        if nodes % nodes_per_switch == 0:
+        self.sw_of_node: np.ndarray | None = None
+        if nodes % nodes_per_switch == 0 and nodes > nodes_per_switch:
             self.swf = self.free8.reshape(-1, nodes_per_switch).sum(axis=1)
-        # the switch term is the same for every block with one switch: left out
-        self.sw_of_node = np.arange(nodes) // nodes_per_switch if self.swf is not None and self.swf.size > 1 else None
+            self.sw_of_node = np.arange(nodes) // nodes_per_switch
+
+    @property
+    def free8(self) -> np.ndarray:
+        """Free GPUs per node (a new array)."""
+        return 8 - _USED8[self.bytes]
 
     def set_range(self, lo: int, hi: int, used: bool) -> None:
         """GPUs ``lo .. hi-1`` become used (or free)."""
@@ -81,14 +86,12 @@ class NodeBits:
 
     def _set(self, n: int, mask: int, used: bool) -> None:
         """Bits ``mask`` of node ``n`` become set (used) or clear."""
-        old = int(self.bytes[n])
+        old = self.bytes.item(n)
         new = old | mask if used else old & ~mask
         if new != old:
             self.bytes[n] = new
-            d = new.bit_count() - old.bit_count()
-            self.free8[n] -= d
             if self.swf is not None:
-                self.swf[n // self.nps] -= d
+                self.swf[n // self.nps] -= new.bit_count() - old.bit_count()
 
     def best_in_node(self, s: int) -> int | None:
         """Offset of the best free aligned block of ``s`` (1, 2 or 4) GPUs:
@@ -97,17 +100,17 @@ class NodeBits:
         rank, local = _RANK[s]
         nb = self.bytes
         key = rank[nb]
-        if self.sw_of_node is not None:
+        if self.swf is not None:
             key = key * (self.sw_sz + 1) + self.swf[self.sw_of_node]
         i = int(key.argmin())
-        if int(key[i]) >= _NONE * (1 if self.sw_of_node is None else self.sw_sz + 1):
+        if key.item(i) >= _NONE * (1 if self.swf is None else self.sw_sz + 1):
             return None
-        return i * 8 + int(local[nb[i]])
+        return i * 8 + local.item(nb.item(i))
 
-    def best_whole_nodes(self, s: int, size: int) -> int | None:
+    def best_whole_nodes(self, s: int) -> int | None:
         """Offset of the best free aligned block of ``s`` GPUs (a power of two
-        >= 8, at most ``size``, the padded GPU count): fewest free GPUs in its
-        buddy pair, then in its switch; the lowest offset on ties."""
+        >= 8, at most the padded GPU count): fewest free GPUs in its buddy
+        pair, then in its switch; the lowest offset on ties."""
         free8 = self.free8
         cs = free8 if s == 8 else free8.reshape(-1, s // 8).sum(axis=1)  # free GPUs per aligned block
         blocks = np.flatnonzero(cs == s)
@@ -115,6 +118,6 @@ class NodeBits:
             return int(blocks[0]) * s if blocks.size else None
         sw_sz = self.sw_sz
         key = cs.reshape(-1, 2).sum(axis=1)[blocks >> 1] * (sw_sz + 1)  # 2 s <= size: two blocks exist
-        if size % sw_sz == 0:
+        if self.swf is not None:  # (one switch: the same term for every block)
             key += self.swf[(blocks * s) // sw_sz]
         return int(blocks[int(np.argmin(key))]) * s
