@@ -19,6 +19,7 @@ from typing import Optional
 import typer
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from tidal.cli.app import app
@@ -28,9 +29,10 @@ COLORS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
 
 
 def _workload(script: str, rec: Path) -> list[tuple[float, dict]]:
-    """(delay after the previous submission, spec): a long elastic job first,
-    then two short jobs with tight deadlines that make the policy reshape it,
-    then a rigid job."""
+    """(delay after the previous submission, spec): a long elastic job first
+    (on all 8 GPUs), then two short jobs with tight deadlines and a rigid one:
+    under EDF the long job shrinks for them (8 -> 4 -> 2 GPUs, never
+    suspended: together they leave it 2) and grows back as they finish."""
 
     def spec(name, samples, epochs, gpus, deadline, elastic=True, st=0.01):
         return {"name": name, "script": script, "gpus": gpus, "iterations": samples * epochs // 64,
@@ -40,8 +42,8 @@ def _workload(script: str, rec: Path) -> list[tuple[float, dict]]:
 
     return [
         (0.0, spec("resnet-ish", 4096, 4, "1-8", 3600)),
-        (25.0, spec("urgent-small", 1024, 1, "1-2", 300)),
-        (0.0, spec("urgent-medium", 1024, 2, "1-4", 600)),
+        (20.0, spec("urgent-small", 1024, 1, "1-2", 300)),
+        (0.0, spec("urgent-medium", 1024, 2, "1-2", 600)),
         (10.0, spec("rigid-pair", 1024, 1, 2, 1800, elastic=False)),
     ]
 
@@ -57,17 +59,45 @@ def _gpu_map(cluster: dict, colors: dict[str, str]) -> Table:
     return t
 
 
+def rescales(j: dict) -> tuple[int, int]:
+    """(shrinks, grows) the job's workers went through: the group changes
+    that took effect (``progress.changes``, each with its measured pause); a
+    grow still in flight when the job ended is not one."""
+    sizes = [(int(ch.get("from_size") or 0), int(ch.get("to_size") or 0))
+             for ch in (j.get("progress") or {}).get("changes") or () if isinstance(ch, dict)]
+    return sum(b < a for a, b in sizes), sum(b > a for a, b in sizes)
+
+
 def _jobs_table(jobs: list[dict], colors: dict[str, str], t0: float) -> Table:
     t = Table(title=f"jobs (t = {time.time() - t0:5.1f} s)")
-    for c in ("job", "state", "GPUs", "progress", "rescales"):
+    for c in ("job", "state", "GPUs", "progress", "shrinks", "grows"):
         t.add_column(c)
     for j in jobs:
         col = colors.get(j["id"], "white")
         pct = 100 * j["step"] / max(1, j["iterations"] or 1)
-        # the group changes the workers went through (each with a pause), as the summary counts them
-        switches = len((j.get("progress") or {}).get("changes") or ())
-        t.add_row(f"[{col}]{j['id']}[/]", j["state"], str(len(j["gpus"])), f"{pct:5.1f}%", str(switches))
+        down, up = rescales(j)
+        t.add_row(f"[{col}]{j['id']}[/]", j["state"], str(len(j["gpus"])), f"{pct:5.1f}%", str(down), str(up))
     return t
+
+
+def _summary(api, ids: list[str]) -> tuple[Table, bool]:
+    """The summary table (each job's completion time, wait, shrinks, grows and
+    the pauses its workers measured) and whether every job completed."""
+    t = Table(title="summary")
+    for c in ("job", "state", "JCT s", "wait s", "shrinks", "grows", "pauses (ms)"):
+        t.add_column(c)
+    ok = True
+    for jid in ids:
+        j = api.job(jid)
+        changes = (j.get("progress") or {}).get("changes", [])
+        pauses = ", ".join(f"{1e3 * ch.get('pause_s', 0):.0f}" for ch in changes) or "-"
+        jct = (j["end_time"] - j["submit_time"]) if j["end_time"] else None
+        wait = (j["start_time"] - j["submit_time"]) if j["start_time"] else None
+        down, up = rescales(j)
+        t.add_row(jid, j["state"], f"{jct:.1f}" if jct else "-", f"{wait:.1f}" if wait else "-",
+                  str(down), str(up), pauses)
+        ok = ok and j["state"] == "completed"
+    return t, ok
 
 
 def _dashboard_banner(con: Console, url: str, home: Path, tenant_token: str) -> None:
@@ -133,20 +163,8 @@ def live_demo(con: Console, home: Optional[Path], policy: str, timeout_s: float,
                     break
                 time.sleep(0.5)
         con.print()
-        summary = Table(title="summary")
-        # the group changes the job's workers went through, each with its measured pause
-        for c in ("job", "state", "JCT s", "wait s", "rescales", "pauses (ms)"):
-            summary.add_column(c)
-        for jid in ids:
-            j = api.job(jid)
-            changes = (j.get("progress") or {}).get("changes", [])
-            pauses = ", ".join(f"{1e3 * ch.get('pause_s', 0):.0f}" for ch in changes) or "-"
-            jct = (j["end_time"] - j["submit_time"]) if j["end_time"] else None
-            wait = (j["start_time"] - j["submit_time"]) if j["start_time"] else None
-            summary.add_row(jid, j["state"], f"{jct:.1f}" if jct else "-", f"{wait:.1f}" if wait else "-",
-                            str(len(changes)), pauses)
-            if j["state"] != "completed":
-                rc = 1
+        summary, ok = _summary(api, ids)
+        rc = rc or (0 if ok else 1)
         con.print(summary)
         where = (f"; its state and logs stay in {root / 'home'}" if tmp is None
                  else " (run it with --home DIR to keep the cluster's state and logs)")
@@ -168,14 +186,50 @@ def sim_demo(con: Console, jobs: int, cluster: str, seed: int, out: Path) -> Non
     from tidal.sim.traces import poisson_jobs
 
     con.print("[bold]Tidal demo[/] — simulation mode: every built-in policy on a synthetic Poisson workload.")
-    topo = parse_cluster(cluster)
+    topo = parse_cluster(cluster)  # checked by the command (a bad spec is one line, exit 2)
     tr = poisson_jobs(jobs, rate_per_hour=12.0, seed=seed, deadline_factor=2.0)
     con.print(f"workload: {tr.describe()}")
     con.print(f"cluster: {topo.name} ({topo.num_gpus} virtual GPUs)")
     results = run_policies(list(tr.jobs), topo, policy_names(), console=con)
     con.print(results_table([summarize(r) for r in results], "policies on the demo workload"))
-    write_outputs(results, out)
+    try:
+        write_outputs(results, out)
+    except OSError as e:
+        _fail(f"--out {out}: cannot write the plots and CSVs there ({e.strerror or e})", 1)
     con.print(f"plots and per-job CSVs in {out}/")
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    Console(stderr=True, soft_wrap=True).print("[red]error:[/] " + escape(msg))
+    raise typer.Exit(code)
+
+
+def _check(sim: bool, policy: str, timeout: float, jobs: int, cluster: str, out: Path) -> None:
+    """Refuse unusable options before anything starts, in one line each."""
+    from difflib import get_close_matches
+
+    from tidal.core.errors import InputError
+    from tidal.core.topology import parse_cluster
+    from tidal.scheduler.registry import get_policy, policy_names
+
+    if sim:
+        if jobs < 1:
+            _fail(f"--jobs {jobs}: the synthetic workload needs at least 1 job")
+        try:
+            parse_cluster(cluster)
+        except (InputError, ValueError) as e:
+            _fail(f"--cluster {cluster}: {getattr(e, 'reason', e)}")
+        if out.exists() and not out.is_dir():
+            _fail(f"--out {out}: a file, not a directory")
+        return
+    try:
+        get_policy(policy)
+    except ValueError:
+        near = get_close_matches(policy, policy_names(), n=1)
+        _fail(f"--policy {policy}: unknown policy" + (f"; did you mean {near[0]}?" if near else "")
+              + f" (known: {', '.join(policy_names())})")
+    if not timeout > 0:
+        _fail(f"--timeout {timeout:g}: give a number of seconds above 0")
 
 
 @app.command()
@@ -193,6 +247,7 @@ def demo(
 ) -> None:
     """Run real elastic jobs on an embedded cluster and watch them reshape (or --sim)."""
     con = Console(width=None if sys.stdout.isatty() else 160)
+    _check(sim, policy, timeout, jobs, cluster, out)
     if sim:
         sim_demo(con, jobs, cluster, seed, out)
         return

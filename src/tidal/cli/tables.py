@@ -2,8 +2,11 @@
 
 A column has a priority: when the rows do not fit the terminal's width, the
 least important columns are left out (``--wide`` / ``-o wide`` keeps them
-all), and the ones kept never cut a cell: an id or a number is shown whole,
-on one line; only free text wraps.
+all), and the ones kept never cut a cell: a state, a number or a time is
+shown whole, on one line; free text wraps. Only when the columns that are
+always shown still do not fit is the one with the longest cells (a job's or a
+node's name) shortened in its middle with "…", so that its end (the id's
+unique suffix) stays and every border stays on the screen.
 """
 
 from __future__ import annotations
@@ -35,8 +38,37 @@ class Col:
     justify: str = "left"
 
 
+#: a name shortened to fit is never shorter than this (its head, "…" and its tail)
+MIN_NAME = 16
+
+
 def _width(header: str, cells: Sequence[str]) -> int:
     return max([len(header), *(len(c) for c in cells)]) + 3  # padding and the border
+
+
+def middle(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters: its head, "…" and its tail."""
+    if len(text) <= width:
+        return text
+    tail = (width - 1) // 2
+    return text[:width - 1 - tail] + "…" + text[len(text) - tail:]
+
+
+def _shorten(cols: Sequence[Col], need: dict[int, int], keep: list[int], width: int) -> dict[int, int]:
+    """The columns to shorten and their widths (cells only), so that the
+    kept columns fit in ``width``: the widest whole-cell column first, never
+    below :data:`MIN_NAME` nor its header."""
+    widths: dict[int, int] = {}
+    over = sum(need[k] for k in keep) + 1 - width
+    for i in sorted((k for k in keep if not cols[k].wrap), key=lambda k: -need[k]):
+        if over <= 0:
+            break
+        floor = max(MIN_NAME, len(cols[i].header))
+        cut = min(over, need[i] - 3 - floor)
+        if cut > 0:
+            widths[i] = need[i] - 3 - cut
+            over -= cut
+    return widths
 
 
 def fit(title: str, cols: Sequence[Col], rows: Sequence[Sequence[str]], width: int, wide: bool = False,
@@ -44,6 +76,7 @@ def fit(title: str, cols: Sequence[Col], rows: Sequence[Sequence[str]], width: i
     """A table of ``rows`` with the columns that fit in ``width`` characters
     (all of them if ``wide``); the title says how many were left out."""
     keep = list(range(len(cols)))
+    short: dict[int, int] = {}
     if not wide:
         need = {i: _width(c.header, [r[i] for r in rows]) if not c.wrap else len(c.header) + 3
                 for i, c in enumerate(cols)}
@@ -51,6 +84,8 @@ def fit(title: str, cols: Sequence[Col], rows: Sequence[Sequence[str]], width: i
             if sum(need[k] for k in keep) + 1 <= width or cols[i].priority == 0:
                 continue
             keep.remove(i)
+        short = _shorten(cols, need, keep, width)
+        rows = [[middle(c, short[i]) if i in short else c for i, c in enumerate(r)] for r in rows]
     dropped = len(cols) - len(keep)
     t = Table(title=title + (f" ({dropped} more columns with {hint})" if dropped else ""))
     for i in keep:
