@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tidal.core.topology import parse_cluster
-from tidal.scheduler.buddy import BuddyAllocator
+from tidal.scheduler.buddy import BuddyAllocator, _keep_part, pieces
 from tidal.scheduler.nodebits import NodeBits
 
 
@@ -93,3 +93,28 @@ def test_writes_through_used_are_seen() -> None:
     assert b.best_fit_block(1) == 1
     b.used = np.zeros(b.size, dtype=bool)
     assert b.best_fit_block(16) == 0
+
+
+def reference_keep_part(gpus: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """For each piece of ``n`` (largest first), the lowest aligned block of the
+    job's GPUs disjoint from the pieces kept before; empty if one has none."""
+    kept: list[int] = []
+    cur = sorted(gpus)
+    for s in pieces(n):
+        blocks = [g for g in cur if g % s == 0 and all(x in cur and x not in kept for x in range(g, g + s))]
+        if not blocks:
+            return ()
+        kept.extend(range(blocks[0], blocks[0] + s))
+    return tuple(kept)
+
+
+def test_keep_part_matches_the_reference() -> None:
+    rng = np.random.default_rng(2)
+    for _ in range(3000):
+        gpus = tuple(int(g) for g in rng.choice(64, int(rng.integers(1, 33)), replace=False))
+        if rng.random() < 0.5:  # one aligned block, as buddy placements are
+            s = int(rng.choice([2, 4, 8, 16, 32]))
+            o = int(rng.integers(0, 64 // s)) * s
+            gpus = tuple(range(o, o + s))
+        n = int(rng.integers(1, len(gpus) + 1))
+        assert _keep_part(gpus, n) == reference_keep_part(gpus, n), (gpus, n)

@@ -117,6 +117,19 @@ class BuddyAllocator:
         """Whether one of ``gpus`` is used."""
         return bool(self._used[list(gpus)].any())
 
+    def take_free(self, gpus: tuple[int, ...]) -> bool:
+        """Take ``gpus`` (distinct) if all are free; whether they were."""
+        lo, hi = min(gpus), max(gpus) + 1
+        if hi - lo == len(gpus):  # one run of GPUs
+            if _count(self._used[lo:hi]):
+                return False
+            self._mark_range(lo, hi)
+            return True
+        if self.any_used(gpus):
+            return False
+        self.mark(gpus)
+        return True
+
     def mark(self, gpus, used: bool = True) -> None:
         """Set ``gpus`` used (or free) without checks."""
         idx = list(gpus)
@@ -197,9 +210,10 @@ class BuddyAllocator:
             if o != last and not _count(used[o : o + s]):  # the aligned block around g is free
                 return int(o)
             last = o
-        if (not near and s & (s - 1) == 0 and s <= self.size
-                and not (self._holding and self._held.any())):
-            bits = self._node_bits()
+        if not near and s & (s - 1) == 0 and s <= self.size and not (self._holding and self._held.any()):
+            bits = self._bits if not self._exposed else None
+            if bits is None:
+                bits = self._node_bits()
             if bits is not None:  # the usual case: the key below, from the per-node counts
                 off = bits.best_whole_nodes(s) if s >= 8 else bits.best_in_node(s)
                 if off is None:
@@ -301,15 +315,17 @@ class BuddyAllocator:
 
 def _keep_part(gpus: tuple[int, ...], n: int) -> tuple[int, ...]:
     """The aligned sub-blocks of a job's current GPUs that a shrink to ``n``
-    can keep (empty if none fit)."""
+    can keep (empty if none fit): for each piece of ``n``, largest first, the
+    lowest aligned block of the job's GPUs that no earlier piece kept."""
     kept: list[int] = []
     cur = sorted(gpus)
+    left = set(cur)  # the job's GPUs that no piece kept yet
     for s in pieces(n):
         for g in cur:
-            if g % s == 0 and all(x in cur for x in range(g, g + s)) and g not in kept:
-                if not any(x in kept for x in range(g, g + s)):
-                    kept.extend(range(g, g + s))
-                    break
+            if g % s == 0 and left.issuperset(range(g, g + s)):
+                left.difference_update(range(g, g + s))
+                kept.extend(range(g, g + s))
+                break
         else:
             return ()
     return tuple(kept)
@@ -426,8 +442,7 @@ class _Placer:
             gpus = None
             if have and n < len(have):
                 part = _keep_part(have, n)
-                if part and not buddy.any_used(part):
-                    buddy.take(part)
+                if part and buddy.take_free(part):
                     gpus = part
             if gpus is None:
                 gpus = buddy.alloc(n, prefer=tuple(sorted(have)))

@@ -69,6 +69,13 @@ class NodeBits:
 
     def set_range(self, lo: int, hi: int, used: bool) -> None:
         """GPUs ``lo .. hi-1`` become used (or free)."""
+        if lo & 7 == 0 and hi & 7 == 0:  # whole nodes
+            n0, n1 = lo >> 3, hi >> 3
+            if self.swf is not None:
+                now = _USED8[self.bytes[n0:n1]]
+                np.subtract.at(self.swf, self.sw_of_node[n0:n1], 8 - now if used else -now)
+            self.bytes[n0:n1] = 255 if used else 0
+            return
         while lo < hi:
             n = lo >> 3
             end = min(hi, (n + 1) << 3)
