@@ -56,6 +56,7 @@ class FreeMap:
         # per count, where in ``by_free[k]`` the first node not yet changed may be (nodes never
         # leave ``_mod``, so it only moves forward)
         self._first = [0] * (cluster.gpus_per_node + 1)
+        self._nonempty: list[int] | None = None  # nodes with a free GPU at first (ascending)
 
     def _free(self, node: int) -> Sequence[int]:
         m = self._mod.get(node)
@@ -67,13 +68,20 @@ class FreeMap:
     @property
     def by_node(self) -> dict[int, list[int]]:
         """Node -> free GPUs, in dict order (see the class docstring)."""
-        base, gone = self._base, self._gone
-        out = {n: list(self._free(n)) for n in range(len(base)) if base[n] and n not in gone}
-        out.update((n, list(self._free(n))) for n in self._tail)
+        return {n: list(self._free(n)) for n in self.counts()}
+
+    def counts(self) -> dict[int, int]:
+        """Node -> how many GPUs are free there, in the order of :attr:`by_node`."""
+        base, gone, mod = self._base, self._gone, self._mod
+        if self._nonempty is None:
+            self._nonempty = [n for n, f in enumerate(base) if f]
+        out = {n: len(mod[n]) if n in mod else len(base[n]) for n in self._nonempty if n not in gone}
+        for n in self._tail:
+            out[n] = len(mod[n])
         return out
 
     def total(self) -> int:
-        return sum(len(v) for v in self.by_node.values())
+        return sum(self.counts().values())
 
     def take(self, node: int, k: int) -> list[int]:
         gpus = self._free(node)
@@ -87,20 +95,17 @@ class FreeMap:
         return out
 
     def give(self, gpus: list[int]) -> None:
-        node_of = self.cluster.node_of
+        per = self.cluster.gpus_per_node
+        groups: dict[int, list[int]] = {}  # node -> its GPUs given, nodes in the order first seen
         for g in gpus:
-            node = node_of(g)
-            cur = self._mod.get(node)
-            if cur is None:
-                cur = list(self._base[node])
-                self._set(node, cur)
+            groups.setdefault(g // per, []).append(g)
+        for node, add in groups.items():
+            cur = self._free(node)
             if not cur:
                 self._tail[node] = None
-            self._mod_bits[len(cur)] &= ~(1 << node)
-            cur.append(g)
-            self._mod_bits[len(cur)] |= 1 << node
-        for node in {node_of(g) for g in gpus}:
-            self._mod[node].sort()
+            add.extend(cur)
+            add.sort()
+            self._set(node, add)
 
     def _set(self, node: int, free: list[int]) -> None:
         """Node ``node`` now has the free GPUs ``free`` (kept in the count buckets)."""
@@ -145,8 +150,8 @@ class FreeMap:
         elif self._switch_fit(n, need, out):
             return out
         # spread: most-free nodes first
-        by_node = self.by_node
-        for node in sorted(by_node, key=lambda x: (-len(by_node[x]), x)):
+        counts = self.counts()
+        for node in sorted(counts, key=lambda x: (-counts[x], x)):
             if len(out) == n:
                 break
             out += self.take(node, n - len(out))
@@ -159,18 +164,19 @@ class FreeMap:
         (appended to ``out``); False if no switch has room."""
         c = self.cluster
         whole = -(-need // c.gpus_per_node)
-        by_node = self.by_node
+        counts = self.counts()
+        nps = c.nodes_per_switch
         per_switch: dict[int, list[int]] = defaultdict(list)
-        for node in by_node:
-            per_switch[c.switch_of_node(node)].append(node)
+        for node in counts:
+            per_switch[node // nps].append(node)
         best = None
         for sw, nodes in per_switch.items():
-            cap = sum(len(by_node[x]) for x in nodes)
+            cap = sum(map(counts.__getitem__, nodes))
             if cap >= need and (best is None or cap < best[0]):
                 best = (cap, sw)
         if best is None:
             return False
-        nodes = sorted(per_switch[best[1]], key=lambda x: (-len(by_node[x]), x))
+        nodes = sorted(per_switch[best[1]], key=lambda x: (-counts[x], x))
         for node in nodes[: max(whole, 1)]:
             out += self.take(node, n - len(out))
         for node in nodes[whole:]:
@@ -212,16 +218,17 @@ def place_consolidated(snap: Snapshot, allocation: dict[str, int]) -> dict[str, 
 def _release(snap: Snapshot, allocation: dict[str, int], placement: dict[str, tuple[int, ...]], fmap: FreeMap) -> None:
     """Preempted jobs give back their GPUs; shrinking jobs give back GPUs on
     their least-used nodes and keep the rest (recorded in ``placement``)."""
-    c, sizes, aget = snap.cluster, snap.sizes, allocation.get
+    sizes, aget = snap.sizes, allocation.get
+    per = snap.cluster.gpus_per_node
     for view in snap.in_order({jid for jid in sizes.keys() - placement.keys() if aget(jid, 0) < sizes[jid]}):
         jid, gpus = view.spec.job_id, view.gpus
         want = aget(jid, 0)
         if want == 0:
             fmap.give(list(gpus))
             continue
-        per_node: dict[int, list[int]] = defaultdict(list)
+        per_node: dict[int, list[int]] = {}
         for g in gpus:
-            per_node[c.node_of(g)].append(g)
+            per_node.setdefault(g // per, []).append(g)
         order = sorted(per_node.values(), key=len)
         give: list[int] = []
         extra = len(gpus) - want
