@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 from itertools import chain, compress
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -113,7 +113,7 @@ class BuddyAllocator:
         """A copy of the used mask."""
         return self._used.copy()
 
-    def any_used(self, gpus) -> bool:
+    def any_used(self, gpus: Iterable[int]) -> bool:
         """Whether one of ``gpus`` is used."""
         return bool(self._used[list(gpus)].any())
 
@@ -130,7 +130,7 @@ class BuddyAllocator:
         self.mark(gpus)
         return True
 
-    def mark(self, gpus, used: bool = True) -> None:
+    def mark(self, gpus: Iterable[int], used: bool = True) -> None:
         """Set ``gpus`` used (or free) without checks."""
         idx = list(gpus)
         if idx:

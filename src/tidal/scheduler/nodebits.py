@@ -12,6 +12,8 @@ as counts.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import numpy as np
 
 _NONE = 1 << 20  # rank of a node without a free block of the size
@@ -82,7 +84,7 @@ class NodeBits:
             self._set(n, ((1 << (end - lo)) - 1) << (lo & 7), used)
             lo = end
 
-    def set_gpus(self, gpus, used: bool) -> None:
+    def set_gpus(self, gpus: Iterable[int], used: bool) -> None:
         """GPUs ``gpus`` (any order) become used (or free)."""
         masks: dict[int, int] = {}
         for g in gpus:
