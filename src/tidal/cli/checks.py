@@ -188,6 +188,8 @@ def state_problem(url: Optional[str], option: str = "--state") -> Optional[str]:
     if path.is_dir():
         return f"{option} {url}: {path} is a directory; give a file path in it"
     if scheme == "sqlite" and not path.parent.is_dir():
+        if path.parent.exists():
+            return f"{option} {url}: {path.parent} is not a folder"
         return f"{option} {url}: the folder {path.parent} does not exist (SQLite creates no folder); create it first"
     why = dir_problem(path.parent, f"{option} {url}")
     return why

@@ -19,7 +19,7 @@ from rich.markup import escape
 from tidal.cli.tables import Col, OutputOpt, check_format, emit, fit
 
 from tidal import settings
-from tidal.cli.app import app
+from tidal.cli.app import app, interruptible
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)  # messages name paths: never broken across lines
@@ -599,6 +599,12 @@ def logs(job_id: str, follow: bool = typer.Option(False, "--follow", "-f",
     """
     api = _api(server_url, token)
     tail = _LogTail(api, job_id, worker)
+    with interruptible("logs"):
+        _follow(api, tail, job_id, worker, follow)
+
+
+def _follow(api: Any, tail: _LogTail, job_id: str, worker: Optional[str], follow: bool) -> None:
+    """Print the logs once, or with ``follow`` until the job ends."""
     try:
         while True:
             job = api.job(job_id)  # read before the logs: once it has ended, this read is the last

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from tidal.cli.app import app
+from tidal.cli.app import app, interruptible
 from tidal.cli.checks import bounded
 
 _SECONDS = bounded(low=0.0, low_open=True, unit="s")  # a timeout: more than 0 s
@@ -76,8 +76,10 @@ def run(
         if max_steps:
             os.environ[settings.MAX_STEPS.name] = str(max_steps)  # the workers started here inherit it
 
-        raise typer.Exit(join_job(join, script, list(ctx.args), workers, timeout_s=timeout or 120.0, out=typer.echo,
-                                  replace_host=replace_host))
+        with interruptible("run --join", "this host's workers are stopped"):
+            rc = join_job(join, script, list(ctx.args), workers, timeout_s=timeout or 120.0, out=typer.echo,
+                          replace_host=replace_host)
+        raise typer.Exit(rc)
     rc = run_job(script, list(ctx.args), workers, max_size=max_workers, job=job, state_url=state,
                  switch_lead_s=switch_lead, timeout_s=timeout, out=typer.echo, straggler_policy=straggler_policy,
                  replication=replication, hang_timeout_s=hang_timeout, bind=bind, advertise=advertise_addr,
@@ -101,7 +103,7 @@ def _run_problem(job: Optional[str], state: Optional[str], bind: Optional[str], 
         return why
     if advertise is not None and not advertise.strip():
         return "--advertise-addr '': give an address, or leave the option out"
-    host = bind_addr(bind)
+    host = bind if bind is not None else bind_addr(None)
     return (address_problem(host, "--bind" if bind is not None else f"${settings.BIND_ADDR.name}")
             or port_problem(port, host) or home_problem(Path(settings.home())))
 
@@ -117,7 +119,9 @@ def migrate(
     new ones join at one agreed step."""
     from tidal.runtime.launch import migrate_job
 
-    raise typer.Exit(migrate_job(job, list(ranks), timeout_s=timeout, out=typer.echo))
+    with interruptible("migrate", "the migration may still complete"):
+        rc = migrate_job(job, list(ranks), timeout_s=timeout, out=typer.echo)
+    raise typer.Exit(rc)
 
 
 @app.command("profile")
@@ -189,4 +193,6 @@ def scale(
         return
     from tidal.runtime.launch import scale_job
 
-    raise typer.Exit(scale_job(job, workers, timeout_s=timeout, wait=wait, out=typer.echo))
+    with interruptible("scale", "a change already accepted goes on"):
+        rc = scale_job(job, workers, timeout_s=timeout, wait=wait, out=typer.echo)
+    raise typer.Exit(rc)

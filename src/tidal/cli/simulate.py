@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.markup import escape
 
-from tidal.cli.app import app
+from tidal.cli.app import app, interruptible
 from tidal.cli.checks import bounded, dir_problem
 from tidal.core.errors import InputError
 
@@ -224,11 +224,12 @@ def simulate(
     err.print(f"trace: {tr.describe()}")
     err.print(f"cluster: {topo.name} ({topo.num_gpus} GPUs, {topo.num_nodes} nodes, "
               f"{topo.num_switches} switch{'es' if topo.num_switches != 1 else ''})")
-    results = run_policies(
-        list(tr.jobs), topo, names, profiles=prof, overheads=overheads, slot=slot,
-        show_progress=sys.stderr.isatty(), console=err,
-        on_result=_on_result(err, as_json), fidelity=fidelity,
-    )
+    with interruptible("simulate", f"nothing written to {out_dir}"):
+        results = run_policies(
+            list(tr.jobs), topo, names, profiles=prof, overheads=overheads, slot=slot,
+            show_progress=sys.stderr.isatty(), console=err,
+            on_result=_on_result(err, as_json), fidelity=fidelity,
+        )
     _outputs(results, out_dir, f"{Path(tr.source).name} on {topo.name}", err, table=not as_json, wide=wide,
              report=report)
 

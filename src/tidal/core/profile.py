@@ -175,7 +175,8 @@ def load_profiles(directory: str | Path | None = None, cross_node_penalty: float
         return _default_profiles(cross_node_penalty)
     path = Path(directory)
     if not path.is_dir():
-        raise InputError("profile directory does not exist", source=str(path))
+        raise InputError("profile directory does not exist" if not path.exists() else
+                         "not a directory: give the profile directory (one <model>.csv per model)", source=str(path))
     files = sorted(path.glob("*.csv"))
     if not files:
         raise InputError("no <model>.csv files in profile directory", source=str(path))

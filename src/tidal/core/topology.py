@@ -74,6 +74,8 @@ def parse_cluster(spec: str | Path) -> Cluster:
     8 switches) or from a cluster CSV file
     (``num_switch,num_node_p_switch,num_gpu_p_node,...``)."""
     text = str(spec).strip()
+    if not text:
+        raise InputError("empty: give a spec like n32g8 or a cluster CSV file", field="cluster")
     m = _SPEC.match(text)
     if m:
         nodes, gpus = int(m.group(1)), int(m.group(2))
