@@ -57,29 +57,12 @@ def run(
     """Run SCRIPT as an elastic job with a local job master (torchrun-like),
     or with --join add this host's workers to one running elsewhere."""
     from tidal.runtime.launch import run_job
-    from tidal.runtime.stragglers import STRAGGLER_POLICIES
-    from tidal.runtime.replication import MODES
 
-    if straggler_policy not in STRAGGLER_POLICIES:
-        raise typer.BadParameter(f"one of {', '.join(STRAGGLER_POLICIES)}", param_hint="--straggler-policy")
-    if replication not in MODES:
-        raise typer.BadParameter(f"one of {', '.join(MODES)}", param_hint="--replication")
-    if why := _run_problem(job, state, bind, advertise_addr, port, join):
+    if why := _run_problem(job, state, bind, advertise_addr, port, join, straggler_policy, replication):
         typer.echo(f"tidal run: {why}", err=True)
         raise typer.Exit(2)
     if join:
-        import os
-
-        from tidal import settings
-        from tidal.runtime.join import join_job
-
-        if max_steps:
-            os.environ[settings.MAX_STEPS.name] = str(max_steps)  # the workers started here inherit it
-
-        with interruptible("run --join", "this host's workers are stopped"):
-            rc = join_job(join, script, list(ctx.args), workers, timeout_s=timeout or 120.0, out=typer.echo,
-                          replace_host=replace_host)
-        raise typer.Exit(rc)
+        _join(join, script, list(ctx.args), workers, timeout, replace_host, max_steps)
     rc = run_job(script, list(ctx.args), workers, max_size=max_workers, job=job, state_url=state,
                  switch_lead_s=switch_lead, timeout_s=timeout, out=typer.echo, straggler_policy=straggler_policy,
                  replication=replication, hang_timeout_s=hang_timeout, bind=bind, advertise=advertise_addr,
@@ -87,8 +70,24 @@ def run(
     raise typer.Exit(rc)
 
 
+def _join(join: str, script: str, args: list[str], workers: int, timeout: Optional[float],
+          replace_host: Optional[str], max_steps: Optional[int]) -> None:
+    """``tidal run --join``: this host's workers join the job at ``join``; exits."""
+    import os
+
+    from tidal import settings
+    from tidal.runtime.join import join_job
+
+    if max_steps:
+        os.environ[settings.MAX_STEPS.name] = str(max_steps)  # the workers started here inherit it
+    with interruptible("run --join", "this host's workers are stopped"):
+        rc = join_job(join, script, args, workers, timeout_s=timeout or 120.0, out=typer.echo,
+                      replace_host=replace_host)
+    raise typer.Exit(rc)
+
+
 def _run_problem(job: Optional[str], state: Optional[str], bind: Optional[str], advertise: Optional[str],
-                 port: int, join: Optional[str]) -> Optional[str]:
+                 port: int, join: Optional[str], straggler_policy: str, replication: str) -> Optional[str]:
     """Why ``tidal run`` cannot start with these options (checked before any
     process starts), or None."""
     from pathlib import Path
@@ -96,7 +95,13 @@ def _run_problem(job: Optional[str], state: Optional[str], bind: Optional[str], 
     from tidal import settings
     from tidal.cli.checks import address_problem, home_problem, name_problem, port_problem, state_problem
     from tidal.net import bind_addr
+    from tidal.runtime.replication import MODES
+    from tidal.runtime.stragglers import STRAGGLER_POLICIES
 
+    if straggler_policy not in STRAGGLER_POLICIES:
+        return f"--straggler-policy {straggler_policy}: one of {', '.join(STRAGGLER_POLICIES)}"
+    if replication not in MODES:
+        return f"--replication {replication}: one of {', '.join(MODES)}"
     if join:
         return None
     if why := name_problem("--job", job) or state_problem(state):
