@@ -21,6 +21,7 @@ import numpy as np
 from tidal.core.overhead import OverheadModel
 
 EPS = 1e-6  # iterations of slack on every "finishes in time" test
+_MIN = np.minimum.reduce  # ndarray.min without its Python-level wrapper
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class Share:
     cap: int  # the minimum satisfactory share (0: none found)
     alloc: np.ndarray  # GPUs in intervals 0..k
     finish: float
+    steady: bool = False  # ``cap`` GPUs in every interval (fill's fast path)
 
 
 def fill(
@@ -116,17 +118,19 @@ def fill(
     t, free = tl.t, tl.free
     now = float(t[0])
     rem = remaining * (1 + 1e-9) + EPS
+    counts, rates = lv.count_list, lv.rate_list
     r_held = lv.rate_of(held)
-    for c, r in zip(lv.count_list[1:], lv.rate_list[1:]):
-        loss = first_loss(c, r, held, r_held, started, costs) + (extra_dead + margin) * r
+    dead = extra_dead + margin
+    for x in range(1, len(counts)):
+        c, r = counts[x], rates[x]
+        loss = first_loss(c, r, held, r_held, started, costs) + dead * r
         finish = now + (rem + loss) / r
         if finish > horizon:
             continue
-        release = tl.release(finish)
-        p = max(int(np.searchsorted(t, release, side="left")), 1)
-        if free[:p].min() >= c:
-            k = max(int(np.searchsorted(t, finish, side="right")) - 1, 0)
-            return Share(c, np.full(k + 1, c, dtype=np.int64), finish)
+        p = max(int(t.searchsorted(tl.release(finish), "left")), 1)
+        if _MIN(free[:p]) >= c:
+            k = max(int(t.searchsorted(finish, "right")) - 1, 0)
+            return Share(c, np.full(k + 1, c, dtype=np.int64), finish, True)
         break  # contention: fill every cap
     return _fill_all(tl, lv, remaining, horizon, held, r_held, started, costs, extra_dead, margin)
 
@@ -195,19 +199,34 @@ def _fill_all(
 
 def commit(tl: Timeline, share: Share) -> None:
     """Reserve ``share`` on the timeline until the slot boundary after it ends."""
-    k = len(share.alloc) - 1
-    release = tl.release(share.finish)
-    t, free = tl.t, tl.free
-    p = int(np.searchsorted(t, release, side="left"))
-    if p == len(t) or t[p] != release:
-        p = max(p, k + 1)
-        if p == len(t) or t[p] != release:
-            t = np.concatenate((t[:p], (release,), t[p:]))
-            free = np.concatenate((free[:p], free[p - 1 : p], free[p:]))
-    free[:k] -= share.alloc[:k]
-    free[k:p] -= share.alloc[k]
-    tl.t, tl.free = t, free
+    _reserve(tl, share, tl.release(share.finish))
 
+
+def _reserve(tl: Timeline, share: Share, release: float) -> None:
+    """:func:`commit` with the share's release time given."""
+    alloc = share.alloc
+    k = len(alloc) - 1
+    t, free = tl.t, tl.free
+    p = int(t.searchsorted(release, "left"))
+    n = len(t)
+    if p == n or t[p] != release:
+        p = max(p, k + 1)
+        if p == n or t[p] != release:  # a new breakpoint at ``p``
+            t2 = np.empty(n + 1, dtype=t.dtype)
+            t2[:p] = t[:p]
+            t2[p] = release
+            t2[p + 1 :] = t[p:]
+            f2 = np.empty(n + 1, dtype=free.dtype)
+            f2[:p] = free[:p]
+            f2[p] = free[p - 1]
+            f2[p + 1 :] = free[p:]
+            t, free = t2, f2
+    if share.steady:  # the same count all along
+        free[: max(k, p)] -= share.cap
+    else:
+        free[:k] -= alloc[:k]
+        free[k:p] -= alloc[k]
+    tl.t, tl.free = t, free
 
 
 Segments = tuple[tuple[float, int], ...]  # (start time, GPUs); the last one has 0 GPUs
@@ -215,7 +234,21 @@ Segments = tuple[tuple[float, int], ...]  # (start time, GPUs); the last one has
 
 def share_segments(tl: Timeline, share: Share) -> Segments:
     """A share as absolute-time segments, ending at its release (slot-aligned)."""
+    return _segments(tl, share, tl.release(share.finish))
+
+
+def take_share(tl: Timeline, share: Share) -> Segments:
+    """:func:`share_segments` of ``share``, then :func:`commit` it."""
     release = tl.release(share.finish)
+    segs = _segments(tl, share, release)
+    _reserve(tl, share, release)
+    return segs
+
+
+def _segments(tl: Timeline, share: Share, release: float) -> Segments:
+    """:func:`share_segments` with the share's release time given."""
+    if share.steady:
+        return ((float(tl.t[0]), int(share.cap)), (release, 0))
     alloc = share.alloc
     starts = np.flatnonzero(np.diff(alloc)) + 1 if len(alloc) > 1 else np.empty(0, dtype=np.int64)
     segs = [(float(tl.t[0]), int(alloc[0]))]

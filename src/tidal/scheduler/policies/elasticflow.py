@@ -75,14 +75,13 @@ from tidal.scheduler.timeline import (
     Segments,
     Share,
     Timeline,
-    commit,
     commit_segments,
     count_at,
     deliverable,
     fill,
     first_loss,
     reserve_all,
-    share_segments,
+    take_share,
 )
 
 
@@ -150,9 +149,8 @@ class _Book:
     caps: dict[str, int] = field(default_factory=dict)
 
     def take(self, jid: str, share: Share) -> None:
-        self.plans[jid] = share_segments(self.tl, share)
+        self.plans[jid] = take_share(self.tl, share)
         self.caps[jid] = share.cap
-        commit(self.tl, share)
 
     def adopt(self, tl: Timeline, trial: dict[str, tuple[Segments, int]]) -> None:
         """Replace the timeline by a from-scratch re-plan's."""
@@ -242,8 +240,7 @@ class ElasticFlow(Policy):
                 share = self._share(snap, tl, j, levels[j.job_id], costs, slack=False)
             if share is None:
                 return tl, out, j
-            out[j.job_id] = (share_segments(tl, share), share.cap)
-            commit(tl, share)
+            out[j.job_id] = (take_share(tl, share), share.cap)
         return tl, out, None
 
     # -- Algorithm 1: admission control by minimum satisfactory share --------
