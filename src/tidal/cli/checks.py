@@ -195,6 +195,29 @@ def state_problem(url: Optional[str], option: str = "--state") -> Optional[str]:
     return why
 
 
+def db_problem(url: Optional[str], option: str = "--db") -> Optional[str]:
+    """Why the SQLAlchemy URL ``url`` cannot be opened: not a URL, or a
+    SQLite file whose folder does not exist or cannot be written, or None.
+    Other databases are checked when the server connects."""
+    if url is None:
+        return None
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return f"{option} {url!r}: not a database URL (e.g. sqlite:////srv/tidal/tidal.db, postgresql://...)"
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    path = Path(parsed.database)
+    if path.is_dir():
+        return f"{option} {url}: {path} is a directory; give a file path in it"
+    if not path.parent.is_dir():
+        return f"{option} {url}: the folder {path.parent} does not exist (SQLite creates no folder); create it first"
+    return dir_problem(path.parent, f"{option} {url}")
+
+
 def suggest(value: str, known: Iterable[str]) -> str:
     """``; did you mean X?`` for the closest of ``known``, or ''."""
     close = difflib.get_close_matches(value, list(known), n=1, cutoff=0.6)

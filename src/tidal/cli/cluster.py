@@ -92,19 +92,21 @@ def server(
                                     "then $RAY_ADDRESS."),
 ) -> None:
     """Run the control plane (REST API + scheduler loop)."""
-    from tidal.cli.checks import address_problem, home_problem, number_problem, port_problem
+    from tidal.cli.checks import address_problem, db_problem, home_problem, number_problem, port_problem
     from tidal.control.server import serve
     from tidal.net import bind_addr
 
     bind = bind_addr(host)
     why = (policy_problem(policy) or number_problem("--tick", tick, low=0.0, low_open=True, high=3600.0, unit="s")
-           or address_problem(bind, "--host") or port_problem(port, bind) or (None if db else home_problem(settings.home())))
+           or address_problem(bind, "--host") or port_problem(port, bind) or db_problem(db)
+           or (None if db else home_problem(settings.home())))
     if why:
         err.print("[red]error:[/] " + escape(why))
         raise typer.Exit(2)
     for f in (tls_cert, tls_key):
         if f is not None and not f.is_file():
-            err.print("[red]error:[/] " + escape(f"{f}: no such file (--tls-cert / --tls-key)"))
+            err.print("[red]error:[/] " + escape(f"{f}: {'a directory, not a PEM file' if f.is_dir() else 'no such file'} "
+                                                  "(--tls-cert / --tls-key)"))
             raise typer.Exit(2)
     if (tls_cert is None) != (tls_key is None):
         err.print("[red]error:[/] give --tls-cert and --tls-key together")

@@ -150,6 +150,13 @@ def profile_cmd(
     from tidal.runtime.launch import resolve_master
     from tidal.runtime.profiling import profile
 
+    from pathlib import Path
+
+    from tidal.cli.checks import dir_problem
+
+    if why := dir_problem(Path(out), f"--out {out}"):
+        typer.echo(f"tidal profile: {why}", err=True)
+        raise typer.Exit(2)
     try:
         url = resolve_master(job)
     except FileNotFoundError as e:
