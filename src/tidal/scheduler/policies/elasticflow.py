@@ -302,12 +302,11 @@ class ElasticFlow(Policy):
         kept: list[JobView] = []
         thin: list[JobView] = []
         margin = self.reserve_rescales * costs.migrate
+        worst = costs.worst_change
         for j in guaranteed:  # on track (see _on_track), and without slack for a migration left (thin)?
             segs = j.tags.get("ef_plan")
             if segs:
-                lv = levels[j.job_id]
-                got = plan_delivers(snap, j, segs, lv, costs)
-                need, need_slack = plan_needs(snap, j, segs, lv, (0.0, margin))
+                got, need, need_slack = plan_check(snap, j, segs, levels[j.job_id], costs, margin, worst)
                 if got >= need:
                     kept.append(j)
                     book.plans[j.job_id] = segs
@@ -524,6 +523,41 @@ def plan_needs(snap: Snapshot, j: JobView, segs: Segments, lv: Levels, slacks: t
     rate = lv.rate_of(count_at(segs, snap.now) or len(j.gpus))
     base = j.remaining * (1 + 1e-9) + EPS
     return [base + slack * rate for slack in slacks]
+
+
+def plan_check(
+    snap: Snapshot, j: JobView, segs: Segments, lv: Levels, costs: Costs, margin: float, worst: float
+) -> tuple[float, float, float]:
+    """:func:`plan_delivers` and :func:`plan_needs` (slacks 0 and ``margin``)
+    at once, the same numbers; ``worst`` is ``costs.worst_change``. A plan of
+    one count (the common case) is worked out here."""
+    if len(segs) != 2:
+        return (plan_delivers(snap, j, segs, lv, costs), *plan_needs(snap, j, segs, lv, (0.0, margin)))
+    (s0, c0), (s1, _) = segs
+    now, gpus, spec = snap.now, j.gpus, j.spec
+    busy = j.tags.get("ef_busy_until")  # dead_time, inlined
+    if busy is not None:
+        dead = max(float(busy) - now, 0.0)
+    else:
+        dead = worst if j.state is JobState.RESIZING else 0.0
+    counts, rates = lv.count_list, lv.rate_list
+    held = len(gpus)
+    r = rates[counts.index(c0)] if c0 in counts else 0.0  # lv.rate_of(c0)
+    if s0 <= now and c0 == held:
+        got = r * (min(s1, spec.deadline) - now - dead)
+    else:  # deliverable() over the one segment
+        a, b = max(s0, now), min(s1, float(spec.deadline))
+        if b <= a:
+            got = 0.0
+        else:
+            r_held = rates[counts.index(held)] if held in counts else 0.0
+            loss = first_loss(c0, r, held, r_held, j.executed > 0, costs) + dead * r
+            got = 0.0 + max(r * (b - a) - loss, 0.0)
+    n = (c0 if s1 > now else 0) if s0 <= now else 0  # count_at(segs, now)
+    n = n or held
+    rate = rates[counts.index(n)] if n in counts else 0.0
+    base = max(0.0, spec.iterations - j.done) * (1 + 1e-9) + EPS  # j.remaining
+    return got, base + 0.0 * rate, base + margin * rate
 
 
 def plan_delivers(snap: Snapshot, j: JobView, segs: Segments, lv: Levels, costs: Costs) -> float:
