@@ -9,6 +9,8 @@ example cannot go untested.
 
 from __future__ import annotations
 
+import functools
+
 import os
 import re
 import shlex
@@ -38,13 +40,19 @@ def test_every_block_says_how_it_is_tested():
 # -- parse-level: every command names a real command, options and files -------------
 
 
-def _tidal_problem(argv: list[str]) -> str | None:
-    """Why ``tidal ARGV`` would not parse (None: it does)."""
+@functools.lru_cache(maxsize=1)
+def _tidal_group():
+    """The CLI's click group (built once: typer builds it anew per call)."""
     from typer.main import get_command
 
     from tidal.cli.main import app
 
-    group = get_command(app)
+    return get_command(app)
+
+
+def _tidal_problem(argv: list[str]) -> str | None:
+    """Why ``tidal ARGV`` would not parse (None: it does)."""
+    group = _tidal_group()
     if not argv or argv[0] not in group.commands:  # type: ignore[attr-defined]
         return f"no command {argv[:1]}"
     sub = group.commands[argv[0]]  # type: ignore[attr-defined]
