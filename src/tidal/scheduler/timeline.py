@@ -303,6 +303,13 @@ def reserve_all(tl: Timeline, plans: list[Segments]) -> bool:
     ends: list[float] = []
     counts: list[int] = []
     for segs in plans:
+        if len(segs) == 2:  # the common case: one count, then the release
+            (start, c), (end, _) = segs
+            if c > 0 and end > now:
+                starts.append(now if now > start else start)  # max(start, now)
+                ends.append(end)
+                counts.append(c)
+            continue
         for i in range(len(segs) - 1):
             start, c = segs[i]
             end = segs[i + 1][0]
@@ -314,11 +321,11 @@ def reserve_all(tl: Timeline, plans: list[Segments]) -> bool:
         return True
     a, b = np.array(starts), np.array(ends)
     bp = np.unique(np.concatenate((tl.t[:1], a, b)))
-    delta = np.zeros(len(bp) + 1, dtype=np.int64)
-    cnt = np.array(counts, dtype=np.int64)
-    np.add.at(delta, np.searchsorted(bp, a), cnt)
-    np.add.at(delta, np.searchsorted(bp, b), -cnt)
-    free = int(tl.free[0]) - np.cumsum(delta)[: len(bp)]
+    # GPUs taken from each breakpoint on (sums of whole numbers: exact in floats)
+    cnt = np.array(counts, dtype=np.float64)
+    m = len(bp) + 1
+    delta = np.bincount(bp.searchsorted(a), cnt, m) - np.bincount(bp.searchsorted(b), cnt, m)
+    free = int(tl.free[0]) - np.cumsum(delta.astype(np.int64))[: len(bp)]
     if (free < 0).any():
         return False
     tl.t, tl.free = bp, free

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import is_not, ne
@@ -402,36 +402,28 @@ class ElasticFlow(Policy):
         rescale costs, per extra GPU, in single-GPU units) gets more GPUs
         (:func:`tidal.scheduler.greedy.greedy`)."""
         levels, shares, costs = ctx.levels, ctx.shares, ctx.costs
-        jobs = []
-        base: dict[str, int] = {}
-        sget = shares.get
-        for j in schedulable(snap, plan):
-            jid = j.spec.job_id
-            if len(levels[jid].count_list) > 1:
-                jobs.append(j)
-                base[jid] = sget(jid, 0)
+        jobs, base = ctx.runnable(snap, plan)
         free = snap.cluster.num_gpus - sum(base.values())
         free = self._floors(snap, jobs, base, levels, free)
         hold = self.slot if self.slot > 0 else 60.0
         memo = self._memo_for(snap, costs)
-        tables = memo.tables
+        tget = memo.tables.get
         entries: dict[str, tuple[Steps, int, float]] = {}
-        weigh = None if type(self)._weight is not ElasticFlow._weight else 1.0  # ElasticFlow's: always 1
         inf = math.inf
-        for j in jobs:
+        for j, weight in zip(jobs, self._weights(snap, jobs)):
             spec = j.spec
             jid = spec.job_id
             lv = levels[jid]
             b = base[jid]
             share = b if jid in shares else None
-            weight = self._weight(snap, j) if weigh is None else weigh
-            hit = tables.get((id(lv), len(j.gpus), j.executed > 0, share, weight))
+            hit = tget((id(lv), len(j.gpus), j.executed > 0, share, weight))
             steps = hit[1] if hit is not None and hit[0] is lv else memo.steps(snap, j, lv, hold, share, weight)
             ddl = spec.deadline
             entries[jid] = (steps, bisect_left(lv.count_list, b) if b else 0, inf if ddl is None else ddl)
+        alloc = plan.allocation
         for jid, i in greedy(entries, free).items():
             if i:  # level 0 is no GPUs
-                plan.allocation[jid] = levels[jid].count_list[i]
+                alloc[jid] = levels[jid].count_list[i]
         # re-plan at the next change of the timeline (a share may grow then)
         plan.wake_at = float(ctx.timeline.t[1]) if len(ctx.timeline.t) > 1 else None
 
@@ -453,6 +445,13 @@ class ElasticFlow(Policy):
     def _weight(self, snap: Snapshot, job: JobView) -> float:
         """Scale a job's marginal return in Algorithm 2. ElasticFlow: 1."""
         return 1.0
+
+    def _weights(self, snap: Snapshot, jobs: list[JobView]) -> Iterable[float]:
+        """:meth:`_weight` of each of ``jobs`` (a policy may work them out
+        together)."""
+        if type(self)._weight is ElasticFlow._weight:
+            return repeat(1.0, len(jobs))
+        return [self._weight(snap, j) for j in jobs]
 
 
 class _Memo:
@@ -508,6 +507,25 @@ class _Context:
     costs: Costs
     timeline: Timeline
     thin: set[str] = field(default_factory=set)  # guaranteed jobs without migration slack
+    _runnable: tuple | None = None  # (admit, drop, their sizes, jobs, base, snap) of the last runnable()
+
+    def runnable(self, snap: Snapshot, plan: Plan) -> tuple[list[JobView], dict[str, int]]:
+        """The jobs Algorithm 2 may give GPUs (schedulable, with a level
+        above 0) and a new copy of their base (the share for this slot, else
+        0); kept for another pass over the same admits and drops."""
+        admit, drop = plan.admit, plan.drop
+        hit = self._runnable
+        if (hit is None or hit[0] is not admit or hit[1] is not drop or hit[2] != (len(admit), len(drop))
+                or hit[5] is not snap):
+            levels, sget = self.levels, self.shares.get
+            jobs, base = [], {}
+            for j in schedulable(snap, plan):
+                jid = j.spec.job_id
+                if len(levels[jid].count_list) > 1:
+                    jobs.append(j)
+                    base[jid] = sget(jid, 0)
+            hit = self._runnable = (admit, drop, (len(admit), len(drop)), jobs, base, snap)
+        return list(hit[3]), dict(hit[4])
 
 
 def dead_time(snap: Snapshot, j: JobView, costs: Costs) -> float:
@@ -534,29 +552,41 @@ def plan_check(
     if len(segs) != 2:
         return (plan_delivers(snap, j, segs, lv, costs), *plan_needs(snap, j, segs, lv, (0.0, margin)))
     (s0, c0), (s1, _) = segs
-    now, gpus, spec = snap.now, j.gpus, j.spec
-    busy = j.tags.get("ef_busy_until")  # dead_time, inlined
+    now, spec = snap.now, j.spec
+    busy = j.tags.get("ef_busy_until")  # dead_time, inlined (``a if a > b else b`` is max(b, a))
     if busy is not None:
-        dead = max(float(busy) - now, 0.0)
+        dead = float(busy) - now
+        dead = 0.0 if 0.0 > dead else dead
     else:
         dead = worst if j.state is JobState.RESIZING else 0.0
     counts, rates = lv.count_list, lv.rate_list
-    held = len(gpus)
-    r = rates[counts.index(c0)] if c0 in counts else 0.0  # lv.rate_of(c0)
-    if s0 <= now and c0 == held:
-        got = r * (min(s1, spec.deadline) - now - dead)
+    held = len(j.gpus)
+    try:
+        r = rates[counts.index(c0)]  # lv.rate_of(c0)
+    except ValueError:
+        r = 0.0
+    if c0 == held and s0 <= now:
+        ddl = spec.deadline
+        got = r * ((ddl if ddl < s1 else s1) - now - dead)
     else:  # deliverable() over the one segment
-        a, b = max(s0, now), min(s1, float(spec.deadline))
+        a = now if now > s0 else s0
+        b = float(spec.deadline)
+        b = b if b < s1 else s1
         if b <= a:
             got = 0.0
         else:
-            r_held = rates[counts.index(held)] if held in counts else 0.0
-            loss = first_loss(c0, r, held, r_held, j.executed > 0, costs) + dead * r
-            got = 0.0 + max(r * (b - a) - loss, 0.0)
-    n = (c0 if s1 > now else 0) if s0 <= now else 0  # count_at(segs, now)
-    n = n or held
-    rate = rates[counts.index(n)] if n in counts else 0.0
-    base = max(0.0, spec.iterations - j.done) * (1 + 1e-9) + EPS  # j.remaining
+            loss = first_loss(c0, r, held, lv.rate_of(held), j.executed > 0, costs) + dead * r
+            got = r * (b - a) - loss
+            got = 0.0 + (0.0 if 0.0 > got else got)
+    n = c0 if s0 <= now < s1 else 0  # count_at(segs, now)
+    if not n:
+        n = held
+    try:
+        rate = rates[counts.index(n)]
+    except ValueError:
+        rate = 0.0
+    left = spec.iterations - j.done  # j.remaining
+    base = (left if left > 0.0 else 0.0) * (1 + 1e-9) + EPS
     return got, base + 0.0 * rate, base + margin * rate
 
 

@@ -56,6 +56,7 @@ from tidal.scheduler.timeline import Levels
 _ID = itemgetter(3)
 _SPEC = itemgetter(0)  # JobView.spec
 _BEST_EFFORT = ("best-effort", "late")
+_POW = tuple(2.0 ** -q for q in range(8))  # a LAS queue's weight
 
 
 @dataclass
@@ -146,6 +147,26 @@ class Tidal(ElasticFlow):
                 base[jid] = smallest
                 free -= smallest
         return free
+
+    def _weights(self, snap: Snapshot, jobs: list[JobView]) -> list[float]:
+        """:meth:`_weight` of each of ``jobs``, the same numbers, worked out
+        together."""
+        p = self._pass
+        if p is not None and p.split is None:  # the split
+            squeezed, tight = p.squeezed, self.tight_weight
+            return [tight if j.spec.job_id in squeezed else 1.0 for j in jobs]
+        if p is None or p.queues is None:
+            return [self._weight(snap, j) for j in jobs]
+        qget, th, out = p.queues.get, self.thresholds, []
+        for j in jobs:
+            q = qget(j.spec.job_id)
+            if q is None:
+                if not self._best_effort(j):
+                    out.append(1.0)
+                    continue
+                q = queue_of(j, th)
+            out.append(_POW[q] if q < len(_POW) else 2.0 ** -q)
+        return out
 
     def _weight(self, snap: Snapshot, job: JobView) -> float:
         p = self._pass
