@@ -3,10 +3,11 @@
 
 The estimate of Elan's admission test (§VI-C) re-applies the allocation rule
 at every completion (:func:`~tidal.scheduler.elan_order.fluid_sum`), and
-there every completion updates every live job's remaining work. Here a job's
-remaining work is kept as of the last change of its speed
-(``rem(t) = rem0 - speed * (t - t0)``) and its completion time sits in a
-heap, so a completion costs only the jobs whose speed it changes.
+there every completion updates every live job's remaining work. Here a job
+is kept as its completion time at its present speed (its remaining work at
+``t`` is ``(fin - t) * speed``; a new speed ``s`` moves it to
+``t + (fin - t) * (speed / s)``), in a heap, so a completion costs only the
+jobs whose speed it changes.
 
 Which jobs those are follows from the step order
 (:class:`~tidal.scheduler.elan_order.StepOrder`): the rule's prefix and its
@@ -52,34 +53,37 @@ class Capped(Exception):
 
 class _Alloc:
     """The allocation side of a run (shared by both runs while they agree):
-    the jobs present, the GPUs each one gets, the first step not taken, the
-    GPUs left, the live count."""
+    the jobs present, the GPUs each one gets and its speed there, the first
+    step not taken, the GPUs left, the live count."""
 
-    __slots__ = ("present", "held", "ptr", "left", "live")
+    __slots__ = ("present", "held", "spd", "ptr", "left", "live")
 
-    def __init__(self, present: list[bool], held: list[int], ptr: int, left: int, live: int) -> None:
-        self.present, self.held, self.ptr, self.left, self.live = present, held, ptr, left, live
+    def __init__(self, present: list[bool], held: list[int], spd: list[float], ptr: int, left: int,
+                 live: int) -> None:
+        self.present, self.held, self.spd, self.ptr, self.left, self.live = present, held, spd, ptr, left, live
 
     def copy(self) -> _Alloc:
-        return _Alloc(self.present.copy(), self.held.copy(), self.ptr, self.left, self.live)
+        return _Alloc(self.present.copy(), self.held.copy(), self.spd.copy(), self.ptr, self.left, self.live)
 
     def same(self, o: _Alloc) -> bool:
-        """The same jobs at the same counts."""
+        """The same jobs at the same counts (so at the same speeds: a job's
+        speed is its rate at the count it holds)."""
         return self.live == o.live and self.left == o.left and self.held == o.held and self.present == o.present
 
 
 class _Run:
-    """One run's clocks: each job's remaining work as of ``t0``, its speed and
-    completion time, the heap of completion times, the sum so far."""
+    """One run's clocks: each job's completion time at its present speed,
+    the heap of completion times, the sum so far."""
 
-    __slots__ = ("rem", "t0", "spd", "fin", "heap", "acc", "al", "result")
+    __slots__ = ("fin", "heap", "acc", "al", "result")
 
-    def __init__(self, rem: np.ndarray, spd: np.ndarray, t: float, al: _Alloc, mask: np.ndarray) -> None:
-        fin = t + rem / spd
-        idx = np.flatnonzero(mask)
-        by = np.argsort(fin[idx], kind="stable")  # a sorted list is a heap
-        self.heap = list(zip(fin[idx][by].tolist(), idx[by].tolist()))
-        self.rem, self.spd, self.fin, self.t0, self.al = rem.tolist(), spd.tolist(), fin.tolist(), [t] * len(fin), al
+    def __init__(self, fin: np.ndarray, al: _Alloc, idx: np.ndarray) -> None:
+        """``fin``: each job's completion time at its speed; ``idx``: the
+        jobs present."""
+        at = fin[idx]
+        by = np.argsort(at, kind="stable")  # a sorted list is a heap
+        self.heap = list(zip(at[by].tolist(), idx[by].tolist()))
+        self.fin, self.al = fin.tolist(), al
         self.acc = 0.0
         self.result: float | None = None
 
@@ -112,9 +116,13 @@ def event_pair(order: StepOrder, members: Sequence[int], w: int, total: int,
     """``(fluid_sum(order, members + [w], total, None, c), fluid_sum(order,
     members, total, w, c))`` up to rounding (module docstring), or None
     where the rule's tail needs capped steps. ``order.positive`` must hold."""
+    mask = np.zeros(len(order.jobs), dtype=bool)
+    mask[list(members)] = True
+    with_w = mask.copy()
+    with_w[w] = True
     try:
-        a = _start(order, list(members) + [w], total, shrink_cost)
-        b = _start_late(order, members, w, total, shrink_cost)
+        a = _start(order, with_w, total, shrink_cost)
+        b = _start_late(order, mask, w, total, shrink_cost)
         _alone(order, a)  # b has had its first completion, where w joined
         while a.result is None or b.result is None:
             if a.result is None and b.result is None and a.al.same(b.al):
@@ -131,13 +139,15 @@ def event_pair(order: StepOrder, members: Sequence[int], w: int, total: int,
 
 def _together(order: StepOrder, a: _Run, b: _Run) -> None:
     """Completions of both runs while they end the same job next (one
-    :func:`_event` for both, written out); on a different one, ``b`` gets
-    its own copy of the allocation."""
+    :func:`_event` for both, written out with :func:`_fit` inline; the
+    allocation and the speeds are shared, so a new speed's ratio is computed
+    once for both); on a different job, ``b`` gets its own copy of the
+    allocation."""
     al = a.al
-    present, held = al.present, al.held
-    end = len(order.oj)
-    ha, fa, ra, t0a, sa = a.heap, a.fin, a.rem, a.t0, a.spd
-    hb, fb, rb, t0b, sb = b.heap, b.fin, b.rem, b.t0, b.spd
+    present, held, sp = al.present, al.held, al.spd
+    oj, on, oc, os_ = order.oj, order.on, order.oc, order.os
+    end = len(oj)
+    ha, fa, hb, fb = a.heap, a.fin, b.heap, b.fin
     pop, push = heapq.heappop, heapq.heappush
     ptr, left, live, acc_a, acc_b = al.ptr, al.left, al.live, a.acc, b.acc
     while ptr < end:
@@ -155,21 +165,29 @@ def _together(order: StepOrder, a: _Run, b: _Run) -> None:
         acc_b += tb
         present[xa] = False
         live -= 1
-        left += held[xa]
-        held[xa] = 0
         if not live:
             a.result, b.result = acc_a, acc_b
             break
-        new, ptr, left = _fit(order, present, held, ptr, left)  # the steps that now fit
-        for y, s in new.items():  # their jobs' new speeds, in both runs
-            v = ra[y] - sa[y] * (ta - t0a[y])
-            ra[y], t0a[y], sa[y] = v, ta, s
-            fa[y] = f = ta + v / s
-            push(ha, (f, y))
-            v = rb[y] - sb[y] * (tb - t0b[y])
-            rb[y], t0b[y], sb[y] = v, tb, s
-            fb[y] = f = tb + v / s
-            push(hb, (f, y))
+        left += held[xa]
+        held[xa] = 0
+        while ptr < end:  # the steps that now fit; their jobs' new speeds, in both runs
+            y = oj[ptr]
+            if present[y]:
+                n = on[ptr]
+                if n > left:
+                    if left:
+                        raise Capped
+                    break
+                held[y] = oc[ptr]
+                left -= n
+                s = os_[ptr]
+                q = sp[y] / s
+                sp[y] = s
+                fa[y] = f = ta + (fa[y] - ta) * q
+                push(ha, (f, y))
+                fb[y] = f = tb + (fb[y] - tb) * q
+                push(hb, (f, y))
+            ptr += 1
     else:
         a.result = acc_a + sum(itertools.compress(fa, present))
         b.result = acc_b + sum(itertools.compress(fb, present))
@@ -212,9 +230,16 @@ def _scratch(order: StepOrder, mask: np.ndarray, lows: int, total: int) -> tuple
 
 
 def _begin(order: StepOrder, mask: np.ndarray, total: int, cost: float) -> tuple:
-    """The rule for the jobs in ``mask`` at time 0 (:func:`_scratch`), their
-    speeds, and their remaining work with the shrink cost charged to running
-    jobs that start below the GPUs they hold."""
+    """The rule for the jobs in ``mask`` at time 0 (:func:`_scratch`): each
+    one's count index, the first step not taken, the GPUs left, the sum of
+    min_res, the speeds, the remaining work with the shrink cost charged to
+    running jobs that start below the GPUs they hold, and the completion
+    times at those speeds. Read-only arrays, kept on the order for the next
+    test (where the admitted set grew by ``w``, or stayed: the same jobs)."""
+    key = (mask.tobytes(), total, cost)
+    hit = order.begun.get(key)
+    if hit is not None:
+        return hit
     lows = int(order.lows_np[mask].sum())
     pos, ptr, left = _scratch(order, mask, lows, total)
     idx = np.arange(len(mask))
@@ -222,7 +247,10 @@ def _begin(order: StepOrder, mask: np.ndarray, total: int, cost: float) -> tuple
     rem = np.where(mask, order.rem_np, math.inf)
     squeezed = mask & (order.counts2d[idx, pos] < order.size_np)
     rem += np.where(squeezed, cost * spd, 0.0)
-    return pos, ptr, left, lows, spd, rem
+    if len(order.begun) >= 4:
+        order.begun.clear()
+    hit = order.begun[key] = (pos, ptr, left, lows, spd, rem, rem / spd)
+    return hit
 
 
 def _held(order: StepOrder, mask: np.ndarray, pos: np.ndarray) -> list[int]:
@@ -230,35 +258,35 @@ def _held(order: StepOrder, mask: np.ndarray, pos: np.ndarray) -> list[int]:
     return np.where(mask, order.counts2d[np.arange(len(mask)), pos], 0).tolist()
 
 
-def _start(order: StepOrder, members: Sequence[int], total: int, cost: float) -> _Run:
-    """The run with every member started at time 0."""
-    mask = np.zeros(len(order.jobs), dtype=bool)
-    mask[list(members)] = True
-    pos, ptr, left, lows, spd, rem = _begin(order, mask, total, cost)
-    al = _Alloc(mask.tolist(), _held(order, mask, pos), ptr, left, len(members))
-    return _Run(rem, spd, 0.0, al, mask)
+def _start(order: StepOrder, mask: np.ndarray, total: int, cost: float) -> _Run:
+    """The run with every job in ``mask`` started at time 0."""
+    pos, ptr, left, lows, spd, rem, fin = _begin(order, mask, total, cost)
+    idx = np.flatnonzero(mask)
+    al = _Alloc(mask.tolist(), _held(order, mask, pos), spd.tolist(), ptr, left, len(idx))
+    return _Run(fin, al, idx)
 
 
-def _start_late(order: StepOrder, members: Sequence[int], w: int, total: int, cost: float) -> _Run:
-    """The run where ``w`` waits, after its first completion (numpy: no
-    heap needed before it), where ``w`` joins (raises :class:`Capped` if its
-    min_res does not fit then, a case not followed here)."""
-    mask = np.zeros(len(order.jobs), dtype=bool)
-    mask[list(members)] = True
-    pos, ptr, left, lows, spd, rem = _begin(order, mask, total, cost)
-    fin = rem / spd
+def _start_late(order: StepOrder, mask: np.ndarray, w: int, total: int, cost: float) -> _Run:
+    """The run where ``w`` waits (the others: ``mask``), after its first
+    completion (numpy: no heap needed before it), where ``w`` joins (raises
+    :class:`Capped` if its min_res does not fit then, a case not followed
+    here)."""
+    pos, ptr, left, lows, spd, rem, fin = _begin(order, mask, total, cost)
     x = int(np.argmin(fin))  # the heap's first: the earliest, then the smaller index
     t = float(fin[x])
+    live = int(np.count_nonzero(mask))
+    mask = mask.copy()
     mask[x] = False
     lows += order.lows[w] - order.lows[x]
     if lows > total:
         raise Capped
     mask[w] = True
-    rem -= spd * t
+    rem = rem - spd * t
     rem[w], rem[x] = order.jobs[w].remaining, math.inf
     pos, ptr, left = _scratch(order, mask, lows, total)
-    al = _Alloc(mask.tolist(), _held(order, mask, pos), ptr, left, len(members))
-    r = _Run(rem, order.rate2d[np.arange(len(mask)), pos], t, al, mask)
+    spd = order.rate2d[np.arange(len(mask)), pos]
+    al = _Alloc(mask.tolist(), _held(order, mask, pos), spd.tolist(), ptr, left, live)
+    r = _Run(t + rem / spd, al, np.flatnonzero(mask))
     r.acc = t
     return r
 
@@ -288,16 +316,16 @@ def _fit(order: StepOrder, present: list[bool], held: list[int], ptr: int,
 
 def _event(order: StepOrder, al: _Alloc, r: _Run, t: float, x: int) -> None:
     """Job ``x`` ends in run ``r`` at ``t``: the rule takes the steps that
-    now fit, and their jobs get their new speeds."""
-    present, held = al.present, al.held
+    now fit, and their jobs get their new speeds (a completion time moves by
+    the ratio of the old speed to the new)."""
+    present, held, spd = al.present, al.held, al.spd
     present[x] = False
     al.live -= 1
     left = al.left + held[x]
     held[x] = 0
-    rem, t0, spd, fin, heap = r.rem, r.t0, r.spd, r.fin, r.heap
+    fin, heap = r.fin, r.heap
     new, al.ptr, al.left = _fit(order, present, held, al.ptr, left)
     for y, s in new.items():
-        v = rem[y] - spd[y] * (t - t0[y])
-        rem[y], t0[y], spd[y] = v, t, s
-        fin[y] = f = t + v / s
+        fin[y] = f = t + (fin[y] - t) * (spd[y] / s)
+        spd[y] = s
         heapq.heappush(heap, (f, y))

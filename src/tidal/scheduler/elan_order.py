@@ -129,6 +129,7 @@ class StepOrder:
         self.thr = 1e-9 * np.maximum(1.0, self.rem_np)
         self.size_np = np.array([j.size if j.running else 0 for j in self.jobs], dtype=np.int64)
         self.capped_seen = False  # an event-driven estimate met capped steps (elan_event): the exact one runs
+        self.begun: dict[tuple, tuple] = {}  # elan_event's start of a run, by job set: shared by consecutive tests
 
     def with_jobs(self, jobs: Sequence[OrderJob]) -> StepOrder:
         """This order for the same jobs at another time (their remaining work
