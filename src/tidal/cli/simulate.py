@@ -207,10 +207,11 @@ def simulate(
         err.print("[red]error:[/] " + escape(why))
         raise typer.Exit(2)
     try:
-        prof = load_profiles(profiles_dir)
-        topo = parse_cluster(cluster)
-        overheads = OverheadModel(mode=overhead)
-        tr = load_trace(trace, fmt, seed=seed, limit=limit, profiles=prof, elastic=not rigid)
+        with interruptible("simulate", "while reading the trace; nothing written"):
+            prof = load_profiles(profiles_dir)
+            topo = parse_cluster(cluster)
+            overheads = OverheadModel(mode=overhead)
+            tr = load_trace(trace, fmt, seed=seed, limit=limit, profiles=prof, elastic=not rigid)
     except (InputError, ValueError) as exc:
         err.print("[red]error:[/] " + escape(f"{exc}"))
         raise typer.Exit(2)
@@ -221,17 +222,17 @@ def simulate(
     if why := dir_problem(out_dir, f"--out {out_dir}"):
         err.print("[red]error:[/] " + escape(why))
         raise typer.Exit(2)
-    err.print(f"trace: {tr.describe()}")
-    err.print(f"cluster: {topo.name} ({topo.num_gpus} GPUs, {topo.num_nodes} nodes, "
-              f"{topo.num_switches} switch{'es' if topo.num_switches != 1 else ''})")
     with interruptible("simulate", f"nothing written to {out_dir}"):
+        err.print(f"trace: {tr.describe()}")
+        err.print(f"cluster: {topo.name} ({topo.num_gpus} GPUs, {topo.num_nodes} nodes, "
+                  f"{topo.num_switches} switch{'es' if topo.num_switches != 1 else ''})")
         results = run_policies(
             list(tr.jobs), topo, names, profiles=prof, overheads=overheads, slot=slot,
             show_progress=sys.stderr.isatty(), console=err,
             on_result=_on_result(err, as_json), fidelity=fidelity,
         )
-    _outputs(results, out_dir, f"{Path(tr.source).name} on {topo.name}", err, table=not as_json, wide=wide,
-             report=report)
+        _outputs(results, out_dir, f"{Path(tr.source).name} on {topo.name}", err, table=not as_json, wide=wide,
+                 report=report)
 
 
 def _outputs(results: list, out_dir: Path, title: str, err: Console, *, table: bool, wide: bool,
@@ -249,10 +250,12 @@ def _outputs(results: list, out_dir: Path, title: str, err: Console, *, table: b
 
             page = write_report(results, summaries, out_dir / "report.html", title=title,
                                 command=shlex.join(["tidal", *sys.argv[1:]]))
-    except OSError as e:
+    except BaseException as e:  # a full disk, or Ctrl-C while writing: none of the run's files stays
         clear_outputs(out_dir, REPORT_FILES)
         if not existed and out_dir.is_dir() and not any(out_dir.iterdir()):
             out_dir.rmdir()  # made by this run, and nothing in it
+        if not isinstance(e, OSError):
+            raise
         err.print("[red]error:[/] " + escape(f"--out {out_dir}: cannot write {e.filename or 'the results'} "
                                               f"({e.strerror or e}); none of this run's files was left there"))
         raise typer.Exit(1)
