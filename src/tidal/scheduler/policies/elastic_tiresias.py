@@ -149,8 +149,9 @@ class _Releases:
             self.per_node[node].extend(entries)
         return set(got)
 
-    def changed(self, jids: set[str]) -> None:
-        """Donors ``jids`` gave GPUs away."""
+    def changed(self, jids: set[str]) -> set[int]:
+        """Donors ``jids`` gave GPUs away; returns the machines whose
+        releases changed."""
         nodes: set[int] = set()
         for jid in jids:
             for node in self.nodes_of[jid]:
@@ -162,6 +163,7 @@ class _Releases:
             nodes |= self._add(jid)
         for node in nodes:
             self.per_node[node].sort()
+        return nodes
 
     def within(self, nodes: set[int]) -> list[tuple[float, int, str]]:
         """(loss, machine, donor) of the releases over ``nodes`` together, sorted."""
@@ -176,54 +178,89 @@ class _Releases:
         )
 
 
+class _Options:
+    """Per machine, the GPUs a waiting job could get there (free ones plus
+    releases, at most m) and the free ones; and per count p, each machine's
+    cost of giving p GPUs (the cheapest releases beyond its free GPUs). Kept
+    up to date machine by machine as compaction changes them."""
+
+    def __init__(self, st: _State, per_node: dict[int, list[tuple[float, str]]]) -> None:
+        self.st, self.per_node = st, per_node
+        self.avail: dict[int, tuple[int, int, int]] = {}  # machine -> (GPUs available, free, machine)
+        self.cost: dict[int, dict[int, tuple[float, int, int]]] = {}  # p -> machine -> (loss, -free, machine)
+        self.update(set(st.free) | set(per_node))
+
+    def update(self, nodes: set[int]) -> None:
+        """Machines ``nodes`` changed."""
+        for node in nodes:
+            free = len(self.st.free.get(node, ()))
+            avail = min(self.st.m, free + len(self.per_node.get(node, ())))
+            if avail:
+                self.avail[node] = (avail, free, node)
+            else:
+                self.avail.pop(node, None)
+            for p, costs in self.cost.items():
+                self._cost(p, costs, node)
+
+    def _cost(self, p: int, costs: dict[int, tuple[float, int, int]], node: int) -> None:
+        o = self.avail.get(node)
+        if o is None or o[0] < p:
+            costs.pop(node, None)
+            return
+        free = o[1]
+        costs[node] = (sum(x[0] for x in self.per_node.get(node, [])[: max(0, p - free)]), -free, node)
+
+    def machines(self, p: int) -> list[int]:
+        """The machines a waiting job of ``p`` GPUs would use: on one machine,
+        the one that gives p GPUs with the least loss; else the fewest
+        machines (⌈p/m⌉) with the most GPUs available. Empty if they do not
+        suffice."""
+        k = math.ceil(p / self.st.m)
+        if k == 1:
+            costs = self.cost.get(p)
+            if costs is None:
+                costs = self.cost[p] = {}
+                for node in self.avail:
+                    self._cost(p, costs, node)
+            return [min(costs.values())[2]] if costs else []
+        top = sorted(self.avail.values(), key=lambda o: (-o[0], -o[1], o[2]))[:k]
+        return [o[2] for o in top] if sum(o[0] for o in top) >= p else []
+
+
 def compaction(
     snap: Snapshot, plan: Plan, st: _State, waiting: list[JobView], donors: dict[str, JobView], max_waiting: int
 ) -> None:
     """EDL Algorithm 1, compaction: start waiting jobs on GPUs released by
-    scaling in ``donors`` (running elastic jobs of G_i, i != 0)."""
-    m = st.m
+    scaling in ``donors`` (running elastic jobs of G_i, i != 0). Until a
+    compaction is done nothing it reads changes, so the machines, GPUs and
+    releases found for a count serve every waiting job of that count (only
+    the job's own throughput, set against the loss, differs)."""
     left = len(waiting)
     rel = _Releases(snap, st, donors)
-    per_node = rel.per_node
-    stale = True  # the machine options change only when a compaction is done
+    options = _Options(st, rel.per_node)
+    found: dict[int, tuple[list[int], list[int], list[tuple[float, int, str]], float] | None] = {}
     for w in waiting:
         if left <= max_waiting:
             break
         p = rigid_count(w.spec, snap.cluster.num_gpus)
-        k = math.ceil(p / m)
-        if stale:
-            stale = False
-            all_options = []
-            for node in set(st.free) | set(per_node):
-                free = len(st.free.get(node, ()))
-                avail = min(m, free + len(per_node.get(node, ())))
-                if avail:
-                    all_options.append((avail, free, node))
-        options = list(all_options)
-        if k == 1:
-            # the machine that gives p GPUs with the least loss
-            fits = [
-                (sum(x[0] for x in per_node.get(node, [])[: max(0, p - free)]), -free, node)
-                for avail, free, node in options
-                if avail >= p
-            ]
-            chosen = [min(fits)[2]] if fits else []
-        else:
-            options.sort(key=lambda o: (-o[0], -o[1], o[2]))
-            top = options[:k]
-            chosen = [o[2] for o in top] if sum(o[0] for o in top) >= p else []
-        if not chosen:
+        if p not in found:
+            found[p] = None
+            chosen = options.machines(p)
+            if chosen:
+                # free GPUs first, then the cheapest releases over the chosen machines
+                take: list[int] = []
+                for node in chosen:
+                    take += st.free.get(node, [])[: p - len(take)]
+                need = p - len(take)
+                releases = rel.within(set(chosen))[:need]
+                if len(releases) >= need:
+                    found[p] = (chosen, take, releases, sum(x[0] for x in releases))
+        hit = found[p]
+        if hit is None or rel.speed(w, p) <= hit[3]:
             continue
-        # free GPUs first, then the cheapest releases over the chosen machines
-        take: list[int] = []
-        for node in chosen:
-            take += st.free.get(node, [])[: p - len(take)]
-        need = p - len(take)
-        releases = rel.within(set(chosen))[:need]
-        cost = sum(x[0] for x in releases)
-        if len(releases) < need or rel.speed(w, p) <= cost:
-            continue
-        stale = True
+        chosen, take, releases, _ = hit
+        take = list(take)
+        found.clear()  # the machines change only when a compaction is done
         taken = set(take)
         for node in chosen:
             st.free[node] = [g for g in st.free.get(node, []) if g not in taken]
@@ -236,7 +273,7 @@ def compaction(
             gone = set(give)
             st.gpus[jid] = [g for g in st.gpus[jid] if g not in gone]
             plan.allocation[jid] = len(st.gpus[jid])
-        rel.changed({jid for jid, _ in picked})
+        options.update(rel.changed({jid for jid, _ in picked}) | set(chosen))
         st.gpus[w.job_id] = sorted(take)
         plan.allocation[w.job_id] = p
         left -= 1
