@@ -150,7 +150,9 @@ def _merge(entries: dict[str, tuple[Steps, int, float]], jobs: list[str], cur: d
     those with a chain); returns the GPUs left and the queue's entries then
     (a job's last record, or for the job that stopped the merge, its entry
     with the GPUs left)."""
-    ranked = sorted(jobs, key=lambda jid: (entries[jid][2], jid))  # the queue's tie order
+    keyed = [(entries[jid][2], jid) for jid in jobs]
+    keyed.sort()  # the queue's tie order (job ids are unique)
+    ranked = [jid for _, jid in keyed]
     chains = []
     for jid in ranked:
         st, i, _ = entries[jid]
