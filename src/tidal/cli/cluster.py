@@ -16,13 +16,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.markup import escape
 
-from tidal.cli.tables import Col, OutputOpt, check_format, emit, fit
+from tidal.cli.tables import Col, LineConsole, OutputOpt, check_format, emit, fit
 
 from tidal import settings
 from tidal.cli.app import app, interruptible
 
 console = Console()
-err = Console(stderr=True, soft_wrap=True)  # messages name paths: never broken across lines
+err = LineConsole(stderr=True)  # messages name paths: wrapped between words, a path never cut
 
 
 def _api(server: Optional[str], token: Optional[str]):
@@ -549,7 +549,7 @@ def job_cmd(job_id: str, server_url: Optional[str] = ServerOpt, token: Optional[
     if j.get("exit_info"):
         console.print(f"ended: {escape(j['exit_info'])}")
     elif j.get("reason"):
-        console.print(f"{j['state']}: {escape(j['reason'])}")
+        console.print(f"{j['state']}: {escape(j['reason'])}", overflow="ignore", crop=False)
     rows = []
     for e in j["events"]:
         detail = {k: v for k, v in e.items() if k not in ("time", "kind") and v is not None}

@@ -23,6 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from tidal.cli.app import app
+from tidal.cli.tables import LineConsole
 
 DONE = ("completed", "failed", "cancelled", "dropped")
 COLORS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
@@ -200,7 +201,7 @@ def sim_demo(con: Console, jobs: int, cluster: str, seed: int, out: Path) -> Non
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    Console(stderr=True, soft_wrap=True).print("[red]error:[/] " + escape(msg))
+    LineConsole(stderr=True).print("[red]error:[/] " + escape(msg))
     raise typer.Exit(code)
 
 

@@ -17,6 +17,7 @@ from rich.markup import escape
 
 from tidal.cli.app import app, interruptible
 from tidal.cli.checks import bounded, dir_problem
+from tidal.cli.tables import LineConsole
 from tidal.core.errors import InputError
 
 
@@ -201,7 +202,7 @@ def simulate(
     from tidal.core.topology import parse_cluster
     from tidal.sim.traces import load_trace
 
-    err = Console(stderr=True, soft_wrap=True)
+    err = LineConsole(stderr=True)
     names = [p.strip() for p in policy.split(",") if p.strip()]
     if why := _options_problem(names, fidelity, out, trace):
         err.print("[red]error:[/] " + escape(why))

@@ -125,3 +125,14 @@ def emit(console: Console, fmt: str, data: Any, table: Any) -> None:
 def wide_console(console: Console) -> Console:
     """A console as wide as a wide table needs (lines longer than the terminal, as ``kubectl -o wide``)."""
     return Console(width=max(console.width, 1000), file=console.file, force_terminal=console.is_terminal)
+
+
+class LineConsole(Console):
+    """A console for messages and info lines: they wrap between words at the
+    terminal's width, and a word longer than a line (a path) is printed whole
+    rather than cut in two."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        kwargs.setdefault("overflow", "ignore")
+        kwargs.setdefault("crop", False)
+        super().print(*objects, **kwargs)
