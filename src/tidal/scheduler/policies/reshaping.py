@@ -295,6 +295,7 @@ class _Tentative:
     _cum: list[int] | None = None  # GPUs freed by the jobs ending up to each time
     _donors: dict[int, list[str]] | None = None  # GPUs a donor can give -> running jobs, in order
     _rows: dict[int, list[tuple[str, int, float, float]]] = field(default_factory=dict)  # donor_rows, by need
+    _by_delay: dict[int, "_DonorIndex"] = field(default_factory=dict)  # best_donor's index, by need
 
     @classmethod
     def of(cls, snap: Snapshot, jobs: list[JobView]) -> "_Tentative":
@@ -355,6 +356,24 @@ class _Tentative:
             ]
         return hit
 
+    def best_donor(self, need: int, t_w: float, top: tuple[float, str], second: float,
+                   total: float) -> tuple[float, float, str, int, float] | None:
+        """:func:`_donor_loop` over :meth:`donor_rows` (the donor of ``need``
+        GPUs with the least (makespan, sum of completion times), the first in
+        running order on ties), looking only at the rows that can win: the
+        donors that end by the makespan, in the order of the delay they take
+        on (:class:`_DonorIndex`), and the job that sets the makespan."""
+        rows = self.donor_rows(need)
+        if len(rows) < _INDEX_FROM:
+            return _donor_loop(rows, self.touched, t_w, top, second, total)
+        ix = self._by_delay.get(need)
+        if ix is None:
+            ix = self._by_delay[need] = _DonorIndex(rows)
+        cand = ix.candidates(self.touched, t_w, top, second, total)
+        if cand is None:
+            return _donor_loop(rows, self.touched, t_w, top, second, total)
+        return _donor_loop([rows[i] for i in cand], (), t_w, top, second, total)
+
     def assign(self, jid: str, n: int, t: float) -> None:
         self._cum = None
         if jid in self.done_at:
@@ -367,6 +386,87 @@ class _Tentative:
         self.alloc[jid] = n
         self.done_at[jid] = t
         self.touched.add(jid)
+
+
+_INDEX_FROM = 24  # donor rows looked up through a _DonorIndex from this many on
+_ROUNDING = 1e-14  # relative slack for the float rounding of the sums (a few units in the last place)
+
+
+def _donor_loop(rows: Sequence[tuple[str, int, float, float]], touched, t_w: float, top: tuple[float, str],
+                second: float, total: float) -> tuple[float, float, str, int, float] | None:
+    """The donor row with the least (makespan, sum of completion times) when
+    the incoming job ends at ``t_w`` (the first of equal ones), as (makespan,
+    sum, job, count left, its completion time); None if every row is touched."""
+    top_t, top_id = top
+    pa = pb = math.nan  # the best donor's key so far (compared as the tuple (makespan, sum))
+    pick = None
+    for jid, left, t_d, done in rows:
+        if jid in touched:
+            continue
+        a = second if jid == top_id else top_t  # max(others, t_w, t_d)
+        if a < t_w:
+            a = t_w
+        if a < t_d:
+            a = t_d
+        if a > pa:
+            continue
+        b = total - done + t_d + t_w
+        if pick is None or a < pa or b < pb:
+            pa, pb, pick = a, b, (jid, left, t_d)
+    return None if pick is None else (pa, pb, pick[0], pick[1], pick[2])
+
+
+class _DonorIndex:
+    """One need's donor rows ordered by the delay a donor takes on
+    (completion time at its smaller count minus now). Every donor other than
+    the makespan's job that still ends by the makespan ``M`` scores makespan
+    ``M`` and sum ``total - done + t_d + t_w``, which orders as that delay up
+    to rounding; one ending later scores worse than all of them. So the least
+    key is among the first untouched such rows in delay order, those within
+    rounding of the first, and the makespan's job."""
+
+    def __init__(self, rows: Sequence[tuple[str, int, float, float]]) -> None:
+        delay = [t_d - done for _, _, t_d, done in rows]
+        self.delay = delay
+        self.order = sorted(range(len(rows)), key=delay.__getitem__)
+        self.rows = rows
+        self.pos = {r[0]: i for i, r in enumerate(rows)}
+        self.scale = max(abs(v) for r in rows for v in r[2:])
+        self.finite = all(math.isfinite(v) for r in rows for v in r[2:])
+        self.start = 0  # rows before it in ``order`` are touched (touched only grows within a round)
+
+    def candidates(self, touched, t_w: float, top: tuple[float, str], second: float,
+                   total: float) -> list[int] | None:
+        """Row indexes (ascending) that include the least key; None where the
+        caller must look at every row (a value not finite, or no untouched
+        donor ends by the makespan)."""
+        top_t, top_id = top
+        if not (self.finite and math.isfinite(t_w) and math.isfinite(top_t) and math.isfinite(total)
+                and not math.isnan(second)):
+            return None
+        rows, order, delay = self.rows, self.order, self.delay
+        while self.start < len(order) and rows[order[self.start]][0] in touched:
+            self.start += 1
+        m = t_w if top_t < t_w else top_t
+        slack = _ROUNDING * (abs(total) + abs(t_w) + 2 * self.scale)
+        out: list[int] = []
+        first = None
+        for i in order[self.start:]:
+            if first is not None and delay[i] > first:
+                break
+            jid = rows[i][0]
+            if jid in touched or jid == top_id or rows[i][2] > m:
+                continue
+            if first is None:
+                first = delay[i] + slack
+            out.append(i)
+        if first is None:
+            return None
+        t = self.pos.get(top_id)
+        if t is not None and top_id not in touched:
+            out.append(t)
+        out.sort()
+        return out
 
 
 def _reshape_down(
@@ -389,22 +489,9 @@ def _reshape_down(
     touched = st.touched
     if early_init:  # no donor delays w: t_w is the same for all
         t_w = st.pred.start(w, g)
-        pa = pb = math.nan  # the best donor's key so far (compared as the tuple (makespan, sum))
-        for jid, left, t_d, done in st.donor_rows(need):
-            if jid in touched:
-                continue
-            a = second if jid == top_id else top_t  # max(others, t_w, t_d)
-            if a < t_w:
-                a = t_w
-            if a < t_d:
-                a = t_d
-            if a > pa:
-                continue
-            b = total - done + t_d + t_w
-            if pick is None or a < pa or b < pb:
-                pa, pb, pick = a, b, (jid, left, t_d)
-        if pick is not None:
-            pick = (pa, pb, pick[0], pick[1], t_w, pick[2])
+        found = st.best_donor(need, t_w, top, second, total)
+        if found is not None:
+            pick = (found[0], found[1], found[2], found[3], t_w, found[4])
     else:
         alloc, done_at, running, pred = st.alloc, st.done_at, st.running, st.pred
         for jid in st.donors(need):
