@@ -94,7 +94,8 @@ def job_bodies(draw: st.DrawFn) -> bytes:
 
 
 # -- the app --------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+# the same fuzzing against PostgreSQL runs in the slow step (the store's dialects share the code above it)
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def api(request, tmp_path_factory):
     home = tmp_path_factory.mktemp("fuzz")
     url = f"sqlite:///{home / 't.db'}"

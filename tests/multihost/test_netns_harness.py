@@ -72,6 +72,7 @@ def test_tcp_between_hosts_and_not_from_root(hosts: HostsFactory) -> None:
         assert time.monotonic() - t0 < 3.0
 
 
+@pytest.mark.slow  # two torch processes; tidal run across hosts (slow step) does the same and more
 def test_gloo_all_reduce_across_hosts(hosts: HostsFactory) -> None:
     hs = hosts(2)
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "PYTHONUNBUFFERED": "1",
