@@ -71,7 +71,8 @@ def test_nodes_must_come_switch_by_switch() -> None:
         Cluster((Node(4, switch=1), Node(4, switch=0)))
 
 
-@pytest.mark.parametrize("policy", ["fifo", "tiresias", "elasticflow", "e-fifo", "tidal"])
+@pytest.mark.parametrize("policy", ["fifo", "tiresias", "elasticflow", "e-fifo", "tidal", "gandiva", "elastic-tiresias",
+                                    "reshaping", "edf", "themis"])
 def test_the_simulator_uses_every_gpu_of_nodes_of_4_and_2(policy: str) -> None:
     """A rigid 4-GPU job and a rigid 2-GPU job arrive together on nodes of 4
     and 2 GPUs: both run at once (all 6 GPUs), none waits."""
