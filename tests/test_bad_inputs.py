@@ -206,6 +206,7 @@ OFFLINE = [
     (["server", "--port", "{q}"], "state directory /proc/tidal-home", {HOME: "/proc/tidal-home"}),
     (["server", "--port", "{q}"], "No space left on device", {HOME: "{f}/home"}),
     (["agent", "--virtual-gpus", "0"], "--virtual-gpus"),
+    (["agent", "--virtual-gpus", "2", "--gpu-type", "8bad"], "--gpu-type '8bad'"),
     (["agent", "--virtual-gpus", "1", "--label", "rack1"], "expected KEY=VALUE"),
     (["agent-token", "--home", "{d}/ok.py"], "--home {d}/ok.py: exists and is not a directory"),
     (["agent-token", "--home", "/proc/tidal-home"], "cannot write in /proc"),

@@ -83,3 +83,14 @@ def test_the_simulator_uses_every_gpu_of_nodes_of_4_and_2(policy: str) -> None:
     res = simulate(jobs, cluster, get_policy(policy), slot=60.0)
     assert max(used for _, used in res.timeline) == 6
     assert all(j.start_time == 0.0 for j in res.jobs), [(j.spec.job_id, j.start_time) for j in res.jobs]
+
+
+@pytest.mark.parametrize(("nvml", "want"), [
+    ("NVIDIA A100-SXM4-40GB", "A100"), ("NVIDIA A100 80GB PCIe", "A100"), ("Tesla T4", "T4"),
+    ("NVIDIA GeForce RTX 2080 Ti", "RTX2080Ti"), ("NVIDIA H100 80GB HBM3", "H100"),
+    ("Tesla V100-SXM2-16GB", "V100"), ("Quadro RTX 6000", "RTX6000"),
+])
+def test_an_agent_names_its_gpu_type_from_nvml(nvml: str, want: str) -> None:
+    from tidal.agent.agent import gpu_type_name
+
+    assert gpu_type_name(nvml) == want
