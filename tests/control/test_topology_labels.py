@@ -37,11 +37,32 @@ def test_switch_labels_group_nodes_under_their_switch(tmp_path):
     assert nodes["n1"] == {"switch": "b"}
 
 
-def test_unequal_or_missing_switches_schedule_as_one_switch(tmp_path):
+def test_unequal_switches_are_kept_as_they_are(tmp_path):
     store, _ = _cluster(tmp_path, [{"switch": "a"}, {"switch": "a"}, {"switch": "b"}])
     with store.session() as s:
         snap, gmap, _ = build_snapshot(s, 0.0, OverheadModel())
-    assert snap.cluster.num_switches == 1 and list(gmap.to_gid) == [0, 1, 2, 3, 4, 5]
+    c = snap.cluster
+    assert c.switch_nodes == {0: (0, 1), 1: (2,)} and list(gmap.to_gid) == [0, 1, 2, 3, 4, 5]
+
+
+def test_nodes_of_different_sizes_keep_every_gpu(tmp_path):
+    """Agents of 4 and 2 GPUs: the policy sees 6 GPUs (not 2 per node), and
+    a 2-GPU job fits beside a 4-GPU one."""
+    store = Store(f"sqlite:///{tmp_path / 't.db'}")
+    client = TestClient(create_app(store, admin_token="tok", home=tmp_path, start_loop=False))
+    for name, gpus, gtype in (("big", 4, "A100"), ("small", 2, "T4")):
+        r = client.post("/internal/agents/register", headers=H, json={
+            "name": name, "num_gpus": gpus, "virtual": True, "labels": {"gpu-type": gtype}})
+        assert r.status_code == 200, r.text
+    with store.session() as s:
+        snap, gmap, _ = build_snapshot(s, 0.0, OverheadModel())
+    c = snap.cluster
+    assert c.num_gpus == 6 and [n.gpus for n in c.nodes] == [4, 2] and len(gmap.to_gid) == 6
+    assert [n.gpu_type for n in c.nodes] == ["A100", "T4"]
+    from tidal.scheduler.placement import place_consolidated
+
+    placed = place_consolidated(snap, {"four": 4, "two": 2})
+    assert sorted(placed["four"]) == [0, 1, 2, 3] and sorted(placed["two"]) == [4, 5]
 
 
 def test_bad_labels_are_refused_with_the_reason(tmp_path):

@@ -133,6 +133,42 @@ def detect_gpus() -> int:
         return 0
 
 
+_VENDOR_WORDS = {"nvidia", "tesla", "geforce", "quadro"}
+
+
+def gpu_type_name(nvml_name: str) -> str:
+    """The GPU type a scheduler compares, from NVML's device name: vendor
+    and product-line words dropped, the model's words joined, memory and form
+    factor left out ("NVIDIA A100-SXM4-40GB" -> "A100", "Tesla T4" -> "T4",
+    "NVIDIA GeForce RTX 2080 Ti" -> "RTX2080Ti", "NVIDIA H100 80GB HBM3" -> "H100")."""
+    words = [w for w in nvml_name.replace("_", " ").split() if w.lower() not in _VENDOR_WORDS]
+    out = []
+    for w in words:
+        head = w.split("-")[0]
+        if not head or head.upper().endswith("GB") or head.upper() in ("PCIE", "SXM", "SXM2", "SXM4", "SXM5", "HBM3",
+                                                                      "HBM2", "HBM2E", "NVL"):
+            break
+        out.append(head)
+        if head != w:  # "A100-SXM4-40GB": the model is the part before the dash
+            break
+    return "".join(out)
+
+
+def detect_gpu_type() -> str:
+    """GPU 0's type through NVML (:func:`gpu_type_name`), "" when there is no NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+            return gpu_type_name(name.decode() if isinstance(name, bytes) else str(name))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no library: untyped
+        return ""
+
+
 def gpu_utils(virtual: bool, num_gpus: int, procs: dict[int, Proc]) -> dict[int, float]:
     """Each GPU's utilisation (0-1) through NVML; with virtual GPUs, 1 for
     those a process runs on."""

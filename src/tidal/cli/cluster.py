@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -174,6 +175,9 @@ def agent(
     label: list[str] = typer.Option(
         [], "--label", help="KEY=VALUE, repeatable. 'switch=NAME' places the node under that network switch "
                             "in the scheduler's topology (nodes under one switch are packed together)."),
+    gpu_type: Optional[str] = typer.Option(
+        None, "--gpu-type", help="This node's GPU type (e.g. A100, T4), for virtual GPUs or to override the "
+                                 "name NVML reports; jobs can require or exclude types."),
     run_as: Optional[str] = typer.Option(
         None, "--run-as", help="Start job processes unprivileged (the agent must run as root): a uid range "
                                "LO-HI (e.g. 200000-299999) gives each job a uid and group of its own "
@@ -187,6 +191,7 @@ def agent(
     import logging
 
     from tidal.agent import Agent, detect_gpus
+    from tidal.agent.agent import detect_gpu_type
     from tidal.control.client import find_server, find_token
 
     logging.getLogger("tidal").setLevel(logging.INFO)
@@ -201,6 +206,12 @@ def agent(
             err.print(f"error: --label {escape(item)!r}: expected KEY=VALUE, e.g. --label switch=rack1")
             raise typer.Exit(2)
         labels[key.strip()] = value.strip()
+    if gpu_type is not None and not re.fullmatch(r"[A-Za-z][\w.-]{0,62}", gpu_type):
+        err.print(f"error: --gpu-type {escape(gpu_type)!r}: a name like A100 or RTX2080Ti (letters, digits, . _ -)")
+        raise typer.Exit(2)
+    detected = gpu_type if gpu_type is not None else ("" if virtual_gpus is not None else detect_gpu_type())
+    if detected:
+        labels["gpu-type"] = detected
     extra = {}
     run_as = run_as or settings.RUN_AS.get()
     if run_as:

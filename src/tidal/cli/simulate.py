@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -219,7 +220,11 @@ def simulate(
     if why := _too_big(list(tr.jobs), topo, Path(tr.source).name):
         err.print("[red]error:[/] " + escape(why))
         raise typer.Exit(2)
-    out_dir = out or Path("out") / f"{Path(tr.source).stem}_{topo.name}"
+    if fidelity == "artifact" and not topo.is_uniform:
+        err.print("[red]error:[/] " + escape(f"--fidelity artifact: the ElasticFlow artifact models clusters of alike "
+                                             f"nodes; {topo.name} mixes node sizes or GPU types (use --fidelity tidal)"))
+        raise typer.Exit(2)
+    out_dir = out or Path("out") / re.sub(r"[^\w.-]+", "_", f"{Path(tr.source).stem}_{topo.name}")
     if why := dir_problem(out_dir, f"--out {out_dir}"):
         err.print("[red]error:[/] " + escape(why))
         raise typer.Exit(2)

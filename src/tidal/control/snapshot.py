@@ -9,7 +9,6 @@ index ``i`` maps to the store's cluster-wide GPU id through :class:`GpuMap`.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,12 +18,11 @@ from sqlalchemy.orm import Session
 from tidal.core.job import JobSpec, JobState
 from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ModelCurve, ThroughputProfile, load_profiles
-from tidal.core.topology import Cluster
+from tidal.core.topology import Cluster, describe
+from tidal.core.topology import Node as TreeNode
 from tidal.control.db import GPU, Job, Node, ThroughputRow
 from tidal.scheduler.api import JobView, Snapshot
 
-log = logging.getLogger(__name__)
-_WARNED: set[tuple[tuple[str, int], ...]] = set()  # unequal switch shapes already logged
 
 ACTIVE = ("submitted", "pending", "running", "resizing")
 
@@ -72,35 +70,30 @@ def profile_model(spec: JobSpec, profiles: ThroughputProfile) -> JobSpec:
     return replace(spec, model="generic")
 
 
-def topology(nodes: Sequence[Node]) -> tuple[list[Node], int]:
-    """The up nodes in tree order and the number of switches: grouped by
-    their ``switch`` label if every switch has as many nodes (the policies'
-    tree is homogeneous), else one switch."""
+def topology(nodes: Sequence[Node]) -> tuple[list[Node], list[int]]:
+    """The up nodes in tree order, grouped by their ``switch`` label (switches
+    in label order, nodes in their order within one), and each one's switch
+    index. Nodes of any size and switches of any width keep every GPU."""
     groups: dict[str, list[Node]] = {}
     for n in nodes:
         groups.setdefault(str((n.labels or {}).get("switch", "")), []).append(n)
-    sizes = {len(g) for g in groups.values()}
-    if len(groups) < 2 or len(sizes) != 1:
-        shape = tuple(sorted((k, len(g)) for k, g in groups.items()))
-        if len(groups) > 1 and shape not in _WARNED:
-            _WARNED.add(shape)
-            log.warning("switch labels give unequal switches %s: scheduling as one switch", dict(shape))
-        return list(nodes), 1
-    return [n for k in sorted(groups) for n in groups[k]], len(groups)
+    ordered = [(i, n) for i, k in enumerate(sorted(groups)) for n in groups[k]]
+    return [n for _, n in ordered], [i for i, _ in ordered]
 
 
 def build_snapshot(s: Session, now: float, overheads: OverheadModel) -> tuple[Snapshot, GpuMap, dict[str, Job]]:
     """The policy's view of the store at ``now`` (jobs in a live state, each
     with the GPUs it holds and the global batch a policy chose for it), the
     map from policy GPU indices to store GPU ids, and the job rows by id."""
-    nodes, switches = topology(s.scalars(select(Node).where(Node.state == "up").order_by(Node.ordinal)).all())
-    per = min((n.num_gpus for n in nodes), default=1)
+    nodes, switch_of = topology(s.scalars(select(Node).where(Node.state == "up").order_by(Node.ordinal)).all())
     gids: list[int] = []
-    for n in nodes:
+    tree: list[TreeNode] = []
+    for n, sw in zip(nodes, switch_of):
         node_gpus = s.scalars(select(GPU.gid).where(GPU.node == n.name).order_by(GPU.index)).all()
-        gids.extend(node_gpus[:per])
-    cluster = Cluster(switches, max(1, len(nodes) // switches), per,
-                      name=f"live-n{len(nodes)}g{per}" + (f"s{switches}" if switches > 1 else ""))
+        if node_gpus:
+            gids.extend(node_gpus)
+            tree.append(TreeNode(len(node_gpus), str((n.labels or {}).get("gpu-type", "")), sw))
+    cluster = Cluster(tuple(tree), name="live-" + describe(tree)) if tree else Cluster.uniform(1, 1, 1, "live-empty")
     gmap = GpuMap(tuple(gids))
     index = gmap.index()
     profiles = profiles_from_store(s)

@@ -114,14 +114,13 @@ class Snapshot:
     @cached_property
     def free(self) -> tuple[tuple[int, ...], ...]:
         """Per node, its free GPUs (ascending)."""
-        per, owners = self.cluster.gpus_per_node, self.owners
-        return tuple(tuple(g for g in range(node * per, (node + 1) * per) if g not in owners)
-                     for node in range(self.cluster.num_nodes))
+        c, owners = self.cluster, self.owners
+        return tuple(tuple(g for g in c.gpus_of_node(node) if g not in owners) for node in range(c.num_nodes))
 
     @cached_property
     def by_free(self) -> tuple[tuple[int, ...], ...]:
-        """Per count ``k`` (0 .. GPUs per node), the nodes with exactly ``k`` free GPUs (ascending)."""
-        out: list[list[int]] = [[] for _ in range(self.cluster.gpus_per_node + 1)]
+        """Per count ``k`` (0 .. GPUs of the largest node), the nodes with exactly ``k`` free GPUs (ascending)."""
+        out: list[list[int]] = [[] for _ in range(self.cluster.max_gpus_per_node + 1)]
         for node, gpus in enumerate(self.free):
             out[len(gpus)].append(node)
         return tuple(map(tuple, out))

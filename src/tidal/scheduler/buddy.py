@@ -345,6 +345,11 @@ def place_buddy(
     got from the placement's lengths (a job may then be missing: count 0).
     ``weights``: how much moving a job costs, relative to 1 (re-pack moves
     the cheap ones first)."""
+    if not snap.cluster.is_uniform:
+        # nodes of mixed sizes or types have no buddy tree: best fit over the nodes
+        from tidal.scheduler.placement import place_consolidated
+
+        return place_consolidated(snap, {jid: n for jid, n in allocation.items() if n > 0})
     ids, held = snap.ids, snap.held
     holders = list(compress(ids, map(held.__contains__, ids)))
     current = dict(zip(holders, map(held.__getitem__, holders)))  # in snapshot order

@@ -128,8 +128,8 @@ def validate_plan(snap: Snapshot, plan: Plan, changed_ids: set[str] | None = Non
 
 def _check_kept(snap: Snapshot, plan: Plan, taken: dict[int, str], look: set[str], changed: set[str]) -> None:
     """No GPU taken by a changing job is held by a job that keeps its GPUs."""
-    per, free, held, alloc = snap.cluster.gpus_per_node, snap.free, snap.held, plan.allocation
-    busy = [g for g in taken if g not in free[g // per]]
+    node_of, free, held, alloc = snap.cluster.node_of, snap.free, snap.held, plan.allocation
+    busy = [g for g in taken if g not in free[node_of(g)]]
     if not busy:
         return
     freed: set[int] = set()  # GPUs of jobs that change or stop

@@ -41,10 +41,10 @@ class FreeMap:
         by_free: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.cluster = cluster
-        per = cluster.gpus_per_node
+        per = cluster.max_gpus_per_node
         if free is None or by_free is None:
             taken = used or set()
-            free = [[g for g in range(n * per, (n + 1) * per) if g not in taken] for n in range(cluster.num_nodes)]
+            free = [[g for g in cluster.gpus_of_node(n) if g not in taken] for n in range(cluster.num_nodes)]
             by_free = [[n for n, f in enumerate(free) if len(f) == k] for k in range(per + 1)]
         self._base = free
         self._by_free = by_free
@@ -52,10 +52,10 @@ class FreeMap:
         self._gone: set[int] = set()  # nodes free at first that were emptied
         self._tail: dict[int, None] = {}  # nodes that became free again, in order
         # changed nodes by their free count now: per count, a bit set of nodes (bit i: node i)
-        self._mod_bits = [0] * (cluster.gpus_per_node + 1)
+        self._mod_bits = [0] * (per + 1)
         # per count, where in ``by_free[k]`` the first node not yet changed may be (nodes never
         # leave ``_mod``, so it only moves forward)
-        self._first = [0] * (cluster.gpus_per_node + 1)
+        self._first = [0] * (per + 1)
         self._nonempty: list[int] | None = None  # nodes with a free GPU at first (ascending)
 
     def _free(self, node: int) -> Sequence[int]:
@@ -95,10 +95,10 @@ class FreeMap:
         return out
 
     def give(self, gpus: list[int]) -> None:
-        per = self.cluster.gpus_per_node
+        node_of = self.cluster.node_of
         groups: dict[int, list[int]] = {}  # node -> its GPUs given, nodes in the order first seen
         for g in gpus:
-            groups.setdefault(g // per, []).append(g)
+            groups.setdefault(node_of(g), []).append(g)
         for node, add in groups.items():
             cur = self._free(node)
             if not cur:
@@ -118,7 +118,7 @@ class FreeMap:
     def _best_node(self, need: int) -> int | None:
         """The fullest node with at least ``need`` free GPUs (lowest id on ties)."""
         mod, bits, first, by_free = self._mod, self._mod_bits, self._first, self._by_free
-        for k in range(need, self.cluster.gpus_per_node + 1):
+        for k in range(need, self.cluster.max_gpus_per_node + 1):
             nodes, i = by_free[k], first[k]
             while i < len(nodes) and nodes[i] in mod:
                 i += 1
@@ -143,7 +143,7 @@ class FreeMap:
         need = n - len(out)
         if need == 0:
             return out
-        if need <= c.gpus_per_node:
+        if need <= c.max_gpus_per_node:
             node = self._best_node(need)
             if node is not None:
                 return out + self.take(node, need)
@@ -163,12 +163,11 @@ class FreeMap:
         """Whole free nodes under the fullest switch that fits ``need`` GPUs
         (appended to ``out``); False if no switch has room."""
         c = self.cluster
-        whole = -(-need // c.gpus_per_node)
+        whole = -(-need // c.max_gpus_per_node)
         counts = self.counts()
-        nps = c.nodes_per_switch
         per_switch: dict[int, list[int]] = defaultdict(list)
         for node in counts:
-            per_switch[node // nps].append(node)
+            per_switch[c.switch_of_node(node)].append(node)
         best = None
         for sw, nodes in per_switch.items():
             cap = sum(map(counts.__getitem__, nodes))
@@ -219,7 +218,7 @@ def _release(snap: Snapshot, allocation: dict[str, int], placement: dict[str, tu
     """Preempted jobs give back their GPUs; shrinking jobs give back GPUs on
     their least-used nodes and keep the rest (recorded in ``placement``)."""
     sizes, aget = snap.sizes, allocation.get
-    per = snap.cluster.gpus_per_node
+    node_of = snap.cluster.node_of
     for view in snap.in_order({jid for jid in sizes.keys() - placement.keys() if aget(jid, 0) < sizes[jid]}):
         jid, gpus = view.spec.job_id, view.gpus
         want = aget(jid, 0)
@@ -228,7 +227,7 @@ def _release(snap: Snapshot, allocation: dict[str, int], placement: dict[str, tu
             continue
         per_node: dict[int, list[int]] = {}
         for g in gpus:
-            per_node.setdefault(g // per, []).append(g)
+            per_node.setdefault(node_of(g), []).append(g)
         order = sorted(per_node.values(), key=len)
         give: list[int] = []
         extra = len(gpus) - want

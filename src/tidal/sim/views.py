@@ -16,7 +16,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Iterator, Sequence
 from itertools import compress, filterfalse, repeat
-from operator import floordiv, not_
+from operator import not_
 from typing import Any, Mapping
 
 import numpy as np
@@ -59,11 +59,12 @@ class ViewCache:
         self._shared = False  # the three dicts above are in a snapshot
         self._idle: dict[str, None] = {}  # active jobs holding no GPUs, in arrival order (see snapshot)
         self._returned: set[str] = set()  # jobs that gave back GPUs since the last snapshot
-        self._per = per = cluster.gpus_per_node
+        self._cluster = cluster
         self._num_gpus = cluster.num_gpus
-        self.free = [tuple(range(n * per, (n + 1) * per)) for n in range(cluster.num_nodes)]
-        self.by_free: list[list[int]] = [[] for _ in range(per + 1)]
-        self.by_free[per] = list(range(cluster.num_nodes))
+        self.free = [tuple(cluster.gpus_of_node(n)) for n in range(cluster.num_nodes)]
+        self.by_free: list[list[int]] = [[] for _ in range(cluster.max_gpus_per_node + 1)]
+        for n, gpus in enumerate(self.free):
+            self.by_free[len(gpus)].append(n)
 
     # -- GPUs held -----------------------------------------------------------
     def _own(self) -> None:
@@ -111,10 +112,9 @@ class ViewCache:
 
     def _refree(self, gpus: tuple[int, ...]) -> None:
         """Update the free lists of the nodes of ``gpus``."""
-        per, held, free, by_free = self._per, self.owner.__contains__, self.free, self.by_free
-        for node in set(map(floordiv, gpus, repeat(per))):
-            base = node * per
-            new = tuple(filterfalse(held, range(base, base + per)))
+        c, held, free, by_free = self._cluster, self.owner.__contains__, self.free, self.by_free
+        for node in set(map(c.node_of, gpus)):
+            new = tuple(filterfalse(held, c.gpus_of_node(node)))
             old, k = len(free[node]), len(new)
             if k != old:
                 nodes = by_free[old]

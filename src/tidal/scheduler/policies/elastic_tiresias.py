@@ -69,14 +69,14 @@ class _State:
 
     def __init__(self, snap: Snapshot, placement: dict[str, tuple[int, ...]]) -> None:
         c = snap.cluster
-        self.m = c.gpus_per_node
+        self.m = c.max_gpus_per_node  # the paper's m, GPUs per machine (the largest, with mixed sizes)
         self.node_of = c.node_of
         self.gpus: dict[str, list[int]] = {jid: sorted(g) for jid, g in placement.items()}
         used = {g for gs in placement.values() for g in gs}
         self.free: dict[int, list[int]] = defaultdict(list)
         if len(used) < c.num_gpus:
             for g in sorted(c.all_gpus - used):
-                self.free[g // self.m].append(g)
+                self.free[self.node_of(g)].append(g)
 
     def on_node(self, jid: str) -> dict[int, list[int]]:
         out: dict[int, list[int]] = defaultdict(list)

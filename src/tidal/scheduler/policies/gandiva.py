@@ -62,7 +62,7 @@ class _Layout:
         self.owner: dict[int, str] = {}
         self.gpus: dict[str, list[int]] = {}
         self.size: dict[str, int] = {}
-        self._free = {node: cluster.gpus_per_node for node in range(cluster.num_nodes)}  # GPUs no one owns
+        self._free = {node: cluster.node_gpus(node) for node in range(cluster.num_nodes)}  # GPUs no one owns
 
     def hold(self, jid: str, gpus: list[int]) -> None:
         self.gpus[jid] = sorted(gpus)
@@ -171,12 +171,12 @@ class _Layout:
         return best[0][2]
 
     def place_large(self, jid: str, n: int, migrate: bool) -> bool:
-        per = self.c.gpus_per_node
-        whole, rest = divmod(n, per)
+        whole = n // self.c.max_gpus_per_node
         counts = self.free_counts()
         nodes = self._whole_nodes(whole, counts)
         if nodes is not None:
             gpus = [g for node in nodes for g in self.c.gpus_of_node(node)]
+            rest = n - len(gpus)  # n % GPUs per node on nodes of one size
             if rest:
                 node = self.pick_node(rest, counts, frozenset(nodes))
                 if node is None:
@@ -191,10 +191,9 @@ class _Layout:
         return False
 
     def _whole_nodes(self, k: int, counts: dict[int, int]) -> list[int] | None:
-        per = self.c.gpus_per_node
         empty: dict[int, list[int]] = defaultdict(list)
         for node, f in counts.items():
-            if f == per:
+            if f == self.c.node_gpus(node):
                 empty[self.c.switch_of_node(node)].append(node)
         fits = sorted((len(v), sw) for sw, v in empty.items() if len(v) >= k)
         if fits:
@@ -206,7 +205,7 @@ class _Layout:
         """Empty the ``n // GPUs-per-node`` least-used nodes (holding no part of
         a multi-node job) by moving their jobs to other nodes (Gandiva's
         defragmentation); the remainder then goes best-fit."""
-        whole = n // self.c.gpus_per_node
+        whole = n // self.c.max_gpus_per_node
         counts = self.free_counts()
         cands = [node for node in range(self.c.num_nodes) if all(self.local(j) for j in self.jobs_on(node))]
         cands.sort(key=lambda node: (-counts[node], node))
@@ -231,7 +230,8 @@ class _Layout:
         return False
 
     def place(self, jid: str, n: int, migrate: bool) -> None:
-        ok = self.place_small(jid, n, migrate) if n <= self.c.gpus_per_node else self.place_large(jid, n, migrate)
+        small = n <= self.c.max_gpus_per_node
+        ok = self.place_small(jid, n, migrate) if small else self.place_large(jid, n, migrate)
         if not ok and not self._spread(jid, n):
             raise ValueError(f"cannot place {n} GPUs for {jid}")
 
@@ -252,7 +252,7 @@ def gandiva_placement(snap: Snapshot, allocation: dict[str, int], migrate: bool 
         if n > 0 and jid not in lay.gpus:
             lay.place(jid, n, migrate)
     if migrate:
-        per = snap.cluster.gpus_per_node
+        per = snap.cluster.max_gpus_per_node
         for jid in sorted(lay.gpus):
             if lay.size[jid] <= per and not lay.local(jid):
                 lay.consolidate(jid)

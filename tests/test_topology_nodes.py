@@ -1,0 +1,96 @@
+"""A cluster is a list of nodes of any size and GPU type: the short syntax,
+the per-node CSV, the artifact's files, and the tree's lookups."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.core.errors import InputError
+from tidal.core.job import JobSpec
+from tidal.core.topology import Cluster, Node, parse_cluster
+from tidal.scheduler.registry import get_policy
+from tidal.sim.engine import simulate
+
+SIA = "6xT4:4,2xA100:8,3xRTX2080Ti:8"
+
+
+def test_the_sia_cluster_from_its_short_syntax() -> None:
+    c = parse_cluster(SIA)
+    assert (c.num_nodes, c.num_gpus, c.num_switches) == (11, 64, 3)
+    assert c.gpu_types == ("T4", "A100", "RTX2080Ti") and c.name == SIA and not c.is_uniform
+    assert [len(c.gpus_of_node(n)) for n in range(11)] == [4] * 6 + [8] * 5
+    assert c.node_of(23) == 5 and c.node_of(24) == 6 and c.gpu_type_of(24) == "A100"
+    assert c.switch_of(63) == 2 and c.max_gpus_per_node == 8 and c.min_nodes(12) == 2
+    with pytest.raises(ValueError, match="nodes of \\[4, 8\\] GPUs"):
+        c.gpus_per_node  # noqa: B018 - no single count to give
+
+
+def test_homogeneous_names_keep_their_tree() -> None:
+    c = parse_cluster("n256g8s8")
+    assert c.is_uniform and (c.num_switches, c.nodes_per_switch, c.gpus_per_node) == (8, 32, 8)
+    assert c == Cluster.uniform(8, 32, 8, name="n256g8s8")
+    assert all(c.node_of(g) == g // 8 and c.switch_of(g) == g // 256 for g in range(0, 2048, 7))
+    assert parse_cluster("4x8").name == "n4g8" and parse_cluster("4x8").is_uniform
+
+
+def test_a_csv_of_node_rows(tmp_path) -> None:
+    f = tmp_path / "mixed.csv"
+    f.write_text("count,gpus,gpu_type,switch,labels\n2,4,T4,0,zone=a\n1,8,A100,1,zone=b;rack=r1\n1,2,,1,\n")
+    c = parse_cluster(f)
+    assert [n.gpus for n in c.nodes] == [4, 4, 8, 2] and c.num_gpus == 18 and c.name == "mixed"
+    assert c.nodes[2].labels == (("zone", "b"), ("rack", "r1")) and c.nodes[3].gpu_type == ""
+
+
+@pytest.mark.parametrize(("text", "phrase"), [
+    ("count,gpus\n2,0\n", "field 'gpus': must be >= 1"),
+    ("gpus,color\n4,red\n", "unknown column 'color'"),
+    ("gpus,switch\n4,1\n4,0\n", "list nodes switch by switch"),
+    ("gpus,labels\n4,zone\n", "a label is key=value"),
+    ("gpus,gpu_type\n4,8x\n", "not a GPU type name"),
+    ("gpus\n", "no data row"),
+])
+def test_bad_node_rows_say_which_line_and_field(tmp_path, text: str, phrase: str) -> None:
+    f = tmp_path / "bad.csv"
+    f.write_text(text)
+    with pytest.raises(InputError, match=phrase):
+        parse_cluster(f)
+
+
+@pytest.mark.parametrize(("spec", "phrase"), [
+    ("6xT4:0", "needs at least one node and one GPU"),
+    ("6xT4:4,banana", "not a node group like '6xT4:4'"),
+    ("", "empty"),
+])
+def test_bad_short_specs_are_refused(spec: str, phrase: str) -> None:
+    with pytest.raises(InputError, match=phrase):
+        parse_cluster(spec)
+
+
+def test_nodes_must_come_switch_by_switch() -> None:
+    with pytest.raises(InputError, match="switch by switch"):
+        Cluster((Node(4, switch=1), Node(4, switch=0)))
+
+
+@pytest.mark.parametrize("policy", ["fifo", "tiresias", "elasticflow", "e-fifo", "tidal", "gandiva", "elastic-tiresias",
+                                    "reshaping", "edf", "themis"])
+def test_the_simulator_uses_every_gpu_of_nodes_of_4_and_2(policy: str) -> None:
+    """A rigid 4-GPU job and a rigid 2-GPU job arrive together on nodes of 4
+    and 2 GPUs: both run at once (all 6 GPUs), none waits."""
+    cluster = Cluster((Node(4), Node(2)))
+    model = "resnet50"
+    jobs = [JobSpec("four", 0.0, model, 64, 2000, requested_gpus=4),
+            JobSpec("two", 0.0, model, 64, 2000, requested_gpus=2)]
+    res = simulate(jobs, cluster, get_policy(policy), slot=60.0)
+    assert max(used for _, used in res.timeline) == 6
+    assert all(j.start_time == 0.0 for j in res.jobs), [(j.spec.job_id, j.start_time) for j in res.jobs]
+
+
+@pytest.mark.parametrize(("nvml", "want"), [
+    ("NVIDIA A100-SXM4-40GB", "A100"), ("NVIDIA A100 80GB PCIe", "A100"), ("Tesla T4", "T4"),
+    ("NVIDIA GeForce RTX 2080 Ti", "RTX2080Ti"), ("NVIDIA H100 80GB HBM3", "H100"),
+    ("Tesla V100-SXM2-16GB", "V100"), ("Quadro RTX 6000", "RTX6000"),
+])
+def test_an_agent_names_its_gpu_type_from_nvml(nvml: str, want: str) -> None:
+    from tidal.agent.agent import gpu_type_name
+
+    assert gpu_type_name(nvml) == want
