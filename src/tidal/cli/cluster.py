@@ -162,6 +162,27 @@ def agent_token(home: Optional[Path] = typer.Option(
     print(Credentials.from_file(path).agent_token())
 
 
+def _node_labels(label: list[str], gpu_type: Optional[str], virtual: bool) -> dict[str, str]:
+    """``--label KEY=VALUE`` items and the node's GPU type (``--gpu-type``, else
+    NVML's name on real GPUs) as the labels the agent registers."""
+    from tidal.agent.agent import detect_gpu_type
+
+    labels = {}
+    for item in label:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            err.print(f"error: --label {escape(item)!r}: expected KEY=VALUE, e.g. --label switch=rack1")
+            raise typer.Exit(2)
+        labels[key.strip()] = value.strip()
+    if gpu_type is not None and not re.fullmatch(r"[A-Za-z][\w.-]{0,62}", gpu_type):
+        err.print(f"error: --gpu-type {escape(gpu_type)!r}: a name like A100 or RTX2080Ti (letters, digits, . _ -)")
+        raise typer.Exit(2)
+    detected = gpu_type if gpu_type is not None else ("" if virtual else detect_gpu_type())
+    if detected:
+        labels["gpu-type"] = detected
+    return labels
+
+
 @app.command()
 def agent(
     server_url: Optional[str] = ServerOpt,
@@ -191,7 +212,6 @@ def agent(
     import logging
 
     from tidal.agent import Agent, detect_gpus
-    from tidal.agent.agent import detect_gpu_type
     from tidal.control.client import find_server, find_token
 
     logging.getLogger("tidal").setLevel(logging.INFO)
@@ -199,19 +219,7 @@ def agent(
     if n < 1:
         err.print("[red]error:[/] no GPU found; pass --virtual-gpus N to run without GPUs")
         raise typer.Exit(2)
-    labels = {}
-    for item in label:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            err.print(f"error: --label {escape(item)!r}: expected KEY=VALUE, e.g. --label switch=rack1")
-            raise typer.Exit(2)
-        labels[key.strip()] = value.strip()
-    if gpu_type is not None and not re.fullmatch(r"[A-Za-z][\w.-]{0,62}", gpu_type):
-        err.print(f"error: --gpu-type {escape(gpu_type)!r}: a name like A100 or RTX2080Ti (letters, digits, . _ -)")
-        raise typer.Exit(2)
-    detected = gpu_type if gpu_type is not None else ("" if virtual_gpus is not None else detect_gpu_type())
-    if detected:
-        labels["gpu-type"] = detected
+    labels = _node_labels(label, gpu_type, virtual_gpus is not None)
     extra = {}
     run_as = run_as or settings.RUN_AS.get()
     if run_as:

@@ -151,6 +151,14 @@ def _too_big(jobs: list, topo: Any, source: str) -> Optional[str]:
             f"has {topo.num_gpus}; use a larger --cluster, or leave such jobs out of the trace")
 
 
+def _fidelity_problem(topo: Any, fidelity: str) -> Optional[str]:
+    """Why the cluster cannot run under ``--fidelity`` (None: it can)."""
+    if fidelity == "artifact" and not topo.is_uniform:
+        return (f"--fidelity artifact: the ElasticFlow artifact models clusters of alike nodes; {topo.name} "
+                "mixes node sizes or GPU types (use --fidelity tidal)")
+    return None
+
+
 def _options_problem(names: list[str], fidelity: str, out: Optional[Path], trace: Path) -> Optional[str]:
     """Why ``tidal simulate`` cannot run with these options (checked before
     anything is read or simulated), or None."""
@@ -217,15 +225,10 @@ def simulate(
     except (InputError, ValueError) as exc:
         err.print("[red]error:[/] " + escape(f"{exc}"))
         raise typer.Exit(2)
-    if why := _too_big(list(tr.jobs), topo, Path(tr.source).name):
-        err.print("[red]error:[/] " + escape(why))
-        raise typer.Exit(2)
-    if fidelity == "artifact" and not topo.is_uniform:
-        err.print("[red]error:[/] " + escape(f"--fidelity artifact: the ElasticFlow artifact models clusters of alike "
-                                             f"nodes; {topo.name} mixes node sizes or GPU types (use --fidelity tidal)"))
-        raise typer.Exit(2)
     out_dir = out or Path("out") / re.sub(r"[^\w.-]+", "_", f"{Path(tr.source).stem}_{topo.name}")
-    if why := dir_problem(out_dir, f"--out {out_dir}"):
+    why = (_too_big(list(tr.jobs), topo, Path(tr.source).name) or _fidelity_problem(topo, fidelity)
+           or dir_problem(out_dir, f"--out {out_dir}"))
+    if why:
         err.print("[red]error:[/] " + escape(why))
         raise typer.Exit(2)
     with interruptible("simulate", f"nothing written to {out_dir}"):
