@@ -94,3 +94,29 @@ def test_an_agent_names_its_gpu_type_from_nvml(nvml: str, want: str) -> None:
     from tidal.agent.agent import gpu_type_name
 
     assert gpu_type_name(nvml) == want
+
+
+def test_a_job_runs_at_its_gpu_types_profile_and_at_the_slowest_type_when_mixed(tmp_path) -> None:
+    """Profiles per GPU type (``<dir>/<type>/<model>.csv``): a job on T4 nodes
+    runs at the T4 profile, one over A100 and T4 GPUs at the T4's pace,
+    one on untyped nodes at the default profile."""
+    from tidal.core.overhead import OverheadModel
+    from tidal.core.profile import load_profiles
+
+    (tmp_path / "lin.csv").write_text("global_batch_size,1,2,4,8\n32,1,2,4,8\n")
+    (tmp_path / "T4").mkdir()
+    (tmp_path / "T4" / "lin.csv").write_text("global_batch_size,1,2,4,8\n32,0.25,0.5,1,2\n")
+    prof = load_profiles(tmp_path)
+    assert set(prof.by_type) == {"T4"} and prof.typed("T4", "lin").throughput("lin", 32, 2) == 0.5
+    assert prof.typed("A100", "lin") is prof and prof.typed("T4", "other") is prof
+
+    def end(cluster: Cluster, gpus: int) -> float:
+        job = JobSpec("j", 0.0, "lin", 32, 100, requested_gpus=gpus)
+        res = simulate([job], cluster, get_policy("fifo"), profiles=prof, overheads=OverheadModel(mode="stop-free",
+                       warmup_s=0.0, launch_s=0.0), slot=0.0)
+        return res.jobs[0].end_time
+
+    assert end(Cluster((Node(2),)), 2) == pytest.approx(50.0, rel=0.05)  # default: 2 it/s
+    assert end(Cluster((Node(2, "T4"),)), 2) == pytest.approx(200.0, rel=0.05)  # T4: 0.5 it/s
+    # on two 1-GPU nodes (no fewer nodes could hold it: no spread penalty), at the T4 pace
+    assert end(Cluster((Node(1, "A100"), Node(1, "T4"))), 2) == pytest.approx(200.0, rel=0.05)

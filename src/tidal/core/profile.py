@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
+from typing import Iterable
 
 from tidal.core.errors import InputError
 
@@ -62,6 +63,22 @@ class ThroughputProfile:
     source: str = ""
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
     _memo: dict = field(default_factory=dict, compare=False, repr=False)  # throughput() results
+    by_type: dict[str, "ThroughputProfile"] = field(default_factory=dict, compare=False)  # GPU type -> profile
+
+    def typed(self, gpu_type: str, model: str) -> "ThroughputProfile":
+        """The profile of ``model`` on GPUs of ``gpu_type``: that type's if it
+        has the model, else this (default) one."""
+        sub = self.by_type.get(gpu_type) if gpu_type else None
+        return sub if sub is not None and model in sub.curves else self
+
+    def throughput_on(self, model: str, batch: int, n: float, spread: bool, gpu_types: Iterable[str]) -> float:
+        """Iterations/s on ``n`` GPUs of the given types: a data-parallel job
+        steps at the pace of its slowest GPUs, so the least of the types'
+        throughputs at ``n`` (Sia, SOSP'23, and Gavel, OSDI'20, model mixed
+        placements the same way where not measured)."""
+        if not self.by_type:
+            return self.throughput(model, batch, n, spread)
+        return min(self.typed(t, model).throughput(model, batch, n, spread) for t in set(gpu_types) or {""})
 
     @property
     def models(self) -> list[str]:
@@ -170,7 +187,8 @@ def _parse_profile_csv(path: Path) -> dict[int, ModelCurve]:
 
 def load_profiles(directory: str | Path | None = None, cross_node_penalty: float = 0.9) -> ThroughputProfile:
     """Load every ``<model>.csv`` of a profile directory (default: the A100
-    profiles shipped inside the package)."""
+    profiles shipped inside the package), and every ``<gpu type>/<model>.csv``
+    below it as that GPU type's profiles (:meth:`ThroughputProfile.typed`)."""
     if directory is None:
         return _default_profiles(cross_node_penalty)
     path = Path(directory)
@@ -178,10 +196,15 @@ def load_profiles(directory: str | Path | None = None, cross_node_penalty: float
         raise InputError("profile directory does not exist" if not path.exists() else
                          "not a directory: give the profile directory (one <model>.csv per model)", source=str(path))
     files = sorted(path.glob("*.csv"))
-    if not files:
-        raise InputError("no <model>.csv files in profile directory", source=str(path))
+    typed = {d.name: load_profiles(d, cross_node_penalty) for d in sorted(path.iterdir())
+             if d.is_dir() and any(d.glob("*.csv"))}
+    if not files and not typed:
+        raise InputError("no <model>.csv files in profile directory (nor <gpu type>/<model>.csv)", source=str(path))
+    if not files:  # per type only: untyped nodes run at the shipped (A100) profiles
+        default = _default_profiles(cross_node_penalty)
+        return ThroughputProfile(dict(default.curves), cross_node_penalty, source=str(path), by_type=typed)
     curves = {f.stem: _parse_profile_csv(f) for f in files}
-    return ThroughputProfile(curves, cross_node_penalty, source=str(path))
+    return ThroughputProfile(curves, cross_node_penalty, source=str(path), by_type=typed)
 
 
 @lru_cache(maxsize=4)

@@ -54,6 +54,9 @@ class PlanExecutor:
         n = len(gpus)
         b = batch or job.batch
         spread = n > 1 and self.cluster.nodes_spanned(gpus) > self.cluster.min_nodes(n)
+        if self.profiles.by_type:  # the slowest GPU type of the placement sets the pace
+            types = {self.cluster.gpu_type_of(g) for g in gpus}
+            return self.profiles.throughput_on(job.spec.model, b, n, spread, types) * b / job.spec.batch_size
         return self.profiles.throughput(job.spec.model, b, n, spread) * b / job.spec.batch_size
 
     # -- state changes ---------------------------------------------------------
