@@ -8,11 +8,11 @@ line never breaks a word."""
 from __future__ import annotations
 
 import re
-import threading
-import time
 
 import pytest
 from typer.testing import CliRunner
+
+from served import served as served_app
 
 from tidal.cli.main import app
 from tidal.cli.tables import Col, fit, middle
@@ -48,11 +48,9 @@ def server(tmp_path_factory):
     """An in-process server (no scheduling loop) on one 4-GPU node with a
     long name, and three jobs with 64-character names after one round: two
     running, one pending."""
-    import uvicorn
     from fastapi.testclient import TestClient
 
     from tidal.control.db import Store
-    from tidal.control.local import free_port
     from tidal.control.server import create_app
 
     home = tmp_path_factory.mktemp("columns")
@@ -66,18 +64,8 @@ def server(tmp_path_factory):
     ids = [client.post("/v1/jobs", json={"name": NAME, "script": "train.py", "gpus": "1-2", "iterations": 100000,
                                          "deadline": 600}, headers=hdr).json()["id"] for _ in range(3)]
     srv.state.coordinator.round()
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(srv, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=uv.run, daemon=True)
-    t.start()
-    deadline = time.time() + 10
-    while not uv.started and time.time() < deadline:
-        time.sleep(0.05)
-    try:
-        yield ["--server", f"http://127.0.0.1:{port}", "--token", "admin-tok"], ids
-    finally:
-        uv.should_exit = True
-        t.join(timeout=10)
+    with served_app(srv) as base:
+        yield ["--server", base, "--token", "admin-tok"], ids
 
 
 def _same_job(cell: str, job_id: str) -> bool:

@@ -16,13 +16,13 @@ scheduling loop runs, so nothing moves them):
 from __future__ import annotations
 
 import re
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
 from dash_helpers import hdr
+from served import served as served_app
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,11 +80,9 @@ def _decisions(app, store, ids: dict[str, str], now: float) -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, browser):
-    import uvicorn
     from fastapi.testclient import TestClient
 
     from tidal.control.db import Store
-    from tidal.control.local import free_port
     from tidal.control.server import create_app
 
     home = tmp_path_factory.mktemp("truth")
@@ -97,18 +95,8 @@ def served(tmp_path_factory, browser):
     now = time.time()
     ids = _jobs(client, store, now)
     _decisions(app, store, ids, now)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.time() + 10
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    try:
-        yield SimpleNamespace(url=f"http://127.0.0.1:{port}/dashboard/", client=client, ids=ids)
-    finally:
-        server.should_exit = True
-        t.join(timeout=10)
+    with served_app(app) as base:
+        yield SimpleNamespace(url=f"{base}/dashboard/", client=client, ids=ids)
 
 
 def _login(page, served, view: str = "jobs") -> None:

@@ -18,6 +18,8 @@ from typing import Callable, Iterable, Optional
 
 import typer
 
+from tidal.net import LOOPBACK
+
 
 def number_problem(option: str, value: float | int | None, *, low: float | None = None, high: float | None = None,
                    low_open: bool = False, unit: str = "") -> Optional[str]:
@@ -118,7 +120,7 @@ def space_problem(folder: Path, what: str) -> Optional[str]:
     return None
 
 
-def port_problem(port: int, host: str = "127.0.0.1", option: str = "--port") -> Optional[str]:
+def port_problem(port: int, host: str = LOOPBACK, option: str = "--port") -> Optional[str]:
     """Why nothing can listen on ``host:port`` (taken, out of range,
     privileged), or None. Port 0 (any free port) is always fine."""
     if port == 0:
