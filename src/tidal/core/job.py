@@ -72,7 +72,10 @@ class JobSpec:
     preferred count). An elastic job may run at any count in
     ``[min_gpus, max_gpus]``, or, if ``allowed_gpus`` is given, only at those
     counts (the SideCar paper's "optional numbers of GPUs"). ``iterations`` is
-    the work; ``batch_size`` the global batch.
+    the work; ``batch_size`` the global batch. ``gpu_types`` (if given) lists
+    the GPU types the job may run on and ``exclude_gpu_types`` those it must
+    not (a node selector and an anti-affinity, as in Kubernetes or Slurm's
+    ``--constraint``); see :meth:`allows_type`.
     """
 
     job_id: str
@@ -88,6 +91,8 @@ class JobSpec:
     deadline: float | None = None
     priority: int = 0
     elastic: bool = False
+    gpu_types: tuple[str, ...] | None = None  # the job runs only on GPUs of these types (None: any)
+    exclude_gpu_types: tuple[str, ...] = ()  # ... and never on these
     meta: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +107,17 @@ class JobSpec:
             if not allowed or allowed[0] < 1:
                 raise InputError("must be a non-empty set of counts >= 1", field="allowed_gpus")
             object.__setattr__(self, "allowed_gpus", allowed)
+        if self.gpu_types is not None:
+            types = tuple(sorted(set(self.gpu_types)))
+            if not types or not all(isinstance(t, str) and t for t in types):
+                raise InputError("must be a non-empty list of GPU type names", field="gpu_types")
+            object.__setattr__(self, "gpu_types", types)
+            if set(types) <= set(self.exclude_gpu_types):
+                raise InputError(
+                    f"every allowed GPU type ({', '.join(types)}) is also excluded", field="exclude_gpu_types"
+                )
+        if self.exclude_gpu_types:
+            object.__setattr__(self, "exclude_gpu_types", tuple(sorted(set(self.exclude_gpu_types))))
         lo = self.min_gpus if self.min_gpus is not None else (1 if self.elastic else self.requested_gpus)
         hi = self.max_gpus if self.max_gpus is not None else (None if self.elastic else self.requested_gpus)
         if hi is not None and lo > hi:
@@ -110,6 +126,17 @@ class JobSpec:
             raise InputError(
                 f"deadline {self.deadline} is before submit time {self.submit_time}", field="deadline"
             )
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the job restricts the GPU types it runs on."""
+        return self.gpu_types is not None or bool(self.exclude_gpu_types)
+
+    def allows_type(self, gpu_type: str) -> bool:
+        """Whether the job may run on a GPU of ``gpu_type``."""
+        if gpu_type in self.exclude_gpu_types:
+            return False
+        return self.gpu_types is None or gpu_type in self.gpu_types
 
     # -- the GPU counts this job may run at ---------------------------------
     @property
