@@ -187,9 +187,17 @@ class Snapshot:
     def progress_rate(self, job: JobView | JobSpec, n: float, batch: int | None = None) -> float:
         """Progress in the spec's iterations per second at global ``batch``
         (default: the spec's): a batch twice as large does an iteration's
-        worth of samples twice per step (Elan §VI, hybrid scaling)."""
+        worth of samples twice per step (Elan §VI, hybrid scaling). A goodput
+        job on a :class:`~tidal.scheduler.goodput.GoodputProfile` progresses
+        in steps at its initial batch, at its goodput (Pollux §3)."""
         spec = job.spec if isinstance(job, JobView) else job
         b = batch or spec.batch_size
+        # -- goodput jobs (Pollux): progress in statistical-efficiency units, scheduler.goodput
+        owns = getattr(self.profiles, "owns", None)
+        if owns is not None and owns(spec):
+            done = job.done if isinstance(job, JobView) else 0.0
+            return self.profiles.job_rate(spec, int(n), b, done)  # type: ignore[attr-defined]
+        # -- end goodput
         return self.profiles.throughput(spec.model, b, n) * b / spec.batch_size
 
 

@@ -15,10 +15,13 @@ from tidal.scheduler.policies.elasticflow import ElasticFlow
 from tidal.scheduler.policies.fifo import FIFO
 from tidal.scheduler.policies.gandiva import Gandiva
 from tidal.scheduler.policies.k8s_default import K8sDefault
+from tidal.scheduler.policies.optimus import Optimus
+from tidal.scheduler.policies.pollux import Pollux
 from tidal.scheduler.policies.reshaping import Reshaping
 from tidal.scheduler.policies.termination import Termination
 from tidal.scheduler.policies.themis import Themis
 from tidal.scheduler.policies.tidal import Tidal
+from tidal.scheduler.policies.tidal_goodput import TidalGoodput
 from tidal.scheduler.policies.tiresias import Tiresias
 
 _POLICIES: dict[str, Callable[..., Policy]] = {
@@ -32,10 +35,13 @@ _POLICIES: dict[str, Callable[..., Policy]] = {
     "fifo": FIFO,
     "gandiva": Gandiva,
     "k8s-default": K8sDefault,
+    "optimus": Optimus,  # goodput study (Pollux, OSDI'21)
+    "pollux": Pollux,  # goodput study
     "reshaping": Reshaping,
     "termination": Termination,
     "themis": Themis,
     "tidal": Tidal,
+    "tidal-goodput": TidalGoodput,  # goodput study
     "tiresias": Tiresias,
 }
 

@@ -53,6 +53,12 @@ class PlanExecutor:
         """Progress rate in the spec's iterations/s (see Snapshot.progress_rate)."""
         n = len(gpus)
         b = batch or job.batch
+        # -- goodput jobs (Pollux): goodput on the nodes the GPUs span, tidal.scheduler.goodput
+        owns = getattr(self.profiles, "owns", None)
+        if owns is not None and owns(job.spec):
+            nodes = self.cluster.nodes_spanned(gpus) if n else 0
+            return self.profiles.job_rate(job.spec, n, b, job.done, nodes)  # type: ignore[attr-defined]
+        # -- end goodput
         spread = n > 1 and self.cluster.nodes_spanned(gpus) > self.cluster.min_nodes(n)
         if self.profiles.by_type:  # the slowest GPU type of the placement sets the pace
             types = {self.cluster.gpu_type_of(g) for g in gpus}
@@ -125,7 +131,8 @@ class PlanExecutor:
 
     def _check(self, snap: Snapshot, plan: Plan, deltas: dict[str, JobDelta], look: set[str]) -> dict[str, float]:
         """:func:`validate_plan`, and every job that gets new GPUs must make
-        progress on them (at its current batch). Returns those rates."""
+        progress on them (at the batch the plan gives it, else its current
+        one). Returns those rates."""
         try:
             validate_plan(snap, plan, look)
         except PlanError as e:
@@ -133,7 +140,7 @@ class PlanExecutor:
         rates = {}
         for jid, delta in deltas.items():
             if delta.want:
-                rates[jid] = rate = self._rate(self.jobs[jid], delta.want)
+                rates[jid] = rate = self._rate(self.jobs[jid], delta.want, plan.batch.get(jid))
                 if rate <= 0:
                     raise PolicyError(f"job {jid} has zero throughput at {len(delta.want)} GPUs")
         return rates

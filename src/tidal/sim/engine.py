@@ -30,6 +30,7 @@ from tidal.core.profile import ThroughputProfile, load_profiles
 from tidal.core.topology import Cluster
 from tidal.scheduler.api import Policy
 from tidal.sim.apply import PlanExecutor, PolicyError
+from tidal.sim.goodput import GOODPUT_REFRESH_S, init_jobs, refresh_rates
 from tidal.sim.progress import Progress, SimJob, finish_time
 from tidal.sim.views import ViewCache
 
@@ -82,6 +83,7 @@ class Simulator(PlanExecutor):
         for j in self.jobs.values():
             j.single_rate = self.profiles.throughput(j.spec.model, j.spec.batch_size, 1) or 1.0
             j.batch = j.spec.batch_size
+        self._goodput = init_jobs(self)  # goodput jobs: re-rated every round (tidal.sim.goodput)
         self.active: dict[str, SimJob] = {}
         self.running: dict[str, SimJob] = {}
         self.cache = ViewCache(cluster)  # views, running rows, GPU owners
@@ -207,6 +209,8 @@ class Simulator(PlanExecutor):
     def _round(self, now: float) -> None:
         self.rounds += 1
         self.cache.rows.advance(now, self.progress, self.cache.tags)
+        if self._goodput and refresh_rates(self, now):  # noise scales moved: new rates, a round next slot
+            self._request_round(now + (self.slot or GOODPUT_REFRESH_S))
         if self._settled:
             return  # the policy would change nothing (Policy.settled)
         snap = self.cache.snapshot(now, self.cluster, self.active, self.profiles, self.overheads)

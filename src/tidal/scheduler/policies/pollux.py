@@ -1,0 +1,203 @@
+"""Pollux (Qiao et al., OSDI'21, §4): goodput-optimised, co-adaptive scheduling.
+
+Each round Pollux picks the allocation ``A`` that maximises the cluster-wide
+fitness (§4.2)
+
+    FITNESS_p(A) = ( sum_j w_j * SPEEDUP_j(A_j)^p / sum_j w_j )^(1/p)
+
+with ``SPEEDUP_j`` the job's goodput at its best batch on ``A_j`` over its
+goodput on one GPU at its best batch (§4.1; :mod:`tidal.scheduler.goodput`)
+and ``p = -1`` by default (a harmonic mean: fairness-weighted, no job is
+starved for a slightly higher sum). Every job that is re-allocated pays the
+re-allocation penalty of §4.2: its speedup is scaled by
+``(T_j - R_j * delta) / (T_j + delta)`` (``T_j`` its age, ``R_j`` the
+re-allocations it had, ``delta`` the restart delay), so a young or often
+moved job is moved less. A job's allocation grows to at most ``growth`` x
+the most GPUs it has held (§4.2: limits exploration of an unmeasured
+throughput model; at least one node's worth here, as Pollux lets a job reach
+a full node). The batch of each allocated job is the one that maximises its
+goodput on the GPUs it gets (what Pollux's agent picks, §4.1), handed to the
+executor in ``Plan.batch``.
+
+Search: Pollux uses a genetic algorithm; here a deterministic greedy does the
+same job within the latency budget. With ``p < 0`` a job without GPUs has
+fitness ``-inf``, so first every job gets one GPU while GPUs last (jobs
+holding GPUs first, then by submission time), then the remaining GPUs go,
+one move at a time, to the job whose next candidate count raises the fitness
+most per extra GPU (looking ahead over all its candidate counts, so a step
+across a node boundary or back to an unpenalised count is found). Candidate
+counts: 1 .. one node, then whole nodes (1, 2, 3, 4, 6, 8, 12, 16, ... nodes).
+
+Jobs without goodput data (no :class:`~tidal.scheduler.goodput.GoodputProfile`)
+are scheduled the same way on their throughput speedup at a fixed batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Sequence
+
+from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
+
+_MAX = "pollux_max"  # tag: most GPUs the job has held
+_MOVES = "pollux_moves"  # tag: re-allocations so far
+
+
+def candidate_counts(cap: int, gpus_per_node: int, lo: int = 1) -> list[int]:
+    """GPU counts a job is offered up to ``cap``: every count within one node,
+    then whole nodes at 1, 2, 3, 4, 6, 8, 12, 16, ... nodes (about 1.5x apart)."""
+    out = list(range(max(lo, 1), min(cap, gpus_per_node) + 1))
+    k = 2
+    while k * gpus_per_node <= cap:
+        if k * gpus_per_node >= lo:
+            out.append(k * gpus_per_node)
+        k = k + 1 if k < 4 else (k * 3 // 2 if k % 2 == 0 else k + 1)
+    return out
+
+
+def grow(tables: dict[str, tuple[Sequence[int], Sequence[float]]], base: dict[str, int], free: int,
+         order: Sequence[str]) -> dict[str, int]:
+    """Greedy ascent: ``tables[j] = (counts, values)`` (counts ascending,
+    ``values`` the objective's term at each); from ``base`` (each job at one
+    of its counts), repeatedly move the job whose best next count raises its
+    value most per extra GPU, while ``free`` GPUs last and some move gains.
+    Ties go to the job earlier in ``order``. Returns the new counts."""
+    rank = {jid: i for i, jid in enumerate(order)}
+    alloc = dict(base)
+    heap: list[tuple[float, int, str, int]] = []
+
+    def push(jid: str) -> None:
+        counts, values = tables[jid]
+        cur = alloc[jid]
+        i = counts.index(cur)
+        best, best_k = 0.0, -1
+        for k in range(i + 1, len(counts)):
+            extra = counts[k] - cur
+            if extra > free:
+                break
+            gain = (values[k] - values[i]) / extra
+            if gain > best * (1 + 1e-12) + 1e-15:
+                best, best_k = gain, k
+        if best_k >= 0:
+            heapq.heappush(heap, (-best, rank[jid], jid, counts[best_k]))
+
+    for jid in order:
+        if jid in alloc:
+            push(jid)
+    while heap and free > 0:
+        _, _, jid, target = heapq.heappop(heap)
+        extra = target - alloc[jid]
+        if extra > free:  # the pool shrank since it was pushed: look again within what is left
+            push(jid)
+            continue
+        alloc[jid] = target
+        free -= extra
+        push(jid)
+    return alloc
+
+
+class Pollux(Policy):
+    """``p``: the fitness exponent (-1: harmonic mean). ``restart_s``: the
+    restart delay ``delta`` of the re-allocation penalty. ``growth``: a job
+    may get at most this times the most GPUs it has held. ``slot``: the
+    scheduling interval (a plan asks to be re-run after it)."""
+
+    name = "pollux"
+
+    def __init__(self, p: float = -1.0, restart_s: float = 30.0, growth: float = 2.0, slot: float = 60.0) -> None:
+        if p == 0 or p > 1:
+            raise ValueError(f"p must be < 0 or in (0, 1], got {p}")
+        self.p = float(p)
+        self.restart_s = float(restart_s)
+        self.growth = float(growth)
+        self.slot = float(slot) if slot > 0 else 60.0
+
+    # -- speedups ------------------------------------------------------------
+    def _speedups(self, snap: Snapshot, j: JobView, counts: list[int]) -> tuple[list[float], list[int]]:
+        """(SPEEDUP at each count, best batch at each count; 0 = keep the batch)."""
+        prof = snap.profiles
+        owns = getattr(prof, "owns", None)
+        if owns is not None and owns(j.spec):
+            gp = prof.goodput  # type: ignore[attr-defined]
+            app = j.spec.model
+            phi = gp.phi(app, j.done, j.batch or j.spec.batch_size)  # what the job's agent measures now
+            one = gp.best(app, 1, phi)[1]
+            bests = [gp.best(app, k, phi) for k in counts]
+            return [b[1] / one if one > 0 else 0.0 for b in bests], [b[0] for b in bests]
+        one = snap.progress_rate(j, 1) or 1.0
+        return [snap.progress_rate(j, k) / one for k in counts], [0] * len(counts)
+
+    def _penalty(self, snap: Snapshot, j: JobView) -> float:
+        """Pollux §4.2's re-allocation factor (T_j - R_j d) / (T_j + d)."""
+        age = max(snap.now - j.spec.submit_time, 0.0)
+        moves = j.tags.get(_MOVES, 0)
+        return max(age - moves * self.restart_s, 0.0) / (age + self.restart_s) if self.restart_s > 0 else 1.0
+
+    def _term(self, s: float) -> float:
+        """A job's term of the objective (maximised): ``sign(p) * s^p``."""
+        if s <= 0:
+            return -math.inf if self.p < 0 else 0.0
+        return -(s ** self.p) if self.p < 0 else s ** self.p
+
+    def _table(self, snap: Snapshot, j: JobView, gpn: int) -> tuple[list[int], list[float], list[int]]:
+        """Counts (0 first), objective terms and best batches of one job."""
+        total = snap.cluster.num_gpus
+        spec = j.spec
+        if not spec.elastic:
+            counts = [n for n in spec.counts(total)]
+        else:
+            held = max(j.tags.get(_MAX, 0), j.size)
+            cap = min(spec.hi(total), max(int(self.growth * held), gpn))
+            counts = [k for k in candidate_counts(cap, gpn, spec.lo) if spec.can_run_at(k)]
+            if j.size and j.size not in counts and spec.can_run_at(j.size):
+                counts = sorted(set(counts) | {j.size})
+        speedups, batches = self._speedups(snap, j, counts)
+        keep = [i for i, s in enumerate(speedups) if s > 0]
+        counts = [counts[i] for i in keep]
+        pen = self._penalty(snap, j)
+        terms = [self._term(speedups[i] * (1.0 if counts[n] == j.size else pen)) for n, i in enumerate(keep)]
+        return [0] + counts, [self._term(0.0)] + terms, [0] + [batches[i] for i in keep]
+
+    # -- the policy ---------------------------------------------------------------
+    def allocation(self, snap: Snapshot, plan: Plan) -> None:
+        gpn = snap.cluster.max_gpus_per_node
+        jobs = schedulable(snap, plan)
+        jobs.sort(key=lambda j: (not j.gpus, j.spec.submit_time, j.job_id))
+        tables, batches, base = {}, {}, {}
+        free = snap.cluster.num_gpus
+        finite = self.p < 0
+        for j in jobs:
+            counts, terms, bs = self._table(snap, j, gpn)
+            if len(counts) < 2:
+                continue
+            jid = j.job_id
+            tables[jid] = (counts, terms)
+            batches[jid] = bs
+            base[jid] = 0
+            if finite and counts[1] <= free:  # p < 0: a job without GPUs is -inf, so one count each first
+                base[jid] = counts[1]
+                free -= counts[1]
+        alloc = grow({jid: (t[0], [x if x > -math.inf else -1e300 for x in t[1]]) for jid, t in tables.items()},
+                     base, free, [j.job_id for j in jobs if j.job_id in tables])
+        views = snap.view_of
+        for jid, n in alloc.items():
+            if n <= 0:
+                continue
+            plan.allocation[jid] = n
+            b = batches[jid][tables[jid][0].index(n)]
+            j = views[jid]
+            if b and b != (j.batch or j.spec.batch_size):
+                plan.batch[jid] = b
+            tags = {}
+            if n > j.tags.get(_MAX, 0):
+                tags[_MAX] = n
+            if n != j.size:
+                tags[_MOVES] = j.tags.get(_MOVES, 0) + 1
+            if tags:
+                plan.tags[jid] = tags
+        for j in jobs:
+            if j.gpus and j.job_id not in plan.allocation:
+                plan.tags[j.job_id] = {_MOVES: j.tags.get(_MOVES, 0) + 1}
+        if jobs:
+            plan.wake_at = snap.now + self.slot
