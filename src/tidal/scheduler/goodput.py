@@ -165,6 +165,7 @@ class GoodputModel:
     grid_points: int = GRID_POINTS
     _tables: dict = field(default_factory=dict, repr=False)
     _best: dict = field(default_factory=dict, repr=False)
+    _tput: dict = field(default_factory=dict, repr=False)
 
     def app(self, name: str) -> AppModel:
         try:
@@ -186,11 +187,18 @@ class GoodputModel:
     def throughput(self, name: str, nodes: int, n: int, batch: float) -> float:
         """Samples/s of ``n`` GPUs on ``nodes`` nodes at global ``batch`` (0 if
         a replica would get less than the smallest local batch)."""
-        a = self.app(name)
-        local = batch / n
-        if n < 1 or local < a.min_local - 1e-9:
-            return 0.0
-        return batch / a.step(nodes, n, local)
+        key = (name, nodes, n, batch)
+        hit = self._tput.get(key)
+        if hit is None:
+            a = self.app(name)
+            if n < 1 or batch / n < a.min_local - 1e-9:
+                hit = 0.0
+            else:
+                hit = batch / a.step(nodes, n, batch / n)
+            if len(self._tput) > 200_000:
+                self._tput.clear()
+            self._tput[key] = hit
+        return hit
 
     def _table(self, name: str, nodes: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(batches, samples/s) over the grid for an allocation; batches a

@@ -30,7 +30,7 @@ from tidal.core.profile import ThroughputProfile, load_profiles
 from tidal.core.topology import Cluster
 from tidal.scheduler.api import Policy
 from tidal.sim.apply import PlanExecutor, PolicyError
-from tidal.sim.goodput import GOODPUT_REFRESH_S, init_jobs, refresh_rates
+from tidal.sim.goodput import goodput_tick, init_jobs
 from tidal.sim.progress import Progress, SimJob, finish_time
 from tidal.sim.views import ViewCache
 
@@ -209,9 +209,9 @@ class Simulator(PlanExecutor):
     def _round(self, now: float) -> None:
         self.rounds += 1
         self.cache.rows.advance(now, self.progress, self.cache.tags)
-        if self._goodput and refresh_rates(self, now):  # noise scales moved: new rates, a round next slot
-            self._request_round(now + (self.slot or GOODPUT_REFRESH_S))
         if self._settled:
+            if self._goodput:
+                goodput_tick(self, now)
             return  # the policy would change nothing (Policy.settled)
         snap = self.cache.snapshot(now, self.cluster, self.active, self.profiles, self.overheads)
         plan = self.policy.schedule(snap)
@@ -222,6 +222,8 @@ class Simulator(PlanExecutor):
         stuck = not self.running and self._arrivals_left == 0
         if plan.wake_at is not None and plan.wake_at < math.inf and not stuck:
             self._request_round(max(plan.wake_at, now + (self.slot or 1e-6)))
+        if self._goodput:
+            goodput_tick(self, now)  # noise scales moved: new rates, and a round next slot
 
 def simulate(
     jobs: Iterable[JobSpec],

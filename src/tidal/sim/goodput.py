@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from tidal.core.errors import InputError
 from tidal.core.job import JobSpec
+from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ThroughputProfile
 from tidal.core.topology import Cluster
 from tidal.scheduler.goodput import (
@@ -52,6 +53,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: seconds a re-allocated job makes no progress (Pollux's simulator charges a
+#: fixed checkpoint-restart delay per re-allocation; Pollux §4.2 and Fig. 8
+#: put a restart at tens of seconds)
+POLLUX_RESTART_S = 30.0
 #: seconds between re-ratings of goodput jobs when the engine has no slot
 GOODPUT_REFRESH_S = 60.0
 _VALIDATION = re.compile(r"^validation-(\d+)\.csv$")
@@ -155,6 +160,27 @@ def goodput_inputs(jobs: Sequence[JobSpec], profile: ThroughputProfile, data: "S
     return with_goodput(profile, model), goodput_jobs(jobs, model)
 
 
+def load_goodput_workload(path: str | Path, cluster: Cluster, data_dir: str | Path | None = None,
+                          limit: int | None = None) -> tuple[GoodputProfile, list[JobSpec]]:
+    """A Pollux/Sia workload CSV as goodput jobs with their profile: the
+    workload and the step-time profiles read by :mod:`tidal.sim.traces` and
+    :mod:`tidal.sim.sia` (``data_dir``: the traces folder, default the one
+    above the workload), the goodput model built here."""
+    from tidal.sim.sia import data_for, workload_profiles
+    from tidal.sim.traces import load_trace
+
+    data = data_for(Path(path), data_dir)
+    trace = load_trace(path, "pollux", limit=limit, data_dir=data.root)
+    return goodput_inputs(trace.jobs, workload_profiles(trace.jobs, cluster, data), data, cluster)
+
+
+def pollux_overheads(restart_s: float = POLLUX_RESTART_S) -> OverheadModel:
+    """Pollux's simulator's cost of a re-allocation: the job makes no progress
+    for ``restart_s`` after every change of its GPUs (checkpoint and restart),
+    its first start included."""
+    return OverheadModel(mode="stop-resume", stop_resume_s=restart_s, launch_s=restart_s)
+
+
 # -- the engine's side ----------------------------------------------------------
 
 
@@ -195,3 +221,10 @@ def refresh_rates(sim: Any, now: float) -> bool:
         sim._schedule_completion(job)
         rows.load(job, tags[jid])
     return found
+
+
+def goodput_tick(sim: Any, now: float) -> None:
+    """End of a scheduling round of ``sim``: re-rate its running goodput jobs
+    (:func:`refresh_rates`) and, while any runs, ask for a round one slot on."""
+    if refresh_rates(sim, now):
+        sim._request_round(now + (sim.slot or GOODPUT_REFRESH_S))
