@@ -272,6 +272,31 @@ def _up_problem(gpus: int, nodes: int, policy: str, home: Path) -> Optional[str]
     return home_problem(home, f"--home {home}")
 
 
+def _up_layout(gpus: Optional[int], nodes: Optional[int], cluster: Optional[str]
+               ) -> tuple[Optional[list[tuple[int, str]]], Optional[str]]:
+    """Each node's (GPU count, GPU type) for ``tidal up``, or the reason the
+    options cannot give one: ``--cluster`` (``1xT4:4,1xA100:2``, the short
+    syntax of ``tidal simulate``) or ``--gpus``/``--nodes`` (alike nodes)."""
+    from tidal.control.local import MAX_GPUS_PER_NODE, MAX_NODES
+    from tidal.core.errors import InputError
+    from tidal.core.topology import parse_cluster
+
+    if cluster is None:
+        g, n = 8 if gpus is None else gpus, 2 if nodes is None else nodes
+        return ([(g // n, "")] * n if n >= 1 and g >= 1 and g % n == 0 else None), None
+    if gpus is not None or nodes is not None:
+        return None, "--cluster gives every node's GPUs: leave out --gpus and --nodes"
+    try:
+        c = parse_cluster(cluster)
+    except InputError as e:
+        return None, f"--cluster {cluster}: {e.reason}"
+    if c.num_nodes > MAX_NODES:
+        return None, f"--cluster {cluster}: {c.num_nodes} nodes; the embedded cluster runs at most {MAX_NODES}"
+    if max(n.gpus for n in c.nodes) > MAX_GPUS_PER_NODE:
+        return None, f"--cluster {cluster}: at most {MAX_GPUS_PER_NODE} GPUs per node"
+    return [(n.gpus, n.gpu_type) for n in c.nodes], None
+
+
 def policy_problem(policy: str, option: str = "--policy") -> Optional[str]:
     """Why ``policy`` names no scheduling policy (with the closest name), or None."""
     from tidal.cli.checks import suggest
@@ -306,8 +331,12 @@ def _lock_home(home: Path) -> Any:
 
 @app.command()
 def up(
-    gpus: int = typer.Option(8, "--gpus", help="Virtual GPUs in all, split evenly over the nodes."),
-    nodes: int = typer.Option(2, "--nodes", help="Agents (nodes)."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Virtual GPUs in all, split evenly over the nodes "
+                                                           "[default: 8]."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", help="Agents (nodes) [default: 2]."),
+    cluster: Optional[str] = typer.Option(
+        None, "--cluster", help="Nodes of different sizes and GPU types instead of --gpus/--nodes, in "
+                                "`tidal simulate`'s syntax: COUNTxTYPE:GPUS,... e.g. 1xT4:4,1xA100:2."),
     policy: str = typer.Option("edf", "--policy", help="Scheduling policy (names as in `tidal simulate`)."),
     port: int = typer.Option(8470, "--port", help="The server's port (1-65535)."),
     home: Optional[Path] = typer.Option(None, "--home", help="State directory (default $TIDAL_HOME)."),
@@ -317,21 +346,25 @@ def up(
     suspended with a checkpoint and the next `tidal up` on the same home
     resumes them; a second Ctrl-C stops at once.
 
-    Example: tidal up --gpus 8 --nodes 2
+    Example: tidal up --gpus 8 --nodes 2;  tidal up --cluster 1xT4:4,1xA100:2
     """
     from tidal.control.local import LocalCluster, layout_conflict
 
     h = Path(home or settings.home()).absolute()
-    problem = (_up_problem(gpus, nodes, policy, h) or _port_problem(port)
-               or layout_conflict(h, nodes, gpus // nodes))
+    layout, problem = _up_layout(gpus, nodes, cluster)
+    if layout is None and problem is None:  # --gpus/--nodes that do not make a layout: say why
+        problem = _up_problem(8 if gpus is None else gpus, 2 if nodes is None else nodes, policy, h)
+    if problem is None and layout is not None:
+        problem = (_up_problem(sum(g for g, _ in layout), len(layout), policy, h) if cluster is None
+                   else policy_problem(policy) or _home_problem(h))
+        problem = problem or _port_problem(port) or layout_conflict(h, [g for g, _ in layout])
     if problem:
         err.print("[red]error:[/] " + escape(problem))
         raise typer.Exit(2)
     lock = _lock_home(h)
     _log_to(h / "server.log")
     os.environ[settings.HOME.name] = str(h)  # the server in this process, and the agents, use this home
-    c = LocalCluster(h, nodes=nodes, gpus_per_node=gpus // nodes, policy=policy, port=port, tick_s=1.0,
-                     in_process=True)
+    c = LocalCluster(h, layout=layout, policy=policy, port=port, tick_s=1.0, in_process=True)
     import signal
 
     def _term(*_args: Any) -> None:  # `kill` stops the cluster like Ctrl-C
@@ -344,6 +377,12 @@ def up(
         _run_until_stopped(c, policy)
     finally:
         lock.close()
+
+
+def _home_problem(home: Path) -> Optional[str]:
+    from tidal.cli.checks import home_problem
+
+    return home_problem(home, f"--home {home}")
 
 
 def _log_to(path: Path) -> None:
@@ -365,7 +404,7 @@ def _run_until_stopped(c: Any, policy: str) -> None:
         c.start()
         user_token = c.api().add_user("user", rotate=True)  # a restart with the same home re-issues it
         (c.home / "token").write_text(user_token)
-        _say(f"Tidal cluster up: {c.url} — {c.nodes} node(s) × {c.gpus_per_node} virtual GPU(s), policy {policy}")
+        _say(f"Tidal cluster up: {c.url} — {c.describe()}, policy {policy}")
         _say(f"state in {c.home}; user token in {c.home / 'token'}; admin token in {c.home / 'admin.token'}")
         _say(f"dashboard: {c.url}/dashboard/  (open it in a browser on this machine; log in with the admin token "
              f"in {c.home / 'admin.token'} to see every job, or with the user token in {c.home / 'token'})")
