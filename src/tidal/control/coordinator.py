@@ -40,6 +40,7 @@ from tidal.control.reconcile import Reconciler
 from tidal.control.snapshot import GpuMap, build_snapshot
 from tidal.core.overhead import OverheadModel
 from tidal.scheduler.api import Plan, Policy, Snapshot
+from tidal.scheduler.constraints import strip_breaks
 from tidal.scheduler.diff import JobDelta, PlanError, diff_plan, validate_plan
 from tidal.scheduler.registry import get_policy
 
@@ -207,6 +208,9 @@ class Coordinator:
         t0 = time.perf_counter()
         plan = self.policy.schedule(snap)
         self.decisions.record(self.policy.name, snap, plan, time.perf_counter() - t0, now)
+        for jid, g in strip_breaks(snap, plan).items():
+            log.warning("policy %s placed job %s on GPU %d of type %r, which it does not allow: not applied",
+                        self.policy.name, jid, gmap.gid(g), snap.cluster.gpu_type_of(g))
         try:
             validate_plan(snap, plan)
         except PlanError as e:
