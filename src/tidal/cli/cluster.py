@@ -496,10 +496,17 @@ def submit(
     rigid: bool = typer.Option(False, "--rigid", metavar="", help="Never rescale this job: it runs at its "
                                                                   "starting size or waits."),
     arg: list[str] = typer.Option([], "--arg", metavar="TEXT", help="Argument for the script (repeat)."),
+    gpu_type: list[str] = typer.Option([], "--gpu-type", metavar="TYPE", help="Run only on GPUs of this type, as "
+                                       "the agents report it, e.g. A100 (repeat: any of them)."),
+    exclude_gpu_type: list[str] = typer.Option([], "--exclude-gpu-type", metavar="TYPE",
+                                               help="Never run on GPUs of this type (repeat)."),
     server_url: Optional[str] = ServerOpt,
     token: Optional[str] = TokenOpt,
 ) -> None:
-    """Submit a job from a YAML spec or flags."""
+    """Submit a job from a YAML spec or flags.
+
+    Example: tidal submit --name bert --script train.py --gpus 2-4 --iterations 1000 --gpu-type A100
+    """
     from pydantic import ValidationError
 
     from tidal.control.spec import JobSubmission, load_spec_file
@@ -519,6 +526,11 @@ def submit(
         body["elastic"] = False
     if gpus is not None:
         body["gpus"] = gpus  # text; JobSubmission reads it (tidal.control.spec.parse_gpu_request)
+    if gpu_type:
+        body.pop("gpu_type", None)
+        body["gpu_types"] = list(gpu_type)
+    if exclude_gpu_type:
+        body["exclude_gpu_types"] = list(exclude_gpu_type)
     try:
         sub = JobSubmission(**body)
     except ValidationError as e:
@@ -564,7 +576,13 @@ def _step(j: dict) -> str:
 
 JOB_COLS = (Col("id"), Col("state"), Col("GPUs", justify="right"), Col("step", 1, justify="right"),
             Col("user", 2), Col("JCT s", 2, justify="right"), Col("rescales", 3, justify="right"),
-            Col("submitted", 3), Col("reason", 1, wrap=True))
+            Col("submitted", 3), Col("types", 3), Col("reason", 1, wrap=True))
+
+
+def types_text(j: dict) -> str:
+    """A job's GPU-type constraint in a few characters: ``A100,V100``, ``!T4``, ``-`` for none."""
+    parts = list(j.get("gpu_types") or ()) + ["!" + t for t in j.get("exclude_gpu_types") or ()]
+    return ",".join(parts) or "-"
 
 
 def jobs_table(jobs: list[dict], wide: bool = False) -> Table:
@@ -572,7 +590,7 @@ def jobs_table(jobs: list[dict], wide: bool = False) -> Table:
     for j in jobs:
         jct = (j["end_time"] - j["submit_time"]) if j.get("end_time") and j["state"] == "completed" else None
         rows.append([j["id"], j["state"], str(len(j["gpus"])), _step(j), j["user"], f"{jct:.1f}" if jct else "-",
-                     str(j["rescales"]), _fmt_t(j["submit_time"]), j.get("reason") or ""])
+                     str(j["rescales"]), _fmt_t(j["submit_time"]), types_text(j), j.get("reason") or ""])
     return fit("jobs", JOB_COLS, rows, console.width, wide)
 
 
@@ -604,6 +622,9 @@ def job_cmd(job_id: str, server_url: Optional[str] = ServerOpt, token: Optional[
         return
     wide = output == "wide"
     console.print(jobs_table([j], wide))
+    if j.get("gpu_types") or j.get("exclude_gpu_types"):
+        only, never = ", ".join(j.get("gpu_types") or ()) or "any", ", ".join(j.get("exclude_gpu_types") or ()) or "none"
+        console.print(escape(f"GPU types: {only}; never: {never}"))
     if j.get("exit_info"):
         console.print(f"ended: {escape(j['exit_info'])}")
     elif j.get("reason"):

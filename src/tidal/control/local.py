@@ -124,6 +124,15 @@ class LocalCluster:
                 "--interval", "0.3"] + (["--gpu-type", gtype] if gtype else [])
         return self._spawn(args, f"agent-{i}", **{settings.TOKEN.name: join})
 
+    def add_agent(self, name: str, gpus: int, gpu_type: str = "") -> None:
+        """One more agent of ``gpus`` virtual GPUs of ``gpu_type`` (a cluster
+        of mixed nodes: ``nodes=0``, then one call per node); it registers soon after."""
+        join = (self.home / "agent.token").read_text().strip()
+        args = ["agent", "--server", self.url, "--name", name, "--virtual-gpus", str(gpus), "--interval", "0.3"]
+        if gpu_type:
+            args += ["--gpu-type", gpu_type]
+        self.agents.append(self._spawn(args, f"agent-{name}", **{settings.TOKEN.name: join}))
+
     def start(self, timeout_s: float = 60.0) -> "LocalCluster":
         self.start_server(timeout_s)
         for i in range(self.nodes):

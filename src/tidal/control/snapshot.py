@@ -87,8 +87,9 @@ def _typed_curve(pts: list[tuple[int, float]], default: ModelCurve | None) -> Mo
 
 def job_spec(j: Job) -> JobSpec:
     d = dict(j.spec["jobspec"])
-    if d.get("allowed_gpus") is not None:
-        d["allowed_gpus"] = tuple(d["allowed_gpus"])
+    for key in ("allowed_gpus", "gpu_types", "exclude_gpu_types"):
+        if d.get(key) is not None:
+            d[key] = tuple(d[key])
     return JobSpec(**d)
 
 

@@ -314,6 +314,13 @@ function dl(box, pairs) {
   box.replaceChildren(...pairs.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
 }
 
+// a job's GPU-type constraint: "A100, V100", "not T4", "any"
+function gpuTypesText(j) {
+  const only = (j.gpu_types || []).join(", "), never = (j.exclude_gpu_types || []).join(", ");
+  if (only && never) return `${only} (not ${never})`;
+  return only || (never ? `not ${never}` : "any");
+}
+
 function renderJob(s) {
   if (s.job_error || (s.job && s.job.id !== state.route.id)) {
     $("job-error").hidden = !s.job_error;
@@ -331,6 +338,7 @@ function renderJob(s) {
   const pct = progressOf(j), ended = FINISHED.has(j.state);
   dl($("job-summary"), [
     ["Tenant", j.user], ["GPUs now / min / max", `${j.gpus.length} / ${j.min_gpus} / ${j.max_gpus}`],
+    ["GPU types", gpuTypesText(j)],
     ["Pinned", j.pinned ?? "no"], ["Step", stepText(j) + (pct === null ? "" : ` (${pctText(pct)})`)],
     ["Throughput", j.samples_per_s ? `${fmtNum(j.samples_per_s)} samples/s (${fmtNum(j.steps_per_s)} steps/s)` : "–"],
     ["Deadline", !j.deadline_at ? "none" : ended ? deadlineText(j, s.time)
