@@ -19,8 +19,8 @@ micro-steps of ``m / s`` samples; only the last one synchronises:
 ``T = (s - 1) * Tc(m/s) + (Tc(m/s)^g + Ts^g)^(1/g)``.
 
 :func:`fit` finds the seven parameters by least squares on the logarithms
-(relative errors) of the measured compute, synchronisation and whole-step
-times at once, so each term is pinned by its own measurements and ``g`` by
+(relative errors) of the measured compute (single-GPU steps),
+synchronisation and whole-step times at once, so each term is pinned by its own measurements and ``g`` by
 how far the whole step is below their sum. Pure functions; no I/O.
 """
 
@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from scipy.optimize import least_squares
 
 from tidal.core.errors import InputError
 
@@ -65,6 +64,7 @@ class StepTimeParams:
     b_node: float
     gamma: float
     max_local_bsz: float  # above it: gradient accumulation
+    min_local_bsz: float = 1.0  # the smallest measured (below it the model extrapolates)
     median_rel_error: float = math.nan  # over the rows it was fitted to
     rows: int = 0
 
@@ -132,45 +132,66 @@ def _initial(d: dict[str, np.ndarray]) -> np.ndarray:
                      max(a_n, _FLOOR), _FLOOR, 1.5])
 
 
+_LOG_RANGE = (math.log(1e-9), math.log(1e3))  # seconds: where the time terms may go
+
+
+def _to_free(x: np.ndarray) -> np.ndarray:
+    """Unconstrained coordinates: logarithms of the six time terms, and the
+    logit of the overlap exponent within :data:`GAMMA_BOUNDS`."""
+    lo, hi = GAMMA_BOUNDS
+    g = min(max(x[6], lo + 1e-3), hi - 1e-3)
+    return np.append(np.log(np.maximum(x[:6], _FLOOR)), math.log((g - lo) / (hi - g)))
+
+
+def _from_free(z: np.ndarray) -> np.ndarray:
+    lo, hi = GAMMA_BOUNDS
+    return np.append(np.exp(np.clip(z[:6], *_LOG_RANGE)), lo + (hi - lo) / (1.0 + math.exp(-min(max(z[6], -50), 50))))
+
+
 def fit(rows: Sequence[StepRow]) -> StepTimeParams:
     """Least-squares fit of the step-time model to measured rows (Pollux,
-    OSDI'21, fits the same terms to the throughput it observes). The
-    residuals are log-ratios of the model's compute, sync (multi-GPU rows)
-    and whole-step times to the measured ones. With no multi-node row the
+    OSDI'21, fits the same terms to the throughput it observes), by
+    Levenberg-Marquardt on the logarithms of the terms (so they stay
+    positive) and the logit of ``g`` (so it stays in :data:`GAMMA_BOUNDS`). The
+    residuals are log-ratios of the model's times to the measured ones:
+    compute on single-GPU rows (no sync there; elsewhere ``step - sync``
+    is not the compute time when the two overlap), sync on multi-GPU rows
+    and the whole step on every row. With no multi-node row the
     inter-node terms equal the intra-node ones (Sia's ``quad`` data: one node)."""
     rows = [r for r in rows if r.step_time > 0 and r.local_bsz > 0]
     if not rows:
         raise InputError("no measured rows to fit", field="rows")
     d = _arrays(rows)
     compute_obs = d["step"] - d["sync"]
-    has_c = compute_obs > 0
+    single = d["replicas"] == 1  # no sync: the step is all compute (elsewhere the two overlap)
+    has_c = (compute_obs > 0) & (single if single.any() else True)
     multi = (d["replicas"] > 1) & (d["sync"] > 0)
     log_c, log_s, log_t = np.log(compute_obs[has_c]), np.log(d["sync"][multi]), np.log(d["step"])
-    lo = np.array([_FLOOR] * 6 + [GAMMA_BOUNDS[0]])
-    hi = np.array([np.inf] * 6 + [GAMMA_BOUNDS[1]])
-    x0 = np.clip(_initial(d), lo, np.where(np.isinf(hi), 1e9, hi))
+    x0 = _initial(d)
     free = np.ones(7, dtype=bool)
-    if not (d["nodes"] > 1).any():  # nothing measures the inter-node terms: keep them at the intra-node ones
+    if not (d["nodes"] > 1).any():  # nothing measures the inter-node terms: they stay the intra-node ones
         free[4:6] = False
-        x0[4:6] = x0[2:4]
+    z0 = _to_free(x0)
 
     def full(z: np.ndarray) -> np.ndarray:
-        x = x0.copy()
-        x[free] = z
+        zz = z0.copy()
+        zz[free] = z
+        x = _from_free(zz)
+        if not free[4]:
+            x[4:6] = x[2:4]
         return x
 
     def residuals(z: np.ndarray) -> np.ndarray:
         tc, ts, total = _times(full(z), d["nodes"], d["replicas"], d["local"])
         return np.concatenate([np.log(tc[has_c]) - log_c, np.log(ts[multi]) - log_s, np.log(total) - log_t])
 
-    sol = least_squares(residuals, x0[free], bounds=(lo[free], hi[free]), method="trf", x_scale="jac",
-                        max_nfev=400)
-    x = full(sol.x)
-    if not free[4]:
-        x[4:6] = x[2:4]
+    from scipy.optimize import least_squares  # imported here: scipy.optimize takes a second to load
+
+    x = full(least_squares(residuals, z0[free], method="lm", max_nfev=300).x)
     _, _, total = _times(x, d["nodes"], d["replicas"], d["local"])
     err = float(np.median(np.abs(total - d["step"]) / d["step"]))
-    return StepTimeParams(*map(float, x), max_local_bsz=float(d["local"].max()), median_rel_error=err,
+    return StepTimeParams(*map(float, x), max_local_bsz=float(d["local"].max()),
+                          min_local_bsz=float(d["local"].min()), median_rel_error=err,
                           rows=len(rows))
 
 

@@ -240,20 +240,25 @@ def profile_counts(total: int) -> list[int]:
 
 def curve(params: StepTimeParams, batch: int, gpus_per_node: int, counts: Sequence[int]) -> ModelCurve:
     """Iterations/s at each count on a consolidated placement
-    (``ceil(n / gpus_per_node)`` nodes); a count above ``batch`` (less than
-    one sample per GPU) does not run."""
+    (``ceil(n / gpus_per_node)`` nodes). A count at which each GPU would get
+    fewer samples than the smallest measured local batch (or than one) does
+    not run: the model is not extrapolated there."""
+    most = max(1, int(batch // max(params.min_local_bsz, 1.0)))
     ns, values = [], []
     for n in counts:
-        if n > batch:
+        if n > most:
             break
         ns.append(n)
         values.append(1.0 / step_time(params, -(-n // gpus_per_node), n, batch / n))
-    return ModelCurve(tuple(ns), tuple(values), batch + 1 if batch < counts[-1] else None)
+    if not ns:  # even one GPU gets less than the smallest measured local batch: it runs on one
+        ns, values = [1], [1.0 / step_time(params, 1, 1, batch)]
+    return ModelCurve(tuple(ns), tuple(values), max(most, ns[-1]) + 1 if max(most, ns[-1]) < counts[-1] else None)
 
 
 def _slowest(curves: Sequence[ModelCurve]) -> ModelCurve:
-    """Point-wise the least of curves listing the same counts."""
-    first = curves[0]
+    """Point-wise the least of curves built on the same count list (each
+    lists a prefix of it): up to the shortest one, which also ends them."""
+    first = min(curves, key=lambda c: (len(c.counts), c.unsupported_from or math.inf))
     values = tuple(min(c.values[i] for c in curves) for i in range(len(first.counts)))
     return ModelCurve(first.counts, values, first.unsupported_from)
 
