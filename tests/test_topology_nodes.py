@@ -120,3 +120,13 @@ def test_a_job_runs_at_its_gpu_types_profile_and_at_the_slowest_type_when_mixed(
     assert end(Cluster((Node(2, "T4"),)), 2) == pytest.approx(200.0, rel=0.05)  # T4: 0.5 it/s
     # on two 1-GPU nodes (no fewer nodes could hold it: no spread penalty), at the T4 pace
     assert end(Cluster((Node(1, "A100"), Node(1, "T4"))), 2) == pytest.approx(200.0, rel=0.05)
+
+
+def test_fewest_nodes_are_counted_among_the_placements_own_types():
+    """8 GPUs on 4-GPU T4 nodes need 2 nodes even where an A100 node holds 8:
+    a T4 placement on 2 nodes is not "spread" (no cross-node penalty)."""
+    c = parse_cluster("6xT4:4,2xA100:8,3xRTX2080Ti:8")
+    assert c.min_nodes(8) == 1
+    assert c.min_nodes(8, {"T4"}) == 2 and c.min_nodes(12, {"T4"}) == 3 and c.min_nodes(40, {"T4"}) == 6
+    assert c.min_nodes(8, {"A100"}) == 1 and c.min_nodes(12, {"T4", "A100"}) == 2
+    assert c.min_nodes(8, {"V100"}) == 1  # a type the cluster lacks: every node counts

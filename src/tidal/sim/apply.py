@@ -16,6 +16,7 @@ from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ThroughputProfile
 from tidal.core.topology import Cluster
 from tidal.scheduler.api import Plan, Policy, Snapshot
+from tidal.scheduler.constraints import breaks
 from tidal.scheduler.diff import JobDelta, PlanError, changing, diff_plan, validate_plan
 from tidal.sim.progress import Progress, SimJob, with_idle
 from tidal.sim.views import ViewCache
@@ -59,10 +60,12 @@ class PlanExecutor:
             nodes = self.cluster.nodes_spanned(gpus) if n else 0
             return self.profiles.job_rate(job.spec, n, b, job.done, nodes)  # type: ignore[attr-defined]
         # -- end goodput
-        spread = n > 1 and self.cluster.nodes_spanned(gpus) > self.cluster.min_nodes(n)
         if self.profiles.by_type:  # the slowest GPU type of the placement sets the pace
             types = {self.cluster.gpu_type_of(g) for g in gpus}
+            # spread: more nodes than the placement's own types need (4-GPU T4 nodes hold 8 GPUs on 2)
+            spread = n > 1 and self.cluster.nodes_spanned(gpus) > self.cluster.min_nodes(n, types)
             return self.profiles.throughput_on(job.spec.model, b, n, spread, types) * b / job.spec.batch_size
+        spread = n > 1 and self.cluster.nodes_spanned(gpus) > self.cluster.min_nodes(n)
         return self.profiles.throughput(job.spec.model, b, n, spread) * b / job.spec.batch_size
 
     # -- state changes ---------------------------------------------------------
@@ -83,6 +86,11 @@ class PlanExecutor:
         for g in gpus:
             if g in owner and owner[g] != job.spec.job_id:
                 raise PolicyError(f"GPU {g} given to {job.spec.job_id} but held by {owner[g]}")
+        if job.spec.constrained:
+            bad = breaks(self.cluster, job.spec, gpus)
+            if bad is not None:
+                raise PolicyError(f"policy {self.policy.name} placed {job.spec.job_id} on GPU {bad} of type "
+                                  f"{self.cluster.gpu_type_of(bad)!r}, which the job does not allow")
         job.gpus = gpus
         job.alloc.append((self.now, len(gpus)))
         self.cache.hold(job)
