@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import re
@@ -180,22 +182,45 @@ def _options_problem(names: list[str], fidelity: str, out: Optional[Path], trace
 
 
 def _load_inputs(trace: Path, fmt: str, topo: Any, profiles_dir: Optional[Path], *, seed: int,
-                 limit: Optional[int], elastic: bool) -> tuple[Any, Any]:
+                 limit: Optional[int], elastic: bool, progress: str = "efficiency") -> tuple[Any, Any]:
     """The throughput profiles and the trace. A Pollux/Sia workload brings
     its own: profiles fitted to the measured data of its ``traces/`` folder
     (or of ``--profiles`` when that is such a folder) for this cluster's GPU
-    types (:mod:`tidal.sim.sia`)."""
+    types (:mod:`tidal.sim.sia`); with ``progress="efficiency"`` its jobs are
+    goodput jobs (:mod:`tidal.sim.goodput`)."""
     from tidal.core.profile import load_profiles
     from tidal.sim.traces import detect_format, load_trace, resolve_trace
 
+    if progress not in ("efficiency", "steps"):
+        raise InputError(f"must be efficiency or steps, got {progress!r}", field="--progress")
     if (fmt if fmt != "auto" else detect_format(resolve_trace(trace))) == "pollux":
         from tidal.sim.sia import data_for, workload_profiles
 
         data = data_for(resolve_trace(trace), profiles_dir)
         tr = load_trace(trace, "pollux", limit=limit, elastic=elastic, data_dir=data.root)
-        return workload_profiles(tr.jobs, topo, data), tr
+        if progress == "steps":
+            return workload_profiles(tr.jobs, topo, data), tr
+        from tidal.sim.goodput import goodput_inputs
+
+        gprof, jobs = goodput_inputs(tr.jobs, workload_profiles(tr.jobs, topo, data), data, topo)
+        return gprof, dataclasses.replace(tr, jobs=tuple(jobs))
     prof = load_profiles(profiles_dir)
     return prof, load_trace(trace, fmt, seed=seed, limit=limit, profiles=prof, elastic=elastic)
+
+
+def _overheads(overhead: Optional[str], fmt: str) -> Any:
+    """The overhead model of ``--overhead``; by default Pollux's restart for a
+    Pollux/Sia workload (:func:`tidal.sim.goodput.pollux_overheads`), else stop-free."""
+    from tidal.core.overhead import OverheadModel
+
+    if overhead not in (None, "stop-free", "stop-resume", "restart"):
+        raise InputError(f"overhead mode must be stop-free, stop-resume or restart, got {overhead!r}")
+    mode = overhead or ("restart" if fmt == "pollux" else "stop-free")
+    if mode == "restart":
+        from tidal.sim.goodput import pollux_overheads
+
+        return pollux_overheads()
+    return OverheadModel(mode=mode)
 
 
 @app.command()
@@ -215,7 +240,11 @@ def simulate(
     slot: float = typer.Option(60.0, "--slot", callback=bounded(low=0.0, high=MAX_SLOT_S, unit="s"),
                                help=f"Scheduling slot in seconds (0: schedule at every event; at most "
                                     f"{MAX_SLOT_S:g}, a day)."),
-    overhead: str = typer.Option("stop-free", "--overhead", help="Rescale overhead model: stop-free | stop-resume."),
+    overhead: Optional[str] = typer.Option(None, "--overhead", help="Rescale overhead model: stop-free | stop-resume "
+                                           "| restart (Pollux's 30 s restart on every change: a Pollux/Sia "
+                                           "workload's default; else stop-free)."),
+    progress: str = typer.Option("efficiency", "--progress", help="A Pollux/Sia workload's progress: efficiency "
+                                 "(goodput jobs, Pollux's statistical efficiency) | steps (fixed-batch steps)."),
     profiles_dir: Optional[Path] = typer.Option(None, "--profiles", help="Throughput profile directory (default: shipped A100); for a Pollux/Sia workload, its "
                                                      "measured-data folder (default: the traces/ folder above it)."),
     rigid: bool = typer.Option(False, "--rigid", metavar="", help="Treat every job as rigid (not elastic)."),
@@ -227,7 +256,6 @@ def simulate(
 ) -> None:
     """Simulate one or more policies on a trace; print a table (or JSON) and
     write per-job CSVs, summary.json and plots."""
-    from tidal.core.overhead import OverheadModel
     from tidal.core.topology import parse_cluster
 
     err = LineConsole(stderr=True)
@@ -238,8 +266,9 @@ def simulate(
     try:
         with interruptible("simulate", "while reading the trace; nothing written"):
             topo = parse_cluster(cluster)
-            overheads = OverheadModel(mode=overhead)
-            prof, tr = _load_inputs(trace, fmt, topo, profiles_dir, seed=seed, limit=limit, elastic=not rigid)
+            prof, tr = _load_inputs(trace, fmt, topo, profiles_dir, seed=seed, limit=limit, elastic=not rigid,
+                                    progress=progress)
+            overheads = _overheads(overhead, tr.fmt)
     except (InputError, ValueError) as exc:
         err.print("[red]error:[/] " + escape(f"{exc}"))
         raise typer.Exit(2)
