@@ -20,6 +20,7 @@ all jobs; policies keep per-job tables and admission tags across them);
 
     python benchmarks/policy_latency.py --json          # one JSON line: every policy
     python benchmarks/policy_latency.py --policy elasticflow --events 50
+    python benchmarks/policy_latency.py --goodput /work/shared/data/pollux/traces   # goodput jobs: pollux, optimus, tidal-goodput
 
 Target: every policy p95 <= 25 ms and cold p95 <= 50 ms (placement included) at 1,024 GPUs with 500 jobs.
 """
@@ -48,6 +49,7 @@ log = logging.getLogger("policy_latency")
 NOW = 100_000.0
 TARGET_MS = 25.0  # every decision's p95, with a 2x margin on the 50 ms budget
 COLD_TARGET_MS = 50.0  # the first decision over jobs the policy has not seen
+GOODPUT_POLICIES = ("pollux", "optimus", "tidal-goodput")  # --goodput: Pollux's study's policies
 
 
 def build_snapshot(cluster_spec: str, jobs: int, new: int, seed: int) -> Snapshot:
@@ -93,6 +95,46 @@ def build_snapshot(cluster_spec: str, jobs: int, new: int, seed: int) -> Snapsho
             )
         )
     return Snapshot(now=NOW, cluster=cluster, jobs=tuple(views), profiles=profiles)
+
+
+def build_goodput_snapshot(cluster_spec: str, jobs: int, new: int, seed: int, data_dir: str) -> Snapshot:
+    """:func:`build_snapshot` with goodput jobs (Pollux, OSDI'21) of the
+    applications in a Pollux/Sia traces folder, on their goodput profile:
+    each at one of its validation batches, trained 0-90% of the way."""
+    from pathlib import Path
+
+    from tidal.sim.goodput import goodput_inputs
+    from tidal.sim.sia import SiaData, workload_profiles
+
+    rng = np.random.default_rng(seed)
+    cluster = parse_cluster(cluster_spec)
+    data = SiaData(Path(data_dir))
+    apps = data.apps
+    specs = []
+    for i in range(jobs + new):
+        app = apps[int(rng.integers(len(apps)))]
+        batches = sorted(data.validation_steps(app))
+        batch = batches[int(rng.integers(len(batches)))]
+        n_req = int(rng.choice([1, 2, 4, 8], p=[0.4, 0.3, 0.2, 0.1]))
+        submit = NOW if i >= jobs else NOW - float(rng.uniform(60, 6 * 3600))
+        specs.append(JobSpec(f"j{i}", submit, app, batch, 1.0, requested_gpus=n_req, elastic=True, min_gpus=1))
+    profile, specs = goodput_inputs(specs, workload_profiles(specs, cluster, data), data, cluster)
+    buddy = BuddyAllocator(cluster)
+    views: list[JobView] = []
+    for i, spec in enumerate(specs):
+        submitted = i >= jobs
+        gpus: tuple[int, ...] = ()
+        state = JobState.SUBMITTED if submitted else JobState.PENDING
+        if not submitted and rng.random() < 0.6:
+            got = buddy.alloc(spec.requested_gpus)
+            if got is not None:
+                gpus, state = tuple(sorted(got)), JobState.RUNNING
+        executed = 0.0 if submitted else NOW - spec.submit_time
+        done = 0.0 if submitted else float(rng.uniform(0.0, 0.9)) * spec.iterations
+        views.append(JobView(spec, state, gpus, done, attained=executed * max(1, len(gpus)),
+                             executed=executed if gpus else 0.0, waiting_since=spec.submit_time,
+                             admitted=not submitted, batch=spec.batch_size))
+    return Snapshot(now=NOW, cluster=cluster, jobs=tuple(views), profiles=profile)
 
 
 def with_memory(snap: Snapshot, tags: dict[str, dict]) -> Snapshot:
@@ -183,9 +225,16 @@ def main() -> None:
     ap.add_argument("--call-timeout", type=float, default=10.0, help="give up on a policy if one call takes longer (s)")
     ap.add_argument("--policy", default="", help="comma-separated names (default: every registered policy)")
     ap.add_argument("--json", action="store_true", help="one JSON line with every policy")
+    ap.add_argument("--goodput", default="", metavar="DIR",
+                    help="goodput jobs of a Pollux/Sia traces folder (e.g. .../pollux/traces); default policies: "
+                         + ", ".join(GOODPUT_POLICIES))
     args = ap.parse_args()
-    names = [p for p in args.policy.split(",") if p] or policy_names()
-    snaps = [build_snapshot(args.cluster, args.jobs, args.new, seed) for seed in range(args.events)]
+    names = [p for p in args.policy.split(",") if p] or (list(GOODPUT_POLICIES) if args.goodput else policy_names())
+    if args.goodput:
+        snaps = [build_goodput_snapshot(args.cluster, args.jobs, args.new, seed, args.goodput)
+                 for seed in range(args.events)]
+    else:
+        snaps = [build_snapshot(args.cluster, args.jobs, args.new, seed) for seed in range(args.events)]
     rows = {}
     for name in names:
         try:

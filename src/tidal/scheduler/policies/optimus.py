@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
+from tidal.scheduler.goodput import phi_bucket
 from tidal.scheduler.policies.pollux import candidate_counts, grow
 
 _FAR = 1e15  # seconds standing for "never" (a finite number, so the greedy can compare gains)
@@ -36,26 +37,47 @@ class Optimus(Policy):
 
     def __init__(self, restart_s: float = 30.0) -> None:
         self.restart_s = float(restart_s)
+        self._memo: dict[str, tuple] = {}  # job id -> (spec, key, (counts, rates))
 
-    def _table(self, snap: Snapshot, j: JobView, gpn: int) -> tuple[list[int], list[float]]:
-        """Counts (0 first) and minus the predicted remaining time at each."""
+    def _rates(self, snap: Snapshot, j: JobView, gpn: int) -> tuple[list[int], list[float]]:
+        """Candidate counts and the progress rate at each at the workload's
+        batch; memoised per job while its noise-scale bucket and size stay."""
         spec = j.spec
         total = snap.cluster.num_gpus
+        prof = snap.profiles
+        owns = getattr(prof, "owns", None)
+        gp = prof.goodput if owns is not None and owns(spec) else None  # type: ignore[attr-defined]
+        phi = gp.phi(spec.model, j.done, spec.batch_size) if gp is not None else 0.0
+        key = (j.size, gpn, total, id(prof), phi_bucket(phi))
+        hit = self._memo.get(spec.job_id)
+        if hit is not None and hit[0] is spec and hit[1] == key:
+            return hit[2]
         if spec.elastic:
             counts = [k for k in candidate_counts(spec.hi(total), gpn, spec.lo) if spec.can_run_at(k)]
             if j.size and j.size not in counts and spec.can_run_at(j.size):
                 counts = sorted(set(counts) | {j.size})
         else:
             counts = spec.counts(total)
-        left = j.remaining
+        if gp is not None:  # a goodput job at its fixed batch, the noise scale looked up once
+            rates = [gp.progress_rate(spec.model, gp.nodes_for(k), k, spec.batch_size, phi) for k in counts]
+        else:
+            rates = [snap.progress_rate(j, k) for k in counts]
+        if len(self._memo) > 100_000:
+            self._memo.clear()
+        self._memo[spec.job_id] = (spec, key, (counts, rates))
+        return counts, rates
+
+    def _table(self, snap: Snapshot, j: JobView, gpn: int) -> tuple[list[int], list[float]]:
+        """Counts (0 first) and minus the predicted remaining time at each."""
+        counts, rates = self._rates(snap, j, gpn)
+        left, size, restart = j.remaining, j.size, self.restart_s
         out_c, out_v = [0], [-_FAR]
         best = math.inf
-        for k in counts:
-            rate = snap.progress_rate(j, k)
+        for k, rate in zip(counts, rates):
             if rate <= 0:
                 continue
-            t = left / rate + (0.0 if k == j.size else self.restart_s)
-            if t < best or k == j.size:
+            t = left / rate + (0.0 if k == size else restart)
+            if t < best or k == size:
                 out_c.append(k)
                 out_v.append(-t)
                 best = min(best, t)

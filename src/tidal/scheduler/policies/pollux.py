@@ -26,7 +26,7 @@ holding GPUs first, then by submission time), then the remaining GPUs go,
 one move at a time, to the job whose next candidate count raises the fitness
 most per extra GPU (looking ahead over all its candidate counts, so a step
 across a node boundary or back to an unpenalised count is found). Candidate
-counts: 1 .. one node, then whole nodes (1, 2, 3, 4, 6, 8, 12, 16, ... nodes).
+counts: 1 .. one node, then whole nodes (2, 3, 4, 6, 8, 12, 16, 24, ... nodes).
 
 Jobs without goodput data (no :class:`~tidal.scheduler.goodput.GoodputProfile`)
 are scheduled the same way on their throughput speedup at a fixed batch.
@@ -39,6 +39,7 @@ import math
 from typing import Sequence
 
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
+from tidal.scheduler.goodput import phi_bucket
 
 _MAX = "pollux_max"  # tag: most GPUs the job has held
 _MOVES = "pollux_moves"  # tag: re-allocations so far
@@ -46,13 +47,14 @@ _MOVES = "pollux_moves"  # tag: re-allocations so far
 
 def candidate_counts(cap: int, gpus_per_node: int, lo: int = 1) -> list[int]:
     """GPU counts a job is offered up to ``cap``: every count within one node,
-    then whole nodes at 1, 2, 3, 4, 6, 8, 12, 16, ... nodes (about 1.5x apart)."""
+    then whole nodes at 2, 3, 4, 6, 8, 12, 16, 24, ... nodes (powers of two and
+    1.5 x powers of two)."""
     out = list(range(max(lo, 1), min(cap, gpus_per_node) + 1))
     k = 2
     while k * gpus_per_node <= cap:
         if k * gpus_per_node >= lo:
             out.append(k * gpus_per_node)
-        k = k + 1 if k < 4 else (k * 3 // 2 if k % 2 == 0 else k + 1)
+        k = k * 3 // 2 if k & (k - 1) == 0 else k * 4 // 3  # 2, 3, 4, 6, 8, 12, ...
     return out
 
 
@@ -112,21 +114,45 @@ class Pollux(Policy):
         self.restart_s = float(restart_s)
         self.growth = float(growth)
         self.slot = float(slot) if slot > 0 else 60.0
+        self._memo: dict[str, tuple] = {}  # job id -> (spec, key, its speedup curve)
 
     # -- speedups ------------------------------------------------------------
-    def _speedups(self, snap: Snapshot, j: JobView, counts: list[int]) -> tuple[list[float], list[int]]:
-        """(SPEEDUP at each count, best batch at each count; 0 = keep the batch)."""
+    def _curve(self, snap: Snapshot, j: JobView, gpn: int) -> tuple[list[int], list[float], list[int]]:
+        """(counts, SPEEDUP, best batch; 0 = keep the batch) of one job, only
+        counts with a positive speedup; memoised per job while its noise-scale
+        bucket, count cap and size stay (a cache: the same numbers without it)."""
+        spec = j.spec
+        total = snap.cluster.num_gpus
         prof = snap.profiles
         owns = getattr(prof, "owns", None)
-        if owns is not None and owns(j.spec):
-            gp = prof.goodput  # type: ignore[attr-defined]
-            app = j.spec.model
-            phi = gp.phi(app, j.done, j.batch or j.spec.batch_size)  # what the job's agent measures now
-            one = gp.best(app, 1, phi)[1]
-            bests = [gp.best(app, k, phi) for k in counts]
-            return [b[1] / one if one > 0 else 0.0 for b in bests], [b[0] for b in bests]
-        one = snap.progress_rate(j, 1) or 1.0
-        return [snap.progress_rate(j, k) / one for k in counts], [0] * len(counts)
+        gp = prof.goodput if owns is not None and owns(spec) else None  # type: ignore[attr-defined]
+        batch = j.batch or spec.batch_size
+        phi = gp.phi(spec.model, j.done, batch) if gp is not None else 0.0  # what the job's agent measures now
+        held = max(j.tags.get(_MAX, 0), j.size)
+        cap = min(spec.hi(total), max(int(self.growth * held), gpn)) if spec.elastic else 0
+        key = (cap, j.size, gpn, total, id(prof), phi_bucket(phi) if gp is not None else batch)
+        hit = self._memo.get(spec.job_id)
+        if hit is not None and hit[0] is spec and hit[1] == key:
+            return hit[2]
+        if not spec.elastic:
+            counts = spec.counts(total)
+        else:
+            counts = [k for k in candidate_counts(cap, gpn, spec.lo) if spec.can_run_at(k)]
+            if j.size and j.size not in counts and spec.can_run_at(j.size):
+                counts = sorted(set(counts) | {j.size})
+        if gp is not None:
+            one = gp.best(spec.model, 1, phi)[1]
+            bests = [gp.best(spec.model, k, phi) for k in counts]
+            speedups, batches = [b[1] / one if one > 0 else 0.0 for b in bests], [b[0] for b in bests]
+        else:
+            one = snap.progress_rate(j, 1) or 1.0
+            speedups, batches = [snap.progress_rate(j, k) / one for k in counts], [0] * len(counts)
+        keep = [i for i, x in enumerate(speedups) if x > 0]
+        out = ([counts[i] for i in keep], [speedups[i] for i in keep], [batches[i] for i in keep])
+        if len(self._memo) > 100_000:
+            self._memo.clear()
+        self._memo[spec.job_id] = (spec, key, out)
+        return out
 
     def _penalty(self, snap: Snapshot, j: JobView) -> float:
         """Pollux §4.2's re-allocation factor (T_j - R_j d) / (T_j + d)."""
@@ -141,23 +167,12 @@ class Pollux(Policy):
         return -(s ** self.p) if self.p < 0 else s ** self.p
 
     def _table(self, snap: Snapshot, j: JobView, gpn: int) -> tuple[list[int], list[float], list[int]]:
-        """Counts (0 first), objective terms and best batches of one job."""
-        total = snap.cluster.num_gpus
-        spec = j.spec
-        if not spec.elastic:
-            counts = [n for n in spec.counts(total)]
-        else:
-            held = max(j.tags.get(_MAX, 0), j.size)
-            cap = min(spec.hi(total), max(int(self.growth * held), gpn))
-            counts = [k for k in candidate_counts(cap, gpn, spec.lo) if spec.can_run_at(k)]
-            if j.size and j.size not in counts and spec.can_run_at(j.size):
-                counts = sorted(set(counts) | {j.size})
-        speedups, batches = self._speedups(snap, j, counts)
-        keep = [i for i, s in enumerate(speedups) if s > 0]
-        counts = [counts[i] for i in keep]
-        pen = self._penalty(snap, j)
-        terms = [self._term(speedups[i] * (1.0 if counts[n] == j.size else pen)) for n, i in enumerate(keep)]
-        return [0] + counts, [self._term(0.0)] + terms, [0] + [batches[i] for i in keep]
+        """Counts (0 first), objective terms (the re-allocation penalty on
+        every count but the current one) and best batches of one job."""
+        counts, speedups, batches = self._curve(snap, j, gpn)
+        pen, size, term = self._penalty(snap, j), j.size, self._term
+        terms = [term(x if c == size else x * pen) for c, x in zip(counts, speedups)]
+        return [0] + counts, [term(0.0)] + terms, [0] + batches
 
     # -- the policy ---------------------------------------------------------------
     def allocation(self, snap: Snapshot, plan: Plan) -> None:
