@@ -4,7 +4,7 @@ tidal-goodput policies."""
 
 from __future__ import annotations
 
-import math
+import json
 import statistics
 
 import pytest
@@ -201,3 +201,33 @@ def test_the_data_noise_scale_reproduces_the_validation_runs_steps() -> None:
             done += efficiency(curve.phi(done, batch), curve.m0, batch) * batch / curve.m0
             n += 1
         assert n == pytest.approx(steps, rel=0.05)
+
+
+@needs_data
+def test_a_pollux_workload_loads_as_goodput_jobs_and_every_job_completes() -> None:
+    from tidal.sim.goodput import load_goodput_workload
+
+    cluster = parse_cluster("n16g4")
+    profile, jobs = load_goodput_workload(POLLUX / "workloads" / "workload-1.csv", cluster, limit=24)
+    assert len(jobs) == 24 and all(profile.owns(j) for j in jobs)
+    assert {j.job_id: j.iterations for j in jobs}["cifar10-0"] == pytest.approx(39063.0)  # the M0 run's end
+    res = simulate(jobs, cluster, get_policy("pollux"), profiles=profile, overheads=pollux_overheads(), slot=60.0)
+    assert all(j.state is JobState.COMPLETED and j.done == pytest.approx(j.spec.iterations) for j in res.jobs)
+    assert any(j.batch != j.spec.batch_size for j in res.jobs)  # pollux chose other batches
+
+
+@needs_data
+@pytest.mark.slow
+def test_tidal_simulate_runs_a_whole_pollux_workload_as_it_is(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from tidal.cli.main import app
+
+    out = CliRunner().invoke(app, ["simulate", "--trace", str(POLLUX / "workloads" / "workload-1.csv"),
+                                   "--cluster", "n16g4", "--policy", "pollux,tiresias", "--overhead", "restart", "--json",
+                                   "--out", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    by = {r["policy"]: r for r in rows}
+    assert by["pollux"]["finished"] == by["tiresias"]["finished"] == 160
+    assert by["pollux"]["avg_jct"] < 0.75 * by["tiresias"]["avg_jct"]

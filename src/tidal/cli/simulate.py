@@ -208,14 +208,14 @@ def _load_inputs(trace: Path, fmt: str, topo: Any, profiles_dir: Optional[Path],
     return prof, load_trace(trace, fmt, seed=seed, limit=limit, profiles=prof, elastic=elastic)
 
 
-def _overheads(overhead: Optional[str], fmt: str) -> Any:
-    """The overhead model of ``--overhead``; by default Pollux's restart for a
-    Pollux/Sia workload (:func:`tidal.sim.goodput.pollux_overheads`), else stop-free."""
+def _overheads(overhead: str) -> Any:
+    """The overhead model of ``--overhead`` (``restart``: Pollux's,
+    :func:`tidal.sim.goodput.pollux_overheads`)."""
     from tidal.core.overhead import OverheadModel
 
-    if overhead not in (None, "stop-free", "stop-resume", "restart"):
+    if overhead not in ("stop-free", "stop-resume", "restart"):
         raise InputError(f"overhead mode must be stop-free, stop-resume or restart, got {overhead!r}")
-    mode = overhead or ("restart" if fmt == "pollux" else "stop-free")
+    mode = overhead
     if mode == "restart":
         from tidal.sim.goodput import pollux_overheads
 
@@ -240,9 +240,9 @@ def simulate(
     slot: float = typer.Option(60.0, "--slot", callback=bounded(low=0.0, high=MAX_SLOT_S, unit="s"),
                                help=f"Scheduling slot in seconds (0: schedule at every event; at most "
                                     f"{MAX_SLOT_S:g}, a day)."),
-    overhead: Optional[str] = typer.Option(None, "--overhead", help="Rescale overhead model: stop-free | stop-resume "
-                                           "| restart (Pollux's 30 s restart on every change: a Pollux/Sia "
-                                           "workload's default; else stop-free)."),
+    overhead: str = typer.Option("stop-free", "--overhead", help="Rescale overhead model: stop-free | stop-resume "
+                                 "| restart (Pollux's simulator: 30 s without progress on every change, the first "
+                                 "start included)."),
     progress: str = typer.Option("efficiency", "--progress", help="A Pollux/Sia workload's progress: efficiency "
                                  "(goodput jobs, Pollux's statistical efficiency) | steps (fixed-batch steps)."),
     profiles_dir: Optional[Path] = typer.Option(None, "--profiles", help="Throughput profile directory (default: shipped A100); for a Pollux/Sia workload, its "
@@ -268,7 +268,7 @@ def simulate(
             topo = parse_cluster(cluster)
             prof, tr = _load_inputs(trace, fmt, topo, profiles_dir, seed=seed, limit=limit, elastic=not rigid,
                                     progress=progress)
-            overheads = _overheads(overhead, tr.fmt)
+            overheads = _overheads(overhead)
     except (InputError, ValueError) as exc:
         err.print("[red]error:[/] " + escape(f"{exc}"))
         raise typer.Exit(2)
