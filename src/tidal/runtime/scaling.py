@@ -172,7 +172,7 @@ class GoodputScaling(BatchPolicy):
     ``batch_size`` is the base batch ``B0`` (the one the learning rate is
     tuned for, and the smallest batch used). At every switch the global
     batch moves to :func:`~tidal.runtime.goodput.choose_batch` on the new
-    world size, under ``max_batch`` and ``max_local`` per rank (no automatic
+    world size, under ``max_batch`` (default ``8 * B0``) and ``max_local`` per rank (no automatic
     gradient accumulation: the cap is the limit), and the LR factor to
     ``lr_rule`` at that batch (held until the batch changes again). Between
     switches the batch is re-chosen when the noise scale moved by more than
