@@ -252,6 +252,12 @@ OFFLINE = [
     (["submit", "--name", "a", "--script", "", "--gpus", "2", "--iterations", "5"], "field 'script'"),
     ([*SUB, "--gpus", "2", "--iterations", "5", "--batch-size", "0"], "field 'global_batch_size'"),
     ([*SUB, "--gpus", "2"], "give iterations or epochs"),
+    ([*SUB, "--gpus", "2", "--iterations", "5", "--gpu-type", ""], "field 'gpu_types': an empty GPU type name"),
+    ([*SUB, "--gpus", "2", "--iterations", "5", "--gpu-type", "8x"], "'8x' is not a GPU type name"),
+    ([*SUB, "--gpus", "2", "--iterations", "5", "--gpu-type", "A100", "--exclude-gpu-type", "A100"],
+     "GPU type A100 is both in gpu_types and in exclude_gpu_types"),
+    (["submit", "{d}/types-both.yaml"], "give gpu_types or gpu_type (the same key), not both"),
+    (["submit", "{d}/types-empty.yaml"], "field 'exclude_gpu_types': an empty GPU type name"),
     # the live-cluster commands
     (["user"], "Missing argument"),
     (["user", ""], "must not be empty"),
@@ -307,7 +313,9 @@ def _write_bad_files(d: Path) -> None:
              "range.yaml": job + "gpus: 8-2\n", "spaces.yaml": "name: a b\nscript: t.py\niterations: 5\n",
              "env-list.yaml": job + "env: [1, 2]\n", "epochs.yaml": "name: a\nscript: t.py\nepochs: 2\n",
              "minmax.yaml": job + "min_gpus: 4\nmax_gpus: 2\n", "memory.yaml": job + "resources: {memory: lots}\n",
-             "cpus.yaml": job + "resources: {cpus: -1}\n"}
+             "cpus.yaml": job + "resources: {cpus: -1}\n",
+             "types-both.yaml": job + "gpu_type: A100\ngpu_types: [V100]\n",
+             "types-empty.yaml": job + "exclude_gpu_types: [T4, '']\n"}
     for name, body in specs.items():
         (d / name).write_text(body)
     (d / "binary.yaml").write_bytes(bytes(range(256)))
@@ -483,6 +491,9 @@ HTTP = [
     ("POST", "/v1/jobs", {**OK, "priority": 1e300}, 422),
     ("POST", "/v1/jobs", {**OK, "priority": "high"}, 422),
     ("POST", "/v1/jobs", {**OK, "gpus": "1e40"}, 422),
+    ("POST", "/v1/jobs", {**OK, "gpu_types": [""]}, 422),
+    ("POST", "/v1/jobs", {**OK, "gpu_types": ["A100"], "exclude_gpu_types": "A100"}, 422),
+    ("POST", "/v1/jobs", {**OK, "gpu_types": {"A100": 1}}, 422),
     ("POST", "/v1/jobs", {**OK, "gpus": "0"}, 422),
     ("POST", "/v1/jobs", {**OK, "gpus": "8-2"}, 422),
     ("POST", "/v1/jobs", {**OK, "gpus": [0]}, 422),

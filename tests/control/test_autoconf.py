@@ -242,3 +242,76 @@ def test_auto_job_settles_within_90_percent_of_the_best_hand_picked_size(tmp_pat
         assert kinds.count("autoconf.sampled") >= 2
         assert 1 <= n_auto <= 4 and st["plan"]["memory"]  # a memory limit from the measured peak
         assert auto >= 0.9 * max(hand.values()), report
+
+
+# -- measured throughput, per GPU type --------------------------------------------------
+
+
+def test_measured_step_times_are_stored_per_gpu_type_and_profile_that_type(tmp_path, monkeypatch):
+    """A job of a named model sampled on a node of T4s: each measured size is a
+    throughput row typed T4; the policy's profiles then have a T4 profile with
+    those values at the measured counts and the default curve scaled by the
+    measured ratio elsewhere, while the default (untyped) curve is unchanged."""
+    from tidal.control.db import ThroughputRow
+    from tidal.control.snapshot import profiles_from_store
+    from tidal.core.profile import load_profiles
+
+    monkeypatch.setattr(A, "MIN_WINDOW_S", 0.5)
+    st = Store(f"sqlite:///{tmp_path / 't.db'}")
+    with st.session() as s:
+        s.add(Node(name="n0", ordinal=0, num_gpus=4, labels={"gpu-type": "T4"}))
+        s.flush()
+        for i in range(4):
+            s.add(GPU(gid=i, node="n0", index=i))
+    _submit(st, "a", model="bert")
+    truth = ThroughputModel((0.004, 0.01, 0.02))
+    ac = AutoConf(st)
+    step, wall = 0, 1000.0
+    for _ in range(400):
+        with st.session() as s:
+            j = s.get(Job, "a")
+            n = j.autoconf["plan"]["gpus"] if j.autoconf["stage"] == "planned" else j.autoconf.get("target", 1)
+            for g in s.query(GPU).all():  # the job holds its first n GPUs, as a policy would give them
+                g.job_id = "a" if g.gid < n else None
+            step, wall = step + 1, wall + truth.step_time(n, 64)
+            j.progress = {"state": "running", "changing": False, "gen": n, "world_size": n, "last_step": [step, wall, n]}
+        ac.tick(wall)
+    with st.session(write=False) as s:
+        rows = {(r.model, r.batch, r.gpus, r.gpu_type): r.value for r in s.query(ThroughputRow).all()}
+        prof = profiles_from_store(s)
+    assert set(rows) == {("bert", 64, n, "T4") for n in (1, 2, 4)}, rows
+    for n in (1, 2, 4):
+        assert rows[("bert", 64, n, "T4")] == pytest.approx(1 / truth.step_time(n, 64), rel=0.05)
+    t4 = prof.typed("T4", "bert")
+    assert t4 is not prof and t4.throughput("bert", 64, 2) == pytest.approx(rows[("bert", 64, 2, "T4")])
+    default = load_profiles().curves["bert"][64]
+    ratio = sorted(rows[("bert", 64, n, "T4")] / default.at(n) for n in (1, 2, 4))[1]
+    assert t4.throughput("bert", 64, 16) == pytest.approx(default.at(16) * ratio)
+    assert prof.throughput("bert", 64, 16) == pytest.approx(default.at(16))  # untyped: the shipped curve
+    assert prof.throughput_on("bert", 64, 2, False, ["T4"]) == pytest.approx(rows[("bert", 64, 2, "T4")])
+
+
+def test_the_throughput_migration_keeps_measured_rows(tmp_path):
+    """A store made before throughput had a GPU type keeps its rows (untyped)."""
+    from pathlib import Path
+
+    import tidal.control.db as db
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import text
+
+    from tidal.control.db import ThroughputRow
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(db.__file__).with_name("migrations")))
+    cfg.set_main_option("sqlalchemy.url", url)
+    command.upgrade(cfg, "0010")
+    st = Store(url, run_migrations=False)
+    with st.engine.begin() as c:
+        c.execute(text("INSERT INTO throughput (model, batch, gpus, value, source) VALUES ('bert', 64, 2, 3.5, 'x')"))
+    st.engine.dispose()
+    st = Store(url)  # migrates to the head
+    with st.session(write=False) as s:
+        rows = [(r.model, r.batch, r.gpus, r.gpu_type, r.value) for r in s.query(ThroughputRow).all()]
+    assert rows == [("bert", 64, 2, "", 3.5)]

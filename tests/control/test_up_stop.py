@@ -49,6 +49,13 @@ def _up_fails(args: list[str], message: str, home: Path) -> None:
     (["--port", "0"], "error: --port 0: a port is 1-65535"),
     (["--port", "70000"], "error: --port 70000: a port is 1-65535"),
     (["--policy", "nope"], "error: --policy nope: unknown policy (known: "),
+    (["--cluster", "1xT4:4", "--gpus", "4"], "error: --cluster gives every node's GPUs: leave out --gpus and --nodes"),
+    (["--cluster", "1xT4:4", "--nodes", "1"], "error: --cluster gives every node's GPUs: leave out --gpus"),
+    (["--cluster", "1xT4:0"], "error: --cluster 1xT4:0: '1xT4:0' needs at least one node and one GPU"),
+    (["--cluster", "65x2"], "error: --cluster 65x2: 65 nodes; the embedded cluster runs at most 64"),
+    (["--cluster", "1xT4:2000"], "error: --cluster 1xT4:2000: at most 1024 GPUs per node"),
+    (["--cluster", "T4"], "error: --cluster T4: not a cluster spec like"),
+    (["--cluster", "1xT4:4", "--policy", "nope"], "error: --policy nope: unknown policy"),
 ])
 def test_impossible_up_options_fail_at_once(args, message, tmp_path):
     _up_fails(args, message, tmp_path / "home")
@@ -84,7 +91,46 @@ def test_up_refuses_a_home_whose_nodes_had_other_gpu_counts(tmp_path):
     assert "same --gpus and --nodes" in " ".join(res.output.split())
 
 
+def test_up_refuses_a_cluster_whose_node_sizes_changed(tmp_path):
+    """A home made by `--cluster 1xT4:4,1xA100:2` cannot come back with node-1 of 4 GPUs."""
+    home = tmp_path / "home"
+    home.mkdir()
+    store = Store(f"sqlite:///{home / 'tidal.db'}")
+    with store.session() as s:
+        s.add(Node(name="node-0", ordinal=1, num_gpus=4, state="down"))
+        s.add(Node(name="node-1", ordinal=2, num_gpus=2, state="down"))
+    store.engine.dispose()
+    res = runner.invoke(app, ["up", "--cluster", "2xT4:4", "--port", str(free_port()), "--home", str(home)])
+    assert res.exit_code == 2, res.output
+    assert "node-1 has 2 GPU(s), not 4" in " ".join(res.output.split()), res.output
+
+
 # -- a real `tidal up`: Ctrl-C, then again ------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_up_with_nodes_of_different_sizes_and_types(tmp_path):
+    """`tidal up --cluster 1xT4:4,1xA100:2`: two agents, of 4 T4 and 2 A100
+    virtual GPUs, each node labelled with its type, all 6 GPUs in the
+    cluster; Ctrl-C stops it with exit 0."""
+    home, port = tmp_path / "home", free_port()
+    up = Up(home, port, nodes=["--cluster", "1xT4:4,1xA100:2"])
+    try:
+        up.wait_up()
+        assert "1 node(s) × 4 T4, 1 node(s) × 2 A100" in up.text(), up.text()
+        admin = Api(up.url, (home / "admin.token").read_text().strip())
+        end = time.time() + 60
+        while len([n for n in admin.cluster()["nodes"] if n["state"] == "up"]) < 2:
+            assert time.time() < end, admin.cluster()
+            time.sleep(0.3)
+        nodes = {n["name"]: n for n in admin.cluster()["nodes"]}
+        assert {k: (len(n["gpus"]), n["labels"].get("gpu-type")) for k, n in nodes.items()} == {
+            "node-0": (4, "T4"), "node-1": (2, "A100")}
+        assert up.stop(signal.SIGINT, 60) == 0, up.text()
+    finally:
+        if up.proc.poll() is None:
+            os.killpg(up.proc.pid, signal.SIGKILL)
+    assert "Traceback" not in up.text(), up.text()
 
 
 class Up:
@@ -92,12 +138,13 @@ class Up:
 
     count = 0
 
-    def __init__(self, home: Path, port: int, gpus: int) -> None:
+    def __init__(self, home: Path, port: int, gpus: int = 0, nodes: list[str] | None = None) -> None:
         Up.count += 1
         self.out = home.parent / f"up-{Up.count}.out"
         env = {**os.environ, "TIDAL_HOME": str(home), "OMP_NUM_THREADS": "1"}
+        shape = nodes or ["--gpus", str(gpus), "--nodes", "1"]
         with open(self.out, "w") as fh:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tidal", "up", "--gpus", str(gpus), "--nodes", "1",
+            self.proc = subprocess.Popen([sys.executable, "-m", "tidal", "up", *shape,
                                           "--port", str(port), "--home", str(home)], env=env, stdout=fh,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         self.home, self.url = home, f"http://127.0.0.1:{port}"

@@ -1,5 +1,5 @@
 """The dashboard in a real browser (headless Chromium) against an embedded
-cluster: a server and 2 agents x 2 virtual GPUs, one small real elastic job
+cluster: a server and 2 agents x 2 virtual GPUs (of types T4 and A100), one small real elastic job
 of tenant alice (PyTorch on CPU, gloo), as in tests/control/test_e2e.py.
 
 Checked as a user sees it: a bad token gets the login page back with an
@@ -46,7 +46,7 @@ def live(tmp_path_factory, browser):
     home = tmp_path_factory.mktemp("dashboard") / "home"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIDAL_NODE_GRACE_S", "10")  # the node-down test: 10 s of silence, not the default grace
-        with LocalCluster(home, nodes=2, gpus_per_node=2, policy="edf", tick_s=1.0) as c:
+        with LocalCluster(home, layout=[(2, "T4"), (2, "A100")], policy="edf", tick_s=1.0) as c:
             admin = c.api()
             alice, bob = c.api(admin.add_user("alice")), c.api(admin.add_user("bob"))
             jid = alice.submit(small_job("train", "1-2"))["id"]
@@ -88,6 +88,10 @@ def test_a_tenant_sees_its_running_job_on_its_gpus(page, live):
     expect(held).to_have_count(2)
     assert sorted(int(g) for g in held.evaluate_all("els => els.map(e => e.dataset.gid)")) == live.alice.job(live.job)["gpus"]
     expect(page.locator(".node .badge.up")).to_have_count(2)
+    # each node with its GPU type (the agents' --gpu-type), and the cluster's GPUs by type
+    expect(page.locator('.node[data-node="node-0"] .gpu-type')).to_have_text("2 × T4")
+    expect(page.locator('.node[data-node="node-1"] .gpu-type')).to_have_text("2 × A100")
+    expect(page.locator("#cluster-summary")).to_contain_text("GPUs busy (2 T4, 2 A100)")
     expect(page.locator("#live")).to_have_text("live")
     shot(page, "cluster")
     page.click('a[data-route="jobs"]')

@@ -272,6 +272,31 @@ def _up_problem(gpus: int, nodes: int, policy: str, home: Path) -> Optional[str]
     return home_problem(home, f"--home {home}")
 
 
+def _up_layout(gpus: Optional[int], nodes: Optional[int], cluster: Optional[str]
+               ) -> tuple[Optional[list[tuple[int, str]]], Optional[str]]:
+    """Each node's (GPU count, GPU type) for ``tidal up``, or the reason the
+    options cannot give one: ``--cluster`` (``1xT4:4,1xA100:2``, the short
+    syntax of ``tidal simulate``) or ``--gpus``/``--nodes`` (alike nodes)."""
+    from tidal.control.local import MAX_GPUS_PER_NODE, MAX_NODES
+    from tidal.core.errors import InputError
+    from tidal.core.topology import parse_cluster
+
+    if cluster is None:
+        g, n = 8 if gpus is None else gpus, 2 if nodes is None else nodes
+        return ([(g // n, "")] * n if n >= 1 and g >= 1 and g % n == 0 else None), None
+    if gpus is not None or nodes is not None:
+        return None, "--cluster gives every node's GPUs: leave out --gpus and --nodes"
+    try:
+        c = parse_cluster(cluster)
+    except InputError as e:
+        return None, f"--cluster {cluster}: {e.reason}"
+    if c.num_nodes > MAX_NODES:
+        return None, f"--cluster {cluster}: {c.num_nodes} nodes; the embedded cluster runs at most {MAX_NODES}"
+    if max(n.gpus for n in c.nodes) > MAX_GPUS_PER_NODE:
+        return None, f"--cluster {cluster}: at most {MAX_GPUS_PER_NODE} GPUs per node"
+    return [(n.gpus, n.gpu_type) for n in c.nodes], None
+
+
 def policy_problem(policy: str, option: str = "--policy") -> Optional[str]:
     """Why ``policy`` names no scheduling policy (with the closest name), or None."""
     from tidal.cli.checks import suggest
@@ -306,8 +331,12 @@ def _lock_home(home: Path) -> Any:
 
 @app.command()
 def up(
-    gpus: int = typer.Option(8, "--gpus", help="Virtual GPUs in all, split evenly over the nodes."),
-    nodes: int = typer.Option(2, "--nodes", help="Agents (nodes)."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Virtual GPUs in all, split evenly over the nodes "
+                                                           "[default: 8]."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", help="Agents (nodes) [default: 2]."),
+    cluster: Optional[str] = typer.Option(
+        None, "--cluster", help="Nodes of different sizes and GPU types instead of --gpus/--nodes, in "
+                                "`tidal simulate`'s syntax: COUNTxTYPE:GPUS,... e.g. 1xT4:4,1xA100:2."),
     policy: str = typer.Option("edf", "--policy", help="Scheduling policy (names as in `tidal simulate`)."),
     port: int = typer.Option(8470, "--port", help="The server's port (1-65535)."),
     home: Optional[Path] = typer.Option(None, "--home", help="State directory (default $TIDAL_HOME)."),
@@ -317,21 +346,25 @@ def up(
     suspended with a checkpoint and the next `tidal up` on the same home
     resumes them; a second Ctrl-C stops at once.
 
-    Example: tidal up --gpus 8 --nodes 2
+    Example: tidal up --gpus 8 --nodes 2;  tidal up --cluster 1xT4:4,1xA100:2
     """
     from tidal.control.local import LocalCluster, layout_conflict
 
     h = Path(home or settings.home()).absolute()
-    problem = (_up_problem(gpus, nodes, policy, h) or _port_problem(port)
-               or layout_conflict(h, nodes, gpus // nodes))
+    layout, problem = _up_layout(gpus, nodes, cluster)
+    if layout is None and problem is None:  # --gpus/--nodes that do not make a layout: say why
+        problem = _up_problem(8 if gpus is None else gpus, 2 if nodes is None else nodes, policy, h)
+    if problem is None and layout is not None:
+        problem = (_up_problem(sum(g for g, _ in layout), len(layout), policy, h) if cluster is None
+                   else policy_problem(policy) or _home_problem(h))
+        problem = problem or _port_problem(port) or layout_conflict(h, [g for g, _ in layout])
     if problem:
         err.print("[red]error:[/] " + escape(problem))
         raise typer.Exit(2)
     lock = _lock_home(h)
     _log_to(h / "server.log")
     os.environ[settings.HOME.name] = str(h)  # the server in this process, and the agents, use this home
-    c = LocalCluster(h, nodes=nodes, gpus_per_node=gpus // nodes, policy=policy, port=port, tick_s=1.0,
-                     in_process=True)
+    c = LocalCluster(h, layout=layout, policy=policy, port=port, tick_s=1.0, in_process=True)
     import signal
 
     def _term(*_args: Any) -> None:  # `kill` stops the cluster like Ctrl-C
@@ -344,6 +377,12 @@ def up(
         _run_until_stopped(c, policy)
     finally:
         lock.close()
+
+
+def _home_problem(home: Path) -> Optional[str]:
+    from tidal.cli.checks import home_problem
+
+    return home_problem(home, f"--home {home}")
 
 
 def _log_to(path: Path) -> None:
@@ -365,7 +404,7 @@ def _run_until_stopped(c: Any, policy: str) -> None:
         c.start()
         user_token = c.api().add_user("user", rotate=True)  # a restart with the same home re-issues it
         (c.home / "token").write_text(user_token)
-        _say(f"Tidal cluster up: {c.url} — {c.nodes} node(s) × {c.gpus_per_node} virtual GPU(s), policy {policy}")
+        _say(f"Tidal cluster up: {c.url} — {c.describe()}, policy {policy}")
         _say(f"state in {c.home}; user token in {c.home / 'token'}; admin token in {c.home / 'admin.token'}")
         _say(f"dashboard: {c.url}/dashboard/  (open it in a browser on this machine; log in with the admin token "
              f"in {c.home / 'admin.token'} to see every job, or with the user token in {c.home / 'token'})")
@@ -457,10 +496,17 @@ def submit(
     rigid: bool = typer.Option(False, "--rigid", metavar="", help="Never rescale this job: it runs at its "
                                                                   "starting size or waits."),
     arg: list[str] = typer.Option([], "--arg", metavar="TEXT", help="Argument for the script (repeat)."),
+    gpu_type: list[str] = typer.Option([], "--gpu-type", metavar="TYPE", help="Run only on GPUs of this type, as "
+                                       "the agents report it, e.g. A100 (repeat: any of them)."),
+    exclude_gpu_type: list[str] = typer.Option([], "--exclude-gpu-type", metavar="TYPE",
+                                               help="Never run on GPUs of this type (repeat)."),
     server_url: Optional[str] = ServerOpt,
     token: Optional[str] = TokenOpt,
 ) -> None:
-    """Submit a job from a YAML spec or flags."""
+    """Submit a job from a YAML spec or flags.
+
+    Example: tidal submit --name bert --script train.py --gpus 2-4 --iterations 1000 --gpu-type A100
+    """
     from pydantic import ValidationError
 
     from tidal.control.spec import JobSubmission, load_spec_file
@@ -480,6 +526,11 @@ def submit(
         body["elastic"] = False
     if gpus is not None:
         body["gpus"] = gpus  # text; JobSubmission reads it (tidal.control.spec.parse_gpu_request)
+    if gpu_type:
+        body.pop("gpu_type", None)
+        body["gpu_types"] = list(gpu_type)
+    if exclude_gpu_type:
+        body["exclude_gpu_types"] = list(exclude_gpu_type)
     try:
         sub = JobSubmission(**body)
     except ValidationError as e:
@@ -525,7 +576,13 @@ def _step(j: dict) -> str:
 
 JOB_COLS = (Col("id"), Col("state"), Col("GPUs", justify="right"), Col("step", 1, justify="right"),
             Col("user", 2), Col("JCT s", 2, justify="right"), Col("rescales", 3, justify="right"),
-            Col("submitted", 3), Col("reason", 1, wrap=True))
+            Col("submitted", 3), Col("types", 3), Col("reason", 1, wrap=True))
+
+
+def types_text(j: dict) -> str:
+    """A job's GPU-type constraint in a few characters: ``A100,V100``, ``!T4``, ``-`` for none."""
+    parts = list(j.get("gpu_types") or ()) + ["!" + t for t in j.get("exclude_gpu_types") or ()]
+    return ",".join(parts) or "-"
 
 
 def jobs_table(jobs: list[dict], wide: bool = False) -> Table:
@@ -533,7 +590,7 @@ def jobs_table(jobs: list[dict], wide: bool = False) -> Table:
     for j in jobs:
         jct = (j["end_time"] - j["submit_time"]) if j.get("end_time") and j["state"] == "completed" else None
         rows.append([j["id"], j["state"], str(len(j["gpus"])), _step(j), j["user"], f"{jct:.1f}" if jct else "-",
-                     str(j["rescales"]), _fmt_t(j["submit_time"]), j.get("reason") or ""])
+                     str(j["rescales"]), _fmt_t(j["submit_time"]), types_text(j), j.get("reason") or ""])
     return fit("jobs", JOB_COLS, rows, console.width, wide)
 
 
@@ -565,6 +622,9 @@ def job_cmd(job_id: str, server_url: Optional[str] = ServerOpt, token: Optional[
         return
     wide = output == "wide"
     console.print(jobs_table([j], wide))
+    if j.get("gpu_types") or j.get("exclude_gpu_types"):
+        only, never = ", ".join(j.get("gpu_types") or ()) or "any", ", ".join(j.get("exclude_gpu_types") or ()) or "none"
+        console.print(escape(f"GPU types: {only}; never: {never}"))
     if j.get("exit_info"):
         console.print(f"ended: {escape(j['exit_info'])}")
     elif j.get("reason"):

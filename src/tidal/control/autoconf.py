@@ -49,7 +49,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from tidal.agent.limits import session_rss
-from tidal.control.db import GPU, Job, Node, Process, Store
+from tidal.control.db import GPU, Job, Node, Process, Store, ThroughputRow
 from tidal.control.snapshot import ACTIVE, job_spec
 from tidal.control.spec import MIN_MEMORY
 from tidal.net import LOOPBACK
@@ -271,7 +271,7 @@ class AutoConf:
             n, t, steps = res
             batch = _batch(j)
             self._verify(s, j, st, n, batch, t, cap)
-            st["samples"] = [p for p in st["samples"] if not (p[0] == n and p[1] == batch)] + [[n, batch, t, "job"]]
+            self._record(s, j, st, n, batch, t)
             self.store.log(s, "autoconf.sampled", j.id, gpus=n, step_time_s=round(t, 5), steps=steps,
                            samples_per_s=round(batch / t, 3), reason=f"{steps} steps at {n} GPUs after "
                            f"{WARMUP_STEPS} warm-up steps")
@@ -333,12 +333,30 @@ class AutoConf:
         dev = (t - pred) / pred if pred > 0 else math.inf
         if abs(dev) <= DEVIATION:
             return True
-        st["samples"] = [p for p in st["samples"] if not (p[0] == n and p[1] == batch)] + [[n, batch, t, "job"]]
+        self._record(s, j, st, n, batch, t)
         self._plan(s, j, st, cap, now, f"observed {t:.4f} s per step at {n} GPUs vs {pred:.4f} s modelled "
                    f"({dev:+.0%}, more than {DEVIATION:.0%}): re-fitted", kind="autoconf.adjust",
                    observed_step_s=round(t, 5), predicted_step_s=round(pred, 5), deviation=round(dev, 3),
                    previous=plan["gpus"])
         return True
+
+    @staticmethod
+    def _record(s: Session, j: Job, st: dict[str, Any], n: int, batch: int, t: float) -> None:
+        """A measured step time: the job's sample (with the GPU type it ran
+        on) and, for a named model on GPUs of one (named) type, the store's
+        throughput row for (model, batch, n, type), which the policy's
+        profiles read (:func:`tidal.control.snapshot.profiles_from_store`)."""
+        gtype = held_gpu_type(s, j.id)
+        st["samples"] = ([p for p in st["samples"] if not (p[0] == n and p[1] == batch)]
+                         + [[n, batch, t, "job", gtype or ""]])
+        model = job_spec(j).model
+        if not gtype or model == "generic" or t <= 0:  # untyped GPUs: the shipped curve stays
+            return
+        row = s.get(ThroughputRow, (model, batch, n, gtype))
+        if row is None:
+            s.add(ThroughputRow(model=model, batch=batch, gpus=n, gpu_type=gtype, value=1.0 / t, source=f"job:{j.id}"))
+        else:
+            row.value, row.source = 1.0 / t, f"job:{j.id}"
 
     # -- memory ---------------------------------------------------------------------
     def _memory(self, s: Session, j: Job, st: dict[str, Any], now: float) -> bool:
@@ -403,6 +421,14 @@ class AutoConf:
             return None
         _, rid, pts = min(scored, key=lambda x: x[0])
         return rid, pts
+
+
+def held_gpu_type(s: Session, job_id: str) -> str | None:
+    """The GPU type of the GPUs ``job_id`` holds (its nodes' ``gpu-type``
+    label; ``""`` untyped), or None when it holds none or several types."""
+    labels = s.execute(select(Node.labels).join(GPU, GPU.node == Node.name).where(GPU.job_id == job_id)).scalars()
+    types = {str((lab or {}).get("gpu-type", "")) for lab in labels}
+    return types.pop() if len(types) == 1 else None
 
 
 def _batch(j: Job) -> int:

@@ -40,6 +40,7 @@ from tidal.control.reconcile import Reconciler
 from tidal.control.snapshot import GpuMap, build_snapshot
 from tidal.core.overhead import OverheadModel
 from tidal.scheduler.api import Plan, Policy, Snapshot
+from tidal.scheduler.constraints import strip_breaks
 from tidal.scheduler.diff import JobDelta, PlanError, diff_plan, validate_plan
 from tidal.scheduler.registry import get_policy
 
@@ -102,6 +103,7 @@ class Coordinator:
         # whether this server replica schedules now (the leader among replicas; tidal.control.leader)
         self.leading: Callable[[], bool] = leading or (lambda: True)
         self.in_flight = 0  # jobs with a change in flight after the last round
+        self._waiting: set[str] = set()  # jobs the last plan left waiting for GPUs of their types
         self.wake_at: float | None = None  # the last plan's
         self.draining = False  # stopping: every job holding GPUs is suspended, nothing starts (drain())
         self._last_account = time.time()
@@ -207,6 +209,9 @@ class Coordinator:
         t0 = time.perf_counter()
         plan = self.policy.schedule(snap)
         self.decisions.record(self.policy.name, snap, plan, time.perf_counter() - t0, now)
+        for jid, g in strip_breaks(snap, plan).items():
+            log.warning("policy %s placed job %s on GPU %d of type %r, which it does not allow: not applied",
+                        self.policy.name, jid, gmap.gid(g), snap.cluster.gpu_type_of(g))
         try:
             validate_plan(snap, plan)
         except PlanError as e:
@@ -240,6 +245,14 @@ class Coordinator:
                 j = s.get(Job, jid)
                 if j is not None:
                     j.batch = int(batch)
+            # why a job waits for GPUs of its types, shown as its reason until it no longer does
+            for jid in (self._waiting | plan.waiting.keys()):
+                j = s.get(Job, jid)
+                if j is not None and (j.tags or {}).get("_waiting") != plan.waiting.get(jid):
+                    j.tags = {k: v for k, v in (j.tags or {}).items() if k != "_waiting"}
+                    if jid in plan.waiting:
+                        j.tags = {**j.tags, "_waiting": plan.waiting[jid]}
+            self._waiting = set(plan.waiting)
 
     def _account(self, now: float) -> None:
         """Attained service (GPU-seconds) and running time of running jobs."""

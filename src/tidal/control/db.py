@@ -189,12 +189,14 @@ class MasterState(Base):
 
 
 class ThroughputRow(Base):
-    """Measured throughput (SideCar Tables II-III): iterations/s."""
+    """Measured throughput (SideCar Tables II-III): iterations/s, per GPU
+    type (``""``: untyped)."""
 
     __tablename__ = "throughput"
     model: Mapped[str] = mapped_column(String(64), primary_key=True)
     batch: Mapped[int] = mapped_column(Integer, primary_key=True)
     gpus: Mapped[int] = mapped_column(Integer, primary_key=True)
+    gpu_type: Mapped[str] = mapped_column(String(64), primary_key=True, default="", server_default="")
     value: Mapped[float] = mapped_column(Float)
     source: Mapped[str] = mapped_column(String(256), default="")
 

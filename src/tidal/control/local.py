@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from tidal import settings
 from tidal.control.client import Api
@@ -56,12 +56,17 @@ class LocalCluster:
         port: int | None = None,
         db_url: str | None = None,
         in_process: bool = False,
+        layout: Sequence[tuple[int, str]] | None = None,
     ) -> None:
         """``in_process``: the server runs in this process (:class:`EmbeddedServer`,
-        ``tidal up``), else as a process of its own."""
+        ``tidal up``), else as a process of its own. ``layout`` gives each
+        node's (GPU count, GPU type) — nodes of different sizes and types;
+        without it, ``nodes`` alike nodes of ``gpus_per_node`` untyped GPUs."""
         self.home = Path(home)
         self.home.mkdir(parents=True, exist_ok=True)
-        self.nodes, self.gpus_per_node = nodes, gpus_per_node
+        self.layout: tuple[tuple[int, str], ...] = (
+            tuple((int(g), t) for g, t in layout) if layout else ((gpus_per_node, ""),) * nodes)
+        self.nodes, self.gpus_per_node = len(self.layout), self.layout[0][0]
         self.policy, self.tick_s = policy, tick_s
         self.port = port or free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
@@ -100,10 +105,33 @@ class LocalCluster:
             time.sleep(0.2)
         (self.home / "server.json").write_text(json.dumps({"url": self.url}))
 
+    def describe(self) -> str:
+        """The nodes in words: ``2 node(s) × 4 virtual GPU(s)``, or each group
+        (``1 node(s) × 4 T4, 1 node(s) × 2 A100``) when they differ."""
+        groups: list[list] = []
+        for gpus, gtype in self.layout:
+            if groups and groups[-1][1:] == [gpus, gtype]:
+                groups[-1][0] += 1
+            else:
+                groups.append([1, gpus, gtype])
+        return ", ".join(f"{c} node(s) × {g} {t or 'virtual'} GPU(s)" if not t else f"{c} node(s) × {g} {t}"
+                         for c, g, t in groups)
+
     def _spawn_agent(self, i: int) -> subprocess.Popen:
         join = (self.home / "agent.token").read_text().strip()  # written by the server: register, nothing else
-        return self._spawn(["agent", "--server", self.url, "--name", f"node-{i}", "--virtual-gpus",
-                            str(self.gpus_per_node), "--interval", "0.3"], f"agent-{i}", **{settings.TOKEN.name: join})
+        gpus, gtype = self.layout[i]
+        args = ["agent", "--server", self.url, "--name", f"node-{i}", "--virtual-gpus", str(gpus),
+                "--interval", "0.3"] + (["--gpu-type", gtype] if gtype else [])
+        return self._spawn(args, f"agent-{i}", **{settings.TOKEN.name: join})
+
+    def add_agent(self, name: str, gpus: int, gpu_type: str = "") -> None:
+        """One more agent of ``gpus`` virtual GPUs of ``gpu_type`` (a cluster
+        of mixed nodes: ``nodes=0``, then one call per node); it registers soon after."""
+        join = (self.home / "agent.token").read_text().strip()
+        args = ["agent", "--server", self.url, "--name", name, "--virtual-gpus", str(gpus), "--interval", "0.3"]
+        if gpu_type:
+            args += ["--gpu-type", gpu_type]
+        self.agents.append(self._spawn(args, f"agent-{name}", **{settings.TOKEN.name: join}))
 
     def start(self, timeout_s: float = 60.0) -> "LocalCluster":
         self.start_server(timeout_s)
@@ -297,9 +325,9 @@ def job_states(store: Any, ids: list[str]) -> dict[str, str]:
         return {jid: j.state for jid in ids if (j := s.get(Job, jid)) is not None}
 
 
-def layout_conflict(home: Path, nodes: int, gpus_per_node: int) -> str | None:
-    """Why ``nodes`` agents with ``gpus_per_node`` GPUs each cannot rejoin the
-    cluster kept in ``home`` (a node keeps its GPU count), or None."""
+def layout_conflict(home: Path, gpus: Sequence[int]) -> str | None:
+    """Why agents with these GPU counts (``node-0``, ``node-1``...) cannot
+    rejoin the cluster kept in ``home`` (a node keeps its GPU count), or None."""
     db = home / "tidal.db"
     if not db.exists():
         return None
@@ -311,12 +339,12 @@ def layout_conflict(home: Path, nodes: int, gpus_per_node: int) -> str | None:
             known = {n.name: n.num_gpus for n in s.query(Node).all()}
     finally:
         store.engine.dispose()
-    clash = [f"{name} has {known[name]}" for name in (f"node-{i}" for i in range(nodes))
-             if name in known and known[name] != gpus_per_node]
+    clash = [f"node-{i} has {known[f'node-{i}']} GPU(s), not {n}" for i, n in enumerate(gpus)
+             if f"node-{i}" in known and known[f"node-{i}"] != n]
     if not clash:
         return None
-    return (f"the cluster in {home} was made with other nodes ({', '.join(clash)} GPU(s), not {gpus_per_node}); "
-            "start it with the same --gpus and --nodes, or use another --home")
+    return (f"the cluster in {home} was made with other nodes ({'; '.join(clash)}); "
+            "start it with the same --gpus and --nodes (or --cluster), or use another --home")
 
 
 def suspended_jobs(store: Any) -> list[str]:

@@ -42,22 +42,54 @@ class GpuMap:
 
 
 def profiles_from_store(s: Session) -> ThroughputProfile:
+    """The shipped profiles with the store's measured rows over them: untyped
+    rows replace a model's curve; rows measured on one GPU type make that
+    type's profile (``ThroughputProfile.by_type``): the measured counts as
+    measured, the others from the default curve scaled by the measured ratio
+    (:func:`_typed_curve`). A model measured on some types only is scheduled
+    elsewhere with the slowest measured type's curve."""
     base = load_profiles()
     curves = {m: dict(c) for m, c in base.curves.items()}
-    rows = s.scalars(select(ThroughputRow)).all()
-    by: dict[tuple[str, int], list[tuple[int, float]]] = {}
-    for r in rows:
-        by.setdefault((r.model, r.batch), []).append((r.gpus, r.value))
-    for (model, batch), pts in by.items():
+    by: dict[tuple[str, str, int], list[tuple[int, float]]] = {}
+    for r in s.scalars(select(ThroughputRow)).all():
+        by.setdefault((r.gpu_type or "", r.model, r.batch), []).append((r.gpus, r.value))
+    typed_pts: dict[str, dict[str, dict[int, list[tuple[int, float]]]]] = {}
+    for (gtype, model, batch), pts in sorted(by.items()):
         pts.sort()
-        curves.setdefault(model, {})[batch] = ModelCurve(tuple(p[0] for p in pts), tuple(p[1] for p in pts))
-    return ThroughputProfile(curves, base.cross_node_penalty, source="store")
+        if gtype:
+            typed_pts.setdefault(gtype, {}).setdefault(model, {})[batch] = pts
+        else:
+            curves.setdefault(model, {})[batch] = ModelCurve(tuple(p[0] for p in pts), tuple(p[1] for p in pts))
+    typed = {t: {m: {b: _typed_curve(pts, curves.get(m, {}).get(b)) for b, pts in per.items()}
+                 for m, per in models.items()} for t, models in typed_pts.items()}
+    for model in {m for c in typed.values() for m in c} - set(curves):
+        curves[model] = dict(min((c[model] for c in typed.values() if model in c),
+                                 key=lambda per_batch: max(max(cv.values) for cv in per_batch.values())))
+    by_type = {t: ThroughputProfile(c, base.cross_node_penalty, source=f"store:{t}") for t, c in typed.items()}
+    return ThroughputProfile(curves, base.cross_node_penalty, source="store", by_type=by_type)
+
+
+def _typed_curve(pts: list[tuple[int, float]], default: ModelCurve | None) -> ModelCurve:
+    """One type's curve from its measured ``(count, iterations/s)`` points: at
+    the measured counts as measured; at the default curve's other counts, the
+    default scaled by the median measured/default ratio (a T4 measured at 1
+    and 2 GPUs is assumed to scale like the model's default curve)."""
+    measured = dict(pts)
+    if default is None:
+        return ModelCurve(tuple(measured), tuple(measured.values()))
+    ratios = sorted(v / default.at(n) for n, v in measured.items() if default.at(n) > 0)
+    r = ratios[len(ratios) // 2] if ratios else 1.0
+    counts = sorted(set(default.counts) | set(measured))
+    vals = [measured.get(n, default.at(n) * r) for n in counts]
+    keep = [(n, v) for n, v in zip(counts, vals) if v > 0]
+    return ModelCurve(tuple(n for n, _ in keep), tuple(v for _, v in keep))
 
 
 def job_spec(j: Job) -> JobSpec:
     d = dict(j.spec["jobspec"])
-    if d.get("allowed_gpus") is not None:
-        d["allowed_gpus"] = tuple(d["allowed_gpus"])
+    for key in ("allowed_gpus", "gpu_types", "exclude_gpu_types"):
+        if d.get(key) is not None:
+            d[key] = tuple(d[key])
     return JobSpec(**d)
 
 

@@ -20,6 +20,12 @@ Linux's per-string exec limit (:data:`MAX_ARG_BYTES`); all of them together
 over a share of the exec limit (:func:`exec_budget`); an env key that is no
 name (empty, or with ``=``).
 
+GPU types (a node selector and an anti-affinity, as Kubernetes' nodeSelector
+or Slurm's ``--constraint``; names as the agents report them, e.g. ``A100``):
+  gpu_types: A100           run only on GPUs of this type (``gpu_type`` is the same key)
+  gpu_types: [A100, V100]   ... or of one of these
+  exclude_gpu_types: [T4]   never on these
+
 Auto-configuration (DLRover's premise: users size jobs badly; docs/autoconf.md):
   resources: auto    or no GPU count at all: the control plane sizes the job
                      (:mod:`tidal.control.autoconf`); ``{auto: true, cpus: 1}``
@@ -84,6 +90,29 @@ def launchable(text: str, what: str, *, path: bool = False) -> int:
     return size
 
 GpuValue = int | str | list[int] | None
+
+_GPU_TYPE = re.compile(r"^[A-Za-z][\w.-]*$")  # as a node's GPU type (tidal.core.topology)
+MAX_GPU_TYPES = 64
+
+
+def gpu_type_list(value: Any) -> tuple[str, ...]:
+    """GPU type names from one name, a comma-separated text or a list;
+    raises ``ValueError`` on an empty or malformed name."""
+    if isinstance(value, str):
+        value = value.split(",") if value.strip() else [value]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError("give a GPU type name like A100, or a list of them")
+    if len(value) > MAX_GPU_TYPES:
+        raise ValueError(f"at most {MAX_GPU_TYPES} GPU types")
+    out = []
+    for v in value:
+        name = v.strip() if isinstance(v, str) else v
+        if not isinstance(name, str) or not name:
+            raise ValueError("an empty GPU type name")
+        if not _GPU_TYPE.match(name) or len(name) > 64:
+            raise ValueError(f"{name[:40]!r} is not a GPU type name (a letter, then letters, digits, '_', '.', '-')")
+        out.append(name)
+    return tuple(dict.fromkeys(out))
 
 
 @dataclass(frozen=True)
@@ -225,6 +254,15 @@ class JobSubmission(BaseModel):
     priority: int = Field(default=0, ge=-10**6, le=10**6)
     model: str = Field(default="generic", description="throughput profile to schedule with")
     resources: Resources | None = Field(default=None, description="per-worker memory and CPU limits")
+    gpu_types: str | list[str] | None = Field(default=None, description="run only on GPUs of this type or these "
+                                                                         "types (A100, or [A100, V100])")
+    gpu_type: str | list[str] | None = Field(default=None, description="the same as gpu_types")
+    exclude_gpu_types: str | list[str] | None = Field(default=None, description="never run on GPUs of these types")
+
+    @field_validator("gpu_types", "gpu_type", "exclude_gpu_types", mode="before")
+    @classmethod
+    def _types(cls, v: Any) -> list[str] | None:
+        return None if v is None else list(gpu_type_list(v))
 
     @field_validator("gpus")
     @classmethod
@@ -285,6 +323,13 @@ class JobSubmission(BaseModel):
             raise ValueError("epochs needs dataset_size")
         if self.min_gpus and self.max_gpus and self.min_gpus > self.max_gpus:
             raise ValueError("min_gpus > max_gpus")
+        if self.gpu_type is not None:
+            if self.gpu_types is not None:
+                raise ValueError("give gpu_types or gpu_type (the same key), not both")
+            self.gpu_types, self.gpu_type = self.gpu_type, None
+        both = sorted(set(self.gpu_types or ()) & set(self.exclude_gpu_types or ()))
+        if both:
+            raise ValueError(f"GPU type {both[0]} is both in gpu_types and in exclude_gpu_types")
         return self._fits_exec()
 
     def _fits_exec(self) -> "JobSubmission":
@@ -329,6 +374,8 @@ class JobSubmission(BaseModel):
             deadline=(submit_time + self.deadline) if self.deadline else None,
             priority=self.priority,
             elastic=self.rescalable(gpus),
+            gpu_types=tuple(self.gpu_types) if self.gpu_types else None,
+            exclude_gpu_types=tuple(self.exclude_gpu_types or ()),
         )
 
 

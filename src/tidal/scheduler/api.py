@@ -13,18 +13,20 @@ executor stores it, the policy object stays stateless.
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import compress
 from operator import and_, attrgetter, not_, or_, truth
 from types import MappingProxyType
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 from tidal.core.job import JobSpec, JobState
 from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ThroughputProfile
 from tidal.core.topology import Cluster
+from tidal.scheduler.constraints import enforce_types
 from tidal.scheduler.placement import place_consolidated
 
 EMPTY: Mapping[str, Any] = MappingProxyType({})
@@ -209,19 +211,30 @@ class Plan:
     tags: dict[str, dict[str, Any]] = field(default_factory=dict)
     wake_at: float | None = None
     batch: dict[str, int] = field(default_factory=dict)  # new global batch per job (hybrid scaling)
+    waiting: dict[str, str] = field(default_factory=dict)  # job id -> why it cannot be placed now (GPU types)
 
 
 class Policy(abc.ABC):
-    """Base class: admission -> allocation -> placement."""
+    """Base class: admission -> allocation -> placement.
+
+    Every ``schedule`` (this one, and any a subclass defines) ends with
+    :func:`~tidal.scheduler.constraints.enforce_types`, so that no policy
+    places a job on a GPU type it does not allow."""
 
     name: str = "?"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("schedule")
+        if own is not None and not getattr(own, "enforces_types", False):
+            cls.schedule = _enforcing(own)  # type: ignore[method-assign]
 
     def schedule(self, snap: Snapshot) -> Plan:
         plan = Plan()
         self.admission(snap, plan)
         self.allocation(snap, plan)
         self.placement(snap, plan)
-        return plan
+        return enforce_types(snap, plan)
 
     def admission(self, snap: Snapshot, plan: Plan) -> None:
         """Default: admit every submitted job that could ever fit the cluster."""
@@ -250,6 +263,17 @@ class Policy(abc.ABC):
         wake). An executor may then skip such rounds without calling the policy.
         Default: ``False`` (always call)."""
         return False
+
+
+def _enforcing(schedule: Callable[[Policy, Snapshot], Plan]) -> Callable[[Policy, Snapshot], Plan]:
+    """``schedule`` followed by :func:`~tidal.scheduler.constraints.enforce_types`."""
+
+    @functools.wraps(schedule)
+    def wrapped(self: Policy, snap: Snapshot) -> Plan:
+        return enforce_types(snap, schedule(self, snap))
+
+    wrapped.enforces_types = True  # type: ignore[attr-defined]
+    return wrapped
 
 
 def schedulable(snap: Snapshot, plan: Plan) -> list[JobView]:

@@ -15,6 +15,7 @@ from itertools import compress
 from operator import is_not, ne
 
 from tidal.scheduler.api import JobView, Plan, Snapshot
+from tidal.scheduler.constraints import breaks
 
 
 class PlanError(ValueError):
@@ -89,7 +90,8 @@ def validate_plan(snap: Snapshot, plan: Plan, changed_ids: set[str] | None = Non
     Checks every allocation (the job is in the snapshot, neither dropped nor
     unadmitted, its placement has as many distinct GPUs as its count) and, for
     the jobs whose GPUs change, that the count is one the job's spec allows,
-    every GPU is in the cluster and no GPU goes to two jobs. A new batch must
+    every GPU is in the cluster and of a type the job allows, and no GPU goes
+    to two jobs. A new batch must
     be a positive integer. Jobs that keep their GPUs are only checked against
     the GPUs others take (they were checked when they got them).
     ``changed_ids``: :func:`changing` if the caller has it.
@@ -160,6 +162,10 @@ def _check_change(
     if not view.spec.can_run_at(n):
         raise PlanError(jid, f"cannot run at {n} GPUs")
     total = snap.cluster.num_gpus
+    if view.spec.constrained:
+        bad = breaks(snap.cluster, view.spec, [g for g in gpus if 0 <= g < total])
+        if bad is not None:
+            raise PlanError(jid, f"GPU {bad} is of type {snap.cluster.gpu_type_of(bad)!r}, which the job does not allow")
     for g in gpus:
         if not 0 <= g < total:
             raise PlanError(jid, f"GPU {g} is not in the cluster")

@@ -16,6 +16,7 @@ from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ThroughputProfile
 from tidal.core.topology import Cluster
 from tidal.scheduler.api import Plan, Policy, Snapshot
+from tidal.scheduler.constraints import breaks
 from tidal.scheduler.diff import JobDelta, PlanError, changing, diff_plan, validate_plan
 from tidal.sim.progress import Progress, SimJob, with_idle
 from tidal.sim.views import ViewCache
@@ -77,6 +78,11 @@ class PlanExecutor:
         for g in gpus:
             if g in owner and owner[g] != job.spec.job_id:
                 raise PolicyError(f"GPU {g} given to {job.spec.job_id} but held by {owner[g]}")
+        if job.spec.constrained:
+            bad = breaks(self.cluster, job.spec, gpus)
+            if bad is not None:
+                raise PolicyError(f"policy {self.policy.name} placed {job.spec.job_id} on GPU {bad} of type "
+                                  f"{self.cluster.gpu_type_of(bad)!r}, which the job does not allow")
         job.gpus = gpus
         job.alloc.append((self.now, len(gpus)))
         self.cache.hold(job)

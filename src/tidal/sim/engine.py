@@ -214,7 +214,8 @@ class Simulator(PlanExecutor):
         if self.cache.used is None and "used_mask" in snap.__dict__:
             self.cache.track_used()  # the policy reads it: hand it over from now on
         self._apply(snap, plan, now)
-        self._settled = self.policy.settled(snap, plan)
+        # a job waiting for GPUs of its types (Plan.waiting) needs the next rounds
+        self._settled = not plan.waiting and self.policy.settled(snap, plan)
         stuck = not self.running and self._arrivals_left == 0
         if plan.wake_at is not None and plan.wake_at < math.inf and not stuck:
             self._request_round(max(plan.wake_at, now + (self.slot or 1e-6)))

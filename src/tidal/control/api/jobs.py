@@ -28,12 +28,14 @@ from sqlalchemy.orm import Session
 from tidal import settings
 from tidal.control.autoconf import new_state
 from tidal.control.api.deps import CoordinatorDep, JobId, LogsDirDep, StoreDep, UserDep, own_job
-from tidal.control.db import GPU, Event, Job, Process, Store
+from tidal.control.db import GPU, Event, Job, Node, Process, Store
 from tidal.control.jobrules import check_env, check_paths
 from tidal.control.phases import stall_reason, stalled_for
 from tidal.control.snapshot import job_spec
 from tidal.control.spawner import worker_resources
 from tidal.control.spec import JobSubmission
+from tidal.core.job import JobSpec
+from tidal.scheduler.constraints import type_phrase
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -93,6 +95,9 @@ def submit(sub: JobSubmission, p: UserDep, store: StoreDep, coord: CoordinatorDe
     if total and need > total:
         raise HTTPException(422, detail=[{"loc": ["body", "gpus"], "msg": f"asks for {need} GPUs, cluster has {total}",
                                           "type": "value_error"}])
+    problem = _type_problem(store, spec, need)
+    if problem:
+        raise HTTPException(422, detail=[{"loc": ["body", "gpu_types"], "msg": problem, "type": "value_error"}])
     for _ in range(ID_TRIES):
         job_id = f"{sub.name}-{uuid.uuid4().hex[:6]}"
         spec = replace(spec, job_id=job_id)
@@ -239,6 +244,22 @@ def _total_gpus(store: Store) -> int:
         return int(s.scalar(select(func.count()).select_from(GPU)) or 0)
 
 
+def _type_problem(store: Store, spec: JobSpec, need: int) -> str | None:
+    """Why a job's GPU types can never hold ``need`` GPUs on the registered
+    nodes (up or down; None when it can, or no node is registered yet)."""
+    if not spec.constrained:
+        return None
+    with store.session(write=False) as s:
+        nodes = [(str((n.labels or {}).get("gpu-type", "")), n.num_gpus) for n in s.scalars(select(Node))]
+    if not nodes:
+        return None
+    have = sum(k for t, k in nodes if spec.allows_type(t))
+    if have >= need:
+        return None
+    types = ", ".join(dict.fromkeys(t or "untyped" for t, _ in nodes))
+    return f"asks for {need} GPUs {type_phrase(spec)}, the cluster has {have} (its types: {types})"
+
+
 def _resources(j: Job) -> dict[str, Any]:
     """The job's per-worker limits now (memory in bytes, as raised after
     out-of-memory kills) and how many such kills raised it."""
@@ -255,6 +276,8 @@ def job_reason(j: Job, now: float) -> str:
     tags = j.tags or {}
     if j.state == "restarting" or (j.state == "pending" and (j.progress or {}).get("state") == "restarting"):
         return str(tags.get("_reason") or "")
+    if j.state == "pending" and tags.get("_waiting"):  # no free GPU of its types (tidal.scheduler.constraints)
+        return str(tags["_waiting"])
     idle = stalled_s(j, now)
     if idle:
         return stall_reason(idle, settings.STALL_TIMEOUT_S.get())
@@ -288,6 +311,7 @@ def job_json(s: Session, store: Store, j: Job, detail: bool = False) -> dict[str
         "iterations": jobspec.get("iterations"), "world_size": progress.get("world_size", 0),
         "rescales": j.rescales, "drop_reason": j.drop_reason, "pinned": j.spec.get("pinned"),
         "deadline": jobspec.get("deadline"), "reason": job_reason(j, now), "stalled_s": stalled_s(j, now),
+        "gpu_types": jobspec.get("gpu_types"), "exclude_gpu_types": list(jobspec.get("exclude_gpu_types") or ()),
     }
     if detail:
         out.update(spec=j.spec.get("submission", {}), progress=j.progress, master_url=j.master_url,

@@ -218,7 +218,13 @@ function renderCluster(s) {
   const nodes = s.nodes || [];
   const gpus = nodes.reduce((n, x) => n + x.gpus.length, 0);
   const busy = nodes.reduce((n, x) => n + x.gpus.filter((g) => g.job).length, 0);
-  $("cluster-summary").textContent = `${nodes.length} nodes, ${busy}/${gpus} GPUs busy, policy ${s.policy}`;
+  const byType = new Map();  // GPU type (the node's gpu-type label) -> GPUs of that type
+  for (const n of nodes) {
+    const t = (n.labels || {})["gpu-type"];
+    if (t) byType.set(t, (byType.get(t) || 0) + n.gpus.length);
+  }
+  const types = byType.size ? ` (${[...byType].map(([t, k]) => `${k} ${t}`).join(", ")})` : "";
+  $("cluster-summary").textContent = `${nodes.length} nodes, ${busy}/${gpus} GPUs busy${types}, policy ${s.policy}`;
   const seen = new Map();
   $("nodes").replaceChildren(...nodes.map((n) => {
     const cells = n.gpus.map((g) => {
@@ -235,6 +241,8 @@ function renderCluster(s) {
     return el("div", { class: `node ${n.state}`, dataset: { node: n.name, state: n.state } },
               el("div", { class: "node-head" }, el("strong", {}, n.name),
                  el("span", { class: `badge ${n.state}` }, n.state === "up" ? "up" : n.state === "unreachable" ? "SILENT" : "DOWN"),
+                 el("span", { class: "gpu-type", title: "GPUs of this node and their type" },
+                    `${n.gpus.length} × ${(n.labels || {})["gpu-type"] || "GPU"}`),
                  el("span", { class: "muted" }, n.address || "")),
               el("div", { class: "gpus" }, ...cells));
   }));
@@ -306,6 +314,13 @@ function dl(box, pairs) {
   box.replaceChildren(...pairs.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
 }
 
+// a job's GPU-type constraint: "A100, V100", "not T4", "any"
+function gpuTypesText(j) {
+  const only = (j.gpu_types || []).join(", "), never = (j.exclude_gpu_types || []).join(", ");
+  if (only && never) return `${only} (not ${never})`;
+  return only || (never ? `not ${never}` : "any");
+}
+
 function renderJob(s) {
   if (s.job_error || (s.job && s.job.id !== state.route.id)) {
     $("job-error").hidden = !s.job_error;
@@ -323,6 +338,7 @@ function renderJob(s) {
   const pct = progressOf(j), ended = FINISHED.has(j.state);
   dl($("job-summary"), [
     ["Tenant", j.user], ["GPUs now / min / max", `${j.gpus.length} / ${j.min_gpus} / ${j.max_gpus}`],
+    ["GPU types", gpuTypesText(j)],
     ["Pinned", j.pinned ?? "no"], ["Step", stepText(j) + (pct === null ? "" : ` (${pctText(pct)})`)],
     ["Throughput", j.samples_per_s ? `${fmtNum(j.samples_per_s)} samples/s (${fmtNum(j.steps_per_s)} steps/s)` : "–"],
     ["Deadline", !j.deadline_at ? "none" : ended ? deadlineText(j, s.time)
