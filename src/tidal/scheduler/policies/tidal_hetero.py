@@ -82,6 +82,17 @@ class Cand:
         return self.pools[pool][0][0]
 
 
+def _thin(counts: list[int]) -> list[int]:
+    """A job's candidate counts on a pool: its smallest and largest, and the
+    powers of two between (the sizes that pack nodes of 2^k GPUs without
+    fragments, as Sia's configurations and ElasticFlow's buddy sizes), so
+    a decision stays fast where profiles list every count."""
+    if len(counts) <= 2:
+        return counts
+    lo, hi = counts[0], counts[-1]
+    return [c for c in counts if c in (lo, hi) or not c & (c - 1)]
+
+
 def change_cost(snap: Snapshot, same_pool: bool) -> float:
     """Seconds of progress a running job loses when its configuration changes
     (the overhead model the executor charges: a rescale or a migration)."""
@@ -129,7 +140,7 @@ class TidalHetero(Policy):
         rates: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = {}
         for p, room in pools.items():
             if spec.elastic:
-                counts = useful_counts(snap, j, room) or ([spec.lo] if spec.lo <= room else [])
+                counts = _thin(useful_counts(snap, j, room)) or ([spec.lo] if spec.lo <= room else [])
             else:
                 counts = [n for n in (rigid_count(spec, total),) if n <= room]
             pairs = [(n, typed_rate(snap, spec, p, n, ct)) for n in counts]
