@@ -55,31 +55,49 @@ from tidal.scheduler.typed import ANY, allowed_types, cluster_types, place_typed
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Table:
+    """The configurations of jobs of one shape (model, batch, counts, types):
+    ``(pool, count, speedup)`` pool by pool, counts ascending; speedups are
+    rates over the rate of the smallest count on the slowest pool."""
+
+    cfgs: tuple[tuple[str, int, float], ...]
+    first: dict[str, int]  # pool -> index of its smallest count
+    end: dict[str, int]  # pool -> index past its largest count
+    floors: dict[str, int]  # pool -> its smallest count
+
+
 @dataclass
 class Cand:
     """One job's candidate configurations this round."""
 
     view: JobView
     weight: float
-    pools: dict[str, tuple[tuple[int, ...], tuple[float, ...]]]  # pool -> (counts ascending, speedups)
-    cur: tuple[str, int] | None  # (pool, count) it runs at now, if on one pool
+    table: Table
+    cur: tuple[str, int] | None = None  # (pool, count) it runs at now, if on one pool
     keep: float = 1.0  # factor on the value of a configuration other than ``cur``
     mixed: int = 0  # fits no single pool: runs on several at this count
-    cfgs: list[tuple[str, int, float]] = field(default_factory=list)  # (pool, count, weighted value)
-    first: dict[str, int] = field(default_factory=dict)  # pool -> index in cfgs of its smallest count
+    cfgs: tuple[tuple[str, int, float], ...] = ()  # the table's (pool, count, speedup)
     cfg: int | None = None  # index in cfgs chosen
-    version: int = 0
+    ci: int = -1  # index in cfgs of ``cur`` (-1: none)
+    wk: float = 1.0  # weight x keep: the value of a speedup elsewhere than ``cur``
 
     def finish(self) -> None:
-        """List the configurations with their values (``cur`` and ``keep`` set)."""
-        w, cur, keep = self.weight, self.cur, self.keep
-        for p, (counts, speed) in self.pools.items():
-            self.first[p] = len(self.cfgs)
-            for n, x in zip(counts, speed):
-                self.cfgs.append((p, n, w * x if cur == (p, n) else w * x * keep))
+        """Set the values' factors (``cur`` and ``keep`` known)."""
+        t = self.table
+        self.cfgs, self.wk = t.cfgs, self.weight * self.keep
+        if self.cur is not None and self.cur[0] in t.first:
+            p0, n0 = self.cur
+            for i in range(t.first[p0], t.end[p0]):
+                if t.cfgs[i][1] == n0:
+                    self.ci = i
+
+    def value(self, i: int) -> float:
+        """Configuration ``i``'s value: weighted speedup, times ``keep`` unless it is ``cur``."""
+        return self.cfgs[i][2] * (self.weight if i == self.ci else self.wk)
 
     def floor(self, pool: str) -> int:
-        return self.pools[pool][0][0]
+        return self.table.floors[pool]
 
 
 def _thin(counts: list[int]) -> list[int]:
@@ -124,9 +142,8 @@ class TidalHetero(Policy):
             return dict(cluster_types(snap.cluster).capacity)
         return {ANY: snap.cluster.num_gpus}
 
-    def _rates(self, snap: Snapshot, j: JobView, memo: dict) -> dict[str, tuple[tuple[int, ...], tuple[float, ...]]]:
-        """Pool -> (counts the job may run at there, its rates), for pools
-        where it runs (memoised across jobs with the same model and counts)."""
+    def _table(self, snap: Snapshot, j: JobView, memo: dict) -> Table:
+        """The job's :class:`Table` (memoised across jobs of the same shape)."""
         spec = j.spec
         ct = cluster_types(snap.cluster)
         types = allowed_types(spec, snap.cluster)
@@ -137,7 +154,7 @@ class TidalHetero(Policy):
             return hit
         total = snap.cluster.num_gpus
         pools = {t: ct.capacity[t] for t in types} if self.hetero else {ANY: sum(ct.capacity[t] for t in types)}
-        rates: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = {}
+        rates: dict[str, list[tuple[int, float]]] = {}
         for p, room in pools.items():
             if spec.elastic:
                 counts = _thin(useful_counts(snap, j, room)) or ([spec.lo] if spec.lo <= room else [])
@@ -146,17 +163,23 @@ class TidalHetero(Policy):
             pairs = [(n, typed_rate(snap, spec, p, n, ct)) for n in counts]
             pairs = [(n, r) for n, r in pairs if r > 0]
             if pairs:
-                rates[p] = (tuple(n for n, _ in pairs), tuple(r for _, r in pairs))
-        memo[key] = rates
-        return rates
+                rates[p] = pairs
+        base = min((r[0][1] for r in rates.values()), default=1.0)
+        cfgs: list[tuple[str, int, float]] = []
+        first, end, floors = {}, {}, {}
+        for p, pairs in rates.items():
+            first[p], floors[p] = len(cfgs), pairs[0][0]
+            cfgs += [(p, n, r / base) for n, r in pairs]
+            end[p] = len(cfgs)
+        memo[key] = table = Table(tuple(cfgs), first, end, floors)
+        return table
 
     def _cand(self, snap: Snapshot, j: JobView, memo: dict, costs: tuple[float, float]) -> Cand:
         spec = j.spec
-        rates = self._rates(snap, j, memo)
-        base = min((r[0] for _, r in rates.values()), default=1.0)
+        table = self._table(snap, j, memo)
         q = bisect_right(self.thresholds, j.attained - j.tags.get("tiresias_base", 0.0))
-        c = Cand(j, 2.0 ** -q, {p: (n, tuple(x / base for x in r)) for p, (n, r) in rates.items()}, None)
-        if not rates:
+        c = Cand(j, 2.0 ** -q, table)
+        if not table.cfgs:
             c.mixed = rigid_count(spec, snap.cluster.num_gpus) if not spec.elastic else spec.lo
         if j.gpus:
             on = {snap.cluster.gpu_type_of(g) for g in j.gpus} if self.hetero else {ANY}
@@ -213,7 +236,7 @@ class TidalHetero(Policy):
                         need -= use
                     out.append(c)
                 continue
-            fits = [p for p in c.pools if c.floor(p) <= free[p]]
+            fits = [p for p, n in c.table.floors.items() if n <= free[p]]
             if fits:
                 p = max(fits, key=lambda p: (free[p] - c.floor(p), p))
                 free[p] -= c.floor(p)
@@ -242,7 +265,7 @@ def _choose_types(running: list[Cand], free: dict[str, int]) -> None:
     for k, c in enumerate(running):
         if c.mixed:
             continue
-        vals = sorted(((c.cfgs[i][2], p) for p, i in c.first.items()), reverse=True)
+        vals = sorted(((c.value(i), p) for p, i in c.table.first.items()), reverse=True)
         second = vals[1][0] if len(vals) > 1 else 0.0
         regret = (vals[0][0] - second) / c.floor(vals[0][1])
         keyed.append((-regret, k, [p for _, p in vals]))
@@ -252,20 +275,23 @@ def _choose_types(running: list[Cand], free: dict[str, int]) -> None:
         for p in prefs:
             if c.floor(p) <= free[p]:
                 free[p] -= c.floor(p)
-                c.cfg = c.first[p]
+                c.cfg = c.table.first[p]
                 break
 
 
 def _best_up(c: Cand, free: dict[str, int]) -> tuple[float, int] | None:
     """The job's larger count on its own pool with the largest gain per extra
     GPU that fits ``free`` (None if none gains)."""
-    p0, n0, v0 = c.cfgs[c.cfg]  # type: ignore[index]
-    room = free[p0]
+    i0 = c.cfg
+    p0, n0, _ = c.cfgs[i0]  # type: ignore[index]
+    v0 = c.value(i0)  # type: ignore[arg-type]
+    room, w, wk, ci = free[p0], c.weight, c.wk, c.ci
     best = None
-    for idx in range(c.cfg + 1, len(c.cfgs)):  # type: ignore[operator]
-        p, n, v = c.cfgs[idx]
-        if p != p0 or n - n0 > room:
+    for idx in range(i0 + 1, c.table.end[p0]):  # type: ignore[operator]
+        _, n, x = c.cfgs[idx]
+        if n - n0 > room:
             break
+        v = x * (w if idx == ci else wk)
         if v - v0 > 1e-12:
             d = (v - v0) / (n - n0)
             if best is None or d > best[0]:
@@ -302,13 +328,24 @@ def _spill(running: list[Cand], free: dict[str, int]) -> bool:
     gains most (weighted speedup), applied; the GPUs it leaves go to the
     jobs of its old pool (3a). False if no move gains."""
     best = None
+    room = [(p, f) for p, f in free.items() if f > 0]
     for k, c in enumerate(running):
         if c.cfg is None:
             continue
-        p0, n0, v0 = c.cfgs[c.cfg]
-        for idx, (p, n, v) in enumerate(c.cfgs):
-            if p != p0 and n <= free[p] and v - v0 > 1e-12 and (best is None or v - v0 > best[0]):
-                best = (v - v0, k, idx)
+        cfgs, first, end, w, wk, ci = c.cfgs, c.table.first, c.table.end, c.weight, c.wk, c.ci
+        p0 = cfgs[c.cfg][0]
+        v0 = c.value(c.cfg)
+        top = v0 + 1e-12 if best is None else max(v0 + 1e-12, v0 + best[0])
+        for p, f in room:
+            if p == p0 or p not in first:
+                continue
+            for idx in range(first[p], end[p]):
+                _, n, x = cfgs[idx]
+                if n > f:
+                    break
+                v = x * (w if idx == ci else wk)
+                if v > top:
+                    top, best = v, (v - v0, k, idx)
     if best is None:
         return False
     _, k, idx = best
