@@ -179,10 +179,30 @@ def _options_problem(names: list[str], fidelity: str, out: Optional[Path], trace
     return None
 
 
+def _load_inputs(trace: Path, fmt: str, topo: Any, profiles_dir: Optional[Path], *, seed: int,
+                 limit: Optional[int], elastic: bool) -> tuple[Any, Any]:
+    """The throughput profiles and the trace. A Pollux/Sia workload brings
+    its own: profiles fitted to the measured data of its ``traces/`` folder
+    (or of ``--profiles`` when that is such a folder) for this cluster's GPU
+    types (:mod:`tidal.sim.sia`)."""
+    from tidal.core.profile import load_profiles
+    from tidal.sim.traces import detect_format, load_trace, resolve_trace
+
+    if (fmt if fmt != "auto" else detect_format(resolve_trace(trace))) == "pollux":
+        from tidal.sim.sia import data_for, workload_profiles
+
+        data = data_for(resolve_trace(trace), profiles_dir)
+        tr = load_trace(trace, "pollux", limit=limit, elastic=elastic, data_dir=data.root)
+        return workload_profiles(tr.jobs, topo, data), tr
+    prof = load_profiles(profiles_dir)
+    return prof, load_trace(trace, fmt, seed=seed, limit=limit, profiles=prof, elastic=elastic)
+
+
 @app.command()
 def simulate(
-    trace: Path = typer.Option(..., "--trace", help="Trace CSV (ITP, Philly with deadlines, or Philly)."),
-    fmt: str = typer.Option("auto", "--format", help="auto | itp | philly | philly-ef"),
+    trace: Path = typer.Option(..., "--trace", help="Trace CSV (ITP, Philly with deadlines, Philly, or a "
+                                                         "Pollux/Sia workload)."),
+    fmt: str = typer.Option("auto", "--format", help="auto | itp | philly | philly-ef | pollux"),
     cluster: str = typer.Option("n32g8", "--cluster", help="Cluster spec like n32g8, or a cluster CSV."),
     policy: str = typer.Option("fifo", "--policy", help="Policy name(s), comma separated."),
     out: Optional[Path] = typer.Option(
@@ -196,7 +216,8 @@ def simulate(
                                help=f"Scheduling slot in seconds (0: schedule at every event; at most "
                                     f"{MAX_SLOT_S:g}, a day)."),
     overhead: str = typer.Option("stop-free", "--overhead", help="Rescale overhead model: stop-free | stop-resume."),
-    profiles_dir: Optional[Path] = typer.Option(None, "--profiles", help="Throughput profile directory (default: shipped A100)."),
+    profiles_dir: Optional[Path] = typer.Option(None, "--profiles", help="Throughput profile directory (default: shipped A100); for a Pollux/Sia workload, its "
+                                                     "measured-data folder (default: the traces/ folder above it)."),
     rigid: bool = typer.Option(False, "--rigid", metavar="", help="Treat every job as rigid (not elastic)."),
     wide: bool = typer.Option(False, "--wide", metavar="", help="Every column of the table, however wide the terminal."),
     report: bool = typer.Option(False, "--report", metavar="", help="Also write OUT/report.html: one self-contained "
@@ -207,9 +228,7 @@ def simulate(
     """Simulate one or more policies on a trace; print a table (or JSON) and
     write per-job CSVs, summary.json and plots."""
     from tidal.core.overhead import OverheadModel
-    from tidal.core.profile import load_profiles
     from tidal.core.topology import parse_cluster
-    from tidal.sim.traces import load_trace
 
     err = LineConsole(stderr=True)
     names = [p.strip() for p in policy.split(",") if p.strip()]
@@ -218,10 +237,9 @@ def simulate(
         raise typer.Exit(2)
     try:
         with interruptible("simulate", "while reading the trace; nothing written"):
-            prof = load_profiles(profiles_dir)
             topo = parse_cluster(cluster)
             overheads = OverheadModel(mode=overhead)
-            tr = load_trace(trace, fmt, seed=seed, limit=limit, profiles=prof, elastic=not rigid)
+            prof, tr = _load_inputs(trace, fmt, topo, profiles_dir, seed=seed, limit=limit, elastic=not rigid)
     except (InputError, ValueError) as exc:
         err.print("[red]error:[/] " + escape(f"{exc}"))
         raise typer.Exit(2)

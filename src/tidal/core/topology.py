@@ -59,6 +59,7 @@ class Cluster:
     nodes: tuple[Node, ...]
     name: str = ""
     _starts: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+    _typed_sizes: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # types -> sizes
 
     def __post_init__(self) -> None:
         nodes = tuple(self.nodes)
@@ -178,12 +179,21 @@ class Cluster:
     def _sizes_desc(self) -> tuple[int, ...]:
         return tuple(accumulate(sorted((n.gpus for n in self.nodes), reverse=True)))
 
-    def min_nodes(self, n_gpus: int) -> int:
+    def min_nodes(self, n_gpus: int, gpu_types: Iterable[str] | None = None) -> int:
         """Fewest nodes that can hold ``n_gpus`` GPUs (the largest nodes first;
-        all of them if the cluster is smaller)."""
+        all of them if the cluster is smaller); with ``gpu_types``, among the
+        nodes of those types only (8 GPUs on 4-GPU T4 nodes need 2 of them,
+        even where A100 nodes have 8)."""
         if n_gpus <= 0:
             return 1
-        return min(bisect.bisect_left(self._sizes_desc, n_gpus) + 1, self.num_nodes)
+        if gpu_types is None:
+            return min(bisect.bisect_left(self._sizes_desc, n_gpus) + 1, self.num_nodes)
+        key = frozenset(gpu_types)
+        sizes = self._typed_sizes.get(key)
+        if sizes is None:
+            sizes = tuple(accumulate(sorted((n.gpus for n in self.nodes if n.gpu_type in key), reverse=True)))
+            self._typed_sizes[key] = sizes = sizes or self._sizes_desc
+        return min(bisect.bisect_left(sizes, n_gpus) + 1, len(sizes))
 
 
 def describe(nodes: Sequence[Node]) -> str:

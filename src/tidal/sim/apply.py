@@ -54,10 +54,12 @@ class PlanExecutor:
         """Progress rate in the spec's iterations/s (see Snapshot.progress_rate)."""
         n = len(gpus)
         b = batch or job.batch
-        spread = n > 1 and self.cluster.nodes_spanned(gpus) > self.cluster.min_nodes(n)
         if self.profiles.by_type:  # the slowest GPU type of the placement sets the pace
             types = {self.cluster.gpu_type_of(g) for g in gpus}
+            # spread: more nodes than the placement's own types need (4-GPU T4 nodes hold 8 GPUs on 2)
+            spread = n > 1 and self.cluster.nodes_spanned(gpus) > self.cluster.min_nodes(n, types)
             return self.profiles.throughput_on(job.spec.model, b, n, spread, types) * b / job.spec.batch_size
+        spread = n > 1 and self.cluster.nodes_spanned(gpus) > self.cluster.min_nodes(n)
         return self.profiles.throughput(job.spec.model, b, n, spread) * b / job.spec.batch_size
 
     # -- state changes ---------------------------------------------------------

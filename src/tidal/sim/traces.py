@@ -29,6 +29,19 @@ Formats (detected from the header by :func:`detect_format`):
 
     Two uniform draws per data row are taken in file order (model, then batch),
     so the assignment depends only on the seed, the file and the profiles.
+``pollux``
+    The Pollux (OSDI'21) and Sia (SOSP'23) workloads, header
+    ``name,time,application,num_replicas,batch_size``: ``job_id = name``,
+    ``submit_time = time``, ``model = application``, ``batch_size``,
+    ``requested_gpus = num_replicas``; ``iterations`` = the steps the
+    application needs at that batch in the measured data of the workload's
+    ``traces/`` folder (:mod:`tidal.sim.sia`). Jobs are elastic from 1 GPU
+    with no upper bound (a policy caps them where more GPUs stop helping);
+    with ``elastic=False`` they run at ``num_replicas``.
+
+Every format may add the columns ``gpu_types`` and ``exclude_gpu_types``
+(GPU type names separated by ``;``; empty: no constraint), the job's
+``JobSpec.gpu_types`` / ``exclude_gpu_types``.
 
 ITP and philly-ef jobs keep the trace's order and absolute times. Every job keeps
 its original ``duration`` (and Philly's ``cluster``) in ``JobSpec.meta``.
@@ -42,18 +55,22 @@ from __future__ import annotations
 
 import csv
 import logging
+import re
 import math
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
 from tidal.core.errors import InputError
 from tidal.core.job import JobSpec
 from tidal.core.profile import ThroughputProfile, load_profiles
+
+if TYPE_CHECKING:
+    from tidal.sim.sia import SiaData
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +79,14 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "itp": ("job_id", "submission_time", "num_iteration", "model_name", "deadline", "batch_size", "num_gpu"),
     "philly-ef": ("job_id", "submit_time", "model_name", "ddl", "batch_size", "num_gpu", "iteration"),
     "philly": ("timestamp", "duration", "num_gpus"),
+    "pollux": ("name", "time", "application", "num_replicas", "batch_size"),
 }
 #: Columns that identify a format even when a required column is missing.
 _SIGNATURE: dict[str, tuple[str, ...]] = {
     "itp": ("submission_time", "num_iteration"),
     "philly-ef": ("ddl", "real_iteration"),
     "philly": ("timestamp", "num_gpus"),
+    "pollux": ("application", "num_replicas"),
 }
 
 #: Synthetic workload: GPU requests and their (unnormalised) probabilities.
@@ -82,7 +101,7 @@ class Trace:
 
     jobs: tuple[JobSpec, ...]
     source: str  # path or "poisson(...)"
-    fmt: str  # "itp" | "philly-ef" | "philly" | "poisson"
+    fmt: str  # "itp" | "philly-ef" | "philly" | "pollux" | "poisson"
 
     def __post_init__(self) -> None:
         if not isinstance(self.jobs, tuple):
@@ -177,7 +196,7 @@ def _read_header(path: Path) -> list[str]:
 
 
 def detect_format(path: str | Path) -> str:
-    """Return ``"itp"``, ``"philly-ef"`` or ``"philly"`` from the header columns."""
+    """Return ``"itp"``, ``"philly-ef"``, ``"philly"`` or ``"pollux"`` from the header columns."""
     path = Path(path)
     header = _read_header(path)
     return _format_of(header, path)
@@ -303,10 +322,22 @@ def _model_name(row: _Row, field: str, profiles: ThroughputProfile) -> str:
 
 
 def _job(row: _Row, **kwargs) -> JobSpec:
+    for col in TYPE_COLUMNS:  # optional in every format: GPU-type constraints, names separated by ';'
+        raw = row.cells.get(col, "")
+        if raw.strip():
+            names = [t.strip() for t in raw.split(";")]
+            if not all(_TYPE_NAME.fullmatch(t) for t in names):
+                raise row.error(col, f"not a list of GPU type names separated by ';': {raw!r}")
+            kwargs[col] = tuple(names)
     try:
         return JobSpec(**kwargs)
     except InputError as exc:  # JobSpec's own checks: add file and line
         raise row.error(exc.field, exc.reason) from None
+
+
+#: Optional columns of any format: the GPU types a job may run on / must not.
+TYPE_COLUMNS = ("gpu_types", "exclude_gpu_types")
+_TYPE_NAME = re.compile(r"[A-Za-z][\w.-]{0,62}")
 
 
 # -- per-format parsers -----------------------------------------------------
@@ -446,6 +477,33 @@ def _load_philly(path: Path, profiles: ThroughputProfile, seed: int, elastic: bo
     return [jobs[k] for k in order]
 
 
+def _load_pollux(path: Path, data: "SiaData", elastic: bool) -> list[JobSpec]:
+    src = str(path)
+    apps = set(data.apps)
+    jobs: list[JobSpec] = []
+    seen: dict[str, int] = {}
+    for line, cells in _rows(path, "pollux"):
+        row = _Row(src, line, cells)
+        job_id = row.text("name")
+        if job_id in seen:
+            raise row.error("name", f"duplicate job name {job_id!r} (first at line {seen[job_id]}, again at line {line})")
+        seen[job_id] = line
+        app = row.text("application")
+        if app not in apps:
+            raise row.error("application", f"unknown application {app!r}: no measurements of it in {data.root} "
+                                           f"(known: {', '.join(sorted(apps))})")
+        gpus = row.integer("num_replicas")
+        if gpus < 1:
+            raise row.error("num_replicas", f"must be >= 1, got {cells['num_replicas']}")
+        batch = row.integer("batch_size")
+        if batch < 1:
+            raise row.error("batch_size", f"must be >= 1, got {cells['batch_size']}")
+        jobs.append(_job(row, job_id=job_id, submit_time=row.time("time"), model=app, batch_size=batch,
+                         iterations=data.iterations(app, batch), requested_gpus=gpus, elastic=elastic,
+                         min_gpus=1 if elastic else None))
+    return jobs
+
+
 # -- public API -------------------------------------------------------------
 
 
@@ -474,23 +532,29 @@ def load_trace(
     limit: int | None = None,
     profiles: ThroughputProfile | None = None,
     elastic: bool = True,
+    data_dir: str | Path | None = None,
 ) -> Trace:
     """Load a trace file. ``fmt="auto"`` detects the format from the header;
     ``seed`` drives the Philly model assignment; ``limit`` keeps the first N
     jobs by submit time (trace order is kept among them). ``path`` may also
-    name a trace shipped with Tidal (``cluster10``, ``195job``)."""
+    name a trace shipped with Tidal (``cluster10``, ``195job``). A Pollux/Sia
+    workload reads its applications' data from ``data_dir`` (default: the
+    ``traces/`` folder above the file, :func:`tidal.sim.sia.data_for`)."""
     path = resolve_trace(path)
-    if fmt not in ("auto", "itp", "philly-ef", "philly"):
-        raise InputError(f"unknown trace format {fmt!r}; use auto, itp, philly-ef or philly", field="fmt")
+    if fmt not in ("auto", *REQUIRED):
+        raise InputError(f"unknown trace format {fmt!r}; use auto, {', '.join(REQUIRED)}", field="fmt")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise InputError(f"must be a positive integer, got {limit!r}", field="limit")
     if fmt == "auto":
         fmt = detect_format(path)
-    profiles = profiles if profiles is not None else load_profiles()
-    if fmt == "philly":
-        jobs = _load_philly(path, profiles, seed, elastic)
+    if fmt == "pollux":
+        from tidal.sim.sia import data_for
+
+        jobs = _load_pollux(path, data_for(path, data_dir), elastic)
+    elif fmt == "philly":
+        jobs = _load_philly(path, profiles if profiles is not None else load_profiles(), seed, elastic)
     else:
-        jobs = _load_with_deadlines(path, fmt, profiles, elastic)
+        jobs = _load_with_deadlines(path, fmt, profiles if profiles is not None else load_profiles(), elastic)
     if limit is not None and limit < len(jobs):
         keep = sorted(sorted(range(len(jobs)), key=lambda k: (jobs[k].submit_time, k))[:limit])
         jobs = [jobs[k] for k in keep]
