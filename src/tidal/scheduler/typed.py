@@ -29,27 +29,9 @@ ANY = "*"  # the one pool of a type-blind policy
 
 @dataclass(frozen=True)
 class ClusterTypes:
-    """A cluster's GPU types: GPUs per type and, per type, the fewest nodes
-    that hold ``n`` of its GPUs (worked out once per cluster)."""
+    """A cluster's GPU types: how many GPUs of each (worked out once per cluster)."""
 
     capacity: dict[str, int]  # type -> GPUs, types in first-seen order
-    sizes: dict[str, tuple[int, ...]]  # type -> its nodes' sizes, largest first
-    spread_at: dict[str, tuple[bool, ...]]  # type -> per n, whether its nodes hold n GPUs only on more nodes than the cluster's fewest
-
-    def spread(self, gpu_type: str, n: int) -> bool:
-        """Whether ``n`` GPUs of ``gpu_type`` pay the cross-node penalty."""
-        flags = self.spread_at.get(gpu_type, ())
-        return flags[n] if n < len(flags) else n > 1
-
-
-def _fewest(sizes: Sequence[int], n: int) -> int:
-    left, used = n, 0
-    for size in sizes:
-        if left <= 0:
-            break
-        left -= size
-        used += 1
-    return used if left <= 0 else 1 << 30
 
 
 _LAST: list[tuple[Cluster, ClusterTypes]] = []  # the last cluster asked for (hashing a cluster costs)
@@ -67,14 +49,9 @@ def cluster_types(cluster: Cluster) -> ClusterTypes:
 @lru_cache(maxsize=32)
 def _cluster_types(cluster: Cluster) -> ClusterTypes:
     cap: dict[str, int] = {}
-    per: dict[str, list[int]] = {}
     for node in cluster.nodes:
         cap[node.gpu_type] = cap.get(node.gpu_type, 0) + node.gpus
-        per.setdefault(node.gpu_type, []).append(node.gpus)
-    sizes = {t: tuple(sorted(v, reverse=True)) for t, v in per.items()}
-    spread_at = {t: tuple(n > 1 and _fewest(sz, n) > cluster.min_nodes(n) for n in range(cap[t] + 1))
-                 for t, sz in sizes.items()}
-    return ClusterTypes(cap, sizes, spread_at)
+    return ClusterTypes(cap)
 
 
 def allowed_types(spec: JobSpec, cluster: Cluster) -> tuple[str, ...]:
@@ -84,20 +61,18 @@ def allowed_types(spec: JobSpec, cluster: Cluster) -> tuple[str, ...]:
     return tuple(t for t in cluster.gpu_types if spec.allows_type(t))
 
 
-def typed_rate(snap: Snapshot, spec: JobSpec, gpu_type: str, n: int, ct: ClusterTypes | None = None) -> float:
+def typed_rate(snap: Snapshot, spec: JobSpec, gpu_type: str, n: int) -> float:
     """Progress (the spec's iterations/s) of ``spec`` on ``n`` GPUs of
     ``gpu_type`` placed on as few nodes as that type allows: the simulator's
-    rate (a placement on more nodes than the cluster's fewest pays the
-    cross-node penalty). ``gpu_type`` :data:`ANY`: the default profile,
-    consolidated (what a type-blind policy believes). ``ct``: the cluster's
-    :func:`cluster_types`, if the caller has it."""
+    rate (such a placement is not spread: it spans no more nodes than its
+    own type needs). ``gpu_type`` :data:`ANY`: the default profile
+    (what a type-blind policy believes)."""
     if n <= 0:
         return 0.0
     prof = snap.profiles
     if gpu_type == ANY:
         return prof.throughput(spec.model, spec.batch_size, n)
-    spread = (ct or cluster_types(snap.cluster)).spread(gpu_type, n)
-    return prof.typed(gpu_type, spec.model).throughput(spec.model, spec.batch_size, n, spread)
+    return prof.typed(gpu_type, spec.model).throughput(spec.model, spec.batch_size, n)
 
 
 class TypedFree:

@@ -160,7 +160,7 @@ class TidalHetero(Policy):
                 counts = _thin(useful_counts(snap, j, room)) or ([spec.lo] if spec.lo <= room else [])
             else:
                 counts = [n for n in (rigid_count(spec, total),) if n <= room]
-            pairs = [(n, typed_rate(snap, spec, p, n, ct)) for n in counts]
+            pairs = [(n, typed_rate(snap, spec, p, n)) for n in counts]
             pairs = [(n, r) for n, r in pairs if r > 0]
             if pairs:
                 rates[p] = pairs
