@@ -207,3 +207,12 @@ def test_type_awareness_shortens_the_average_jct(typed):
         assert s["finished"] == len(jobs)
         jct[name] = s["avg_jct"]
     assert jct["tidal-hetero"] < 0.8 * jct["tidal-hetero-agnostic"], jct
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_job_larger_than_any_type_runs_across_types(typed, name):
+    # 12 GPUs, every type has 8: only a mixed placement holds it, and it finishes
+    cluster = parse_cluster("2xT4:4,1xA100:8,1xRTX2080Ti:8")
+    jobs = [spec("big", 12, iters=500.0), spec("small", 1, t=10.0, iters=100.0)]
+    r = simulate(jobs, cluster, get_policy(name), profiles=typed, overheads=NO_OVERHEAD, slot=60.0)
+    assert {j.spec.job_id: j.state for j in r.jobs} == {"big": JobState.COMPLETED, "small": JobState.COMPLETED}
