@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -14,11 +15,13 @@ from tidal.scheduler.policies.elastic_tiresias import ElasticTiresias
 from tidal.scheduler.policies.elasticflow import ElasticFlow
 from tidal.scheduler.policies.fifo import FIFO
 from tidal.scheduler.policies.gandiva import Gandiva
+from tidal.scheduler.policies.gavel import Gavel
 from tidal.scheduler.policies.k8s_default import K8sDefault
 from tidal.scheduler.policies.reshaping import Reshaping
 from tidal.scheduler.policies.termination import Termination
 from tidal.scheduler.policies.themis import Themis
 from tidal.scheduler.policies.tidal import Tidal
+from tidal.scheduler.policies.tidal_hetero import TidalHetero
 from tidal.scheduler.policies.tiresias import Tiresias
 
 _POLICIES: dict[str, Callable[..., Policy]] = {
@@ -31,11 +34,14 @@ _POLICIES: dict[str, Callable[..., Policy]] = {
     "elasticflow": ElasticFlow,
     "fifo": FIFO,
     "gandiva": Gandiva,
+    "gavel": Gavel,
     "k8s-default": K8sDefault,
     "reshaping": Reshaping,
     "termination": Termination,
     "themis": Themis,
     "tidal": Tidal,
+    "tidal-hetero": TidalHetero,
+    "tidal-hetero-agnostic": functools.partial(TidalHetero, hetero=False),
     "tiresias": Tiresias,
 }
 
