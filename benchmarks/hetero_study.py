@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -70,9 +71,22 @@ def run_case(workload: str, policy: str, cluster_spec: str) -> dict:
     data = data_for(path)
     trace = load_trace(path, "pollux", elastic=True, data_dir=data.root)
     profiles = workload_profiles(trace.jobs, cluster, data)
-    sim = Simulator(cluster, get_policy_for_slot(policy, SLOT_S), trace.jobs, profiles=profiles,
+    pol = get_policy_for_slot(policy, SLOT_S)
+    took: list[float] = []  # CPU seconds of each call of the policy (its decision latency at this scale)
+    schedule = pol.schedule
+
+    def timed(snap):  # type: ignore[no-untyped-def]
+        t0 = time.process_time()
+        try:
+            return schedule(snap)
+        finally:
+            took.append(time.process_time() - t0)
+
+    pol.schedule = timed  # type: ignore[method-assign]
+    sim = Simulator(cluster, pol, trace.jobs, profiles=profiles,
                     overheads=OverheadModel(mode="stop-free"), slot=SLOT_S)
     res = sim.run()
+    took.sort()
     s = summarize(res)
     return {
         "suite": path.parent.name, "workload": path.stem, "policy": policy, "cluster": cluster_spec,
@@ -82,7 +96,9 @@ def run_case(workload: str, policy: str, cluster_spec: str) -> dict:
         "makespan_s": round(s["makespan"], 1) if s["makespan"] is not None else None,
         "gpu_hours": round(res.busy_gpu_s / 3600.0, 2),
         "preemptions": s["preemptions"], "rescales": s["rescales"], "migrations": s["migrations"],
-        "wall_s": round(res.wall_seconds, 2),
+        "wall_s": round(res.wall_seconds, 2), "gpus": cluster.num_gpus, "decisions": len(took),
+        "decision_p95_ms": round(1000 * took[int(0.95 * (len(took) - 1))], 2) if took else None,
+        "decision_max_ms": round(1000 * took[-1], 2) if took else None,
     }
 
 
@@ -108,6 +124,33 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def plot(rows: list[dict], out: Path) -> None:
+    """Mean average JCT per suite and policy (bars), one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    suites = sorted({r["suite"] for r in rows})
+    policies = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / max(1, len(policies))
+    for k, pol in enumerate(policies):
+        means = []
+        for suite in suites:
+            v = [r["avg_jct_s"] for r in rows if r["suite"] == suite and r["policy"] == pol and r["avg_jct_s"]]
+            means.append(sum(v) / len(v) / 3600.0 if v else 0.0)
+        ax.bar([i + k * width for i in range(len(suites))], means, width, label=pol)
+    ax.set_xticks([i + width * (len(policies) - 1) / 2 for i in range(len(suites))], suites)
+    ax.set_ylabel("mean average JCT (h)")
+    ax.set_title("Sia's cluster 6xT4:4,2xA100:8,3xRTX2080Ti:8")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="saturn", help="suites or suite/workload-N, comma separated")
@@ -116,7 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", type=Path, default=DATA, help="the Sia data folder (workloads/, traces/)")
     ap.add_argument("--procs", type=int, default=2, help="worker processes (at most 2)")
     ap.add_argument("--json", action="store_true", help="one JSON line per case, then a summary line")
+    ap.add_argument("--from-jsonl", type=Path, default=None, help="read the cases' lines from this file, run nothing")
+    ap.add_argument("--plot", type=Path, default=None, help="also draw the mean average JCTs into this PNG")
     args = ap.parse_args(argv)
+    if args.from_jsonl is not None:
+        rows = [json.loads(line) for line in args.from_jsonl.read_text().splitlines() if '"suite"' in line]
+        if args.plot:
+            plot(rows, args.plot)
+        print(json.dumps({"summary": summary(rows)}))
+        return 0
     files = workload_files(args.workloads, args.data)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     cases = [(str(f), p) for f in files for p in policies]
@@ -133,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"  p99 {row['p99_jct_s']:>9} s  makespan {row['makespan_s']:>9} s  {row['gpu_hours']:>8} GPU·h",
                       flush=True)
     summ = summary(rows)
+    if args.plot:
+        plot(rows, args.plot)
     print(json.dumps({"summary": summ}) if args.json else json.dumps(summ, indent=1))
     return 0
 
