@@ -22,6 +22,14 @@ all jobs; policies keep per-job tables and admission tags across them);
     python benchmarks/policy_latency.py --policy elasticflow --events 50
     python benchmarks/policy_latency.py --goodput /work/shared/data/pollux/traces   # goodput jobs: pollux, optimus, tidal-goodput
 
+The heterogeneity-aware policies (``gavel``, ``tidal-hetero`` and its
+type-blind variant) are measured on a mixed cluster of 1,024 GPUs of three
+types (``--hetero-cluster``, default 32 T4 + 32 A100 + 64 RTX2080Ti nodes of
+8) with synthetic per-type profiles: the shipped A100 profiles as "A100",
+scaled x0.35 as "T4" and x0.6 as "RTX2080Ti". Gavel runs with ``round_s=0``
+there, so that every timed call is a round boundary (with its 360 s rounds,
+a call inside a round only keeps the leases and costs ~1 ms).
+
 Target: every policy p95 <= 25 ms and cold p95 <= 50 ms (placement included) at 1,024 GPUs with 500 jobs.
 """
 
@@ -38,7 +46,7 @@ import time
 import numpy as np
 
 from tidal.core.job import JobSpec, JobState
-from tidal.core.profile import load_profiles
+from tidal.core.profile import ModelCurve, ThroughputProfile, load_profiles
 from tidal.core.topology import parse_cluster
 from tidal.scheduler.api import JobView, Snapshot
 from tidal.scheduler.buddy import BuddyAllocator
@@ -50,13 +58,31 @@ NOW = 100_000.0
 TARGET_MS = 25.0  # every decision's p95, with a 2x margin on the 50 ms budget
 COLD_TARGET_MS = 50.0  # the first decision over jobs the policy has not seen
 GOODPUT_POLICIES = ("pollux", "optimus", "tidal-goodput")  # --goodput: Pollux's study's policies
+HETERO = ("gavel", "tidal-hetero", "tidal-hetero-agnostic")  # measured on the mixed cluster
+HETERO_CLUSTER = "32xT4:8,32xA100:8,64xRTX2080Ti:8"
+TYPE_SPEED = {"A100": 1.0, "T4": 0.35, "RTX2080Ti": 0.6}  # synthetic per-type profiles: x the A100 ones
+OPTIONS = {"gavel": {"round_s": 0.0}}  # every call a round boundary
 
 
-def build_snapshot(cluster_spec: str, jobs: int, new: int, seed: int) -> Snapshot:
-    """A busy cluster at time NOW: ``jobs`` admitted jobs, ``new`` submitted."""
+def typed_profiles() -> ThroughputProfile:
+    """The shipped (A100) profiles as the default, and scaled per GPU type."""
+    base = load_profiles()
+
+    def scaled(f: float) -> ThroughputProfile:
+        curves = {m: {b: ModelCurve(c.counts, tuple(v * f for v in c.values), c.unsupported_from)
+                      for b, c in per.items()} for m, per in base.curves.items()}
+        return ThroughputProfile(curves, base.cross_node_penalty)
+
+    return ThroughputProfile(dict(base.curves), base.cross_node_penalty,
+                             by_type={t: scaled(f) for t, f in TYPE_SPEED.items()})
+
+
+def build_snapshot(cluster_spec: str, jobs: int, new: int, seed: int, typed: bool = False) -> Snapshot:
+    """A busy cluster at time NOW: ``jobs`` admitted jobs, ``new`` submitted
+    (``typed``: with the synthetic per-type profiles)."""
     rng = np.random.default_rng(seed)
     cluster = parse_cluster(cluster_spec)
-    profiles = load_profiles()
+    profiles = typed_profiles() if typed else load_profiles()
     models = [m for m in profiles.models if m != "resnet50_cifar10"]
     buddy = BuddyAllocator(cluster)
     views: list[JobView] = []
@@ -175,7 +201,7 @@ def _timed(policy, snap: Snapshot, call_timeout: float):
 
 
 def _measure(name: str, snaps: list[Snapshot], budget_s: float, call_timeout: float) -> dict:
-    policy = get_policy(name)
+    policy = get_policy(name, **OPTIONS.get(name, {}))
     _timed(policy, snaps[0], call_timeout)  # warm caches (profiles, imports)
     total, place, wall, cold = [], [], [], []
     clock = time.process_time  # CPU time of this process: robust on a shared machine
@@ -218,6 +244,7 @@ def _measure(name: str, snaps: list[Snapshot], budget_s: float, call_timeout: fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cluster", default="n128g8")
+    ap.add_argument("--hetero-cluster", default=HETERO_CLUSTER, help="the mixed cluster for " + ", ".join(HETERO))
     ap.add_argument("--jobs", type=int, default=500, help="admitted jobs per snapshot")
     ap.add_argument("--new", type=int, default=5, help="newly submitted jobs per snapshot")
     ap.add_argument("--events", type=int, default=30, help="snapshots (scheduling events) per policy")
@@ -235,10 +262,12 @@ def main() -> None:
                  for seed in range(args.events)]
     else:
         snaps = [build_snapshot(args.cluster, args.jobs, args.new, seed) for seed in range(args.events)]
+    mixed = [build_snapshot(args.hetero_cluster, args.jobs, args.new, seed, typed=True) for seed in range(args.events)] \
+        if any(n in HETERO for n in names) else []
     rows = {}
     for name in names:
         try:
-            row = measure(name, snaps, args.budget, args.call_timeout)
+            row = measure(name, mixed if name in HETERO else snaps, args.budget, args.call_timeout)
         except Exception as exc:  # a policy under construction must not hide the others
             row = {"policy": name, "error": f"{type(exc).__name__}: {exc}"}
         rows[name] = {k: v for k, v in row.items() if k not in ("policy", "gpus", "jobs")}
@@ -255,6 +284,7 @@ def main() -> None:
         print(json.dumps({
             "benchmark": "policy_latency", "cluster": args.cluster, "gpus": snaps[0].cluster.num_gpus,
             "jobs": args.jobs, "events": args.events, "target_p95_ms": TARGET_MS, "target_cold_p95_ms": COLD_TARGET_MS,
+            "hetero_cluster": args.hetero_cluster, "hetero_policies": [n for n in names if n in HETERO],
             "over_target": slow,
             "policies": rows,
         }), flush=True)

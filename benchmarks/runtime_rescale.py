@@ -42,6 +42,12 @@ step ends inside it; phase 0 is warm-up. ``overhead_pct`` is the median over
 ``--repeats`` phase pairs of elastic/DDP - 1, with min, max and quartiles;
 ``cpu_overhead_pct`` the same for the CPU time per step of rank 0's process.
 
+``--noise-scale``: the elastic job also measures the gradient noise scale
+(``make_policy("strong", 256, noise_scale=True)``, :mod:`tidal.runtime.noise`):
+one squared norm per bucket before its all-reduce, one after, four more
+numbers in the control tail; compare its ``overhead_pct`` with a run
+without the option.
+
 Coordination round trip: rank 0's per-step store exchange with the master
 (progress write + plan read) in its background thread, p50 and p99.
 """
@@ -167,7 +173,8 @@ def role_elastic(a: argparse.Namespace) -> None:
     marks["init"] = time.time()
     torch, model, opt = build()
     model = job.wrap(model)
-    loader = job.loader(DataLoader(Synthetic(a.steps * BATCH), batch_size=BATCH, shuffle=True))
+    policy = tidal.runtime.make_policy("strong", BATCH, noise_scale=a.noise_scale)
+    loader = job.loader(DataLoader(Synthetic(a.steps * BATCH), batch_size=BATCH, shuffle=True), scaling=policy)
     log = StepLog(Path(a.out) / f"elastic-{job.worker_id}.jsonl")
     turns = Turns(a.turn, "el", a.phase_steps)
     _note_registration(job, marks)
@@ -184,7 +191,7 @@ def role_elastic(a: argparse.Namespace) -> None:
             opt.zero_grad()
             log.write(step=job.step_count, world=job.world_size, rank=job.rank, gen=job.gen.gen if job.gen else 0,
                       t_start=t_start, t_end=time.time(), cpu=time.process_time())
-    (Path(a.out) / f"elastic-summary-{job.worker_id}.json").write_text(json.dumps(job.summary()))
+    (Path(a.out) / f"elastic-summary-{job.worker_id}.json").write_text(json.dumps(job.summary(), default=str))
     job.close()
 
 
@@ -287,10 +294,11 @@ def _start_elastic(out: Path, workers: int, steps: int, extra: list[str] | None 
             time.sleep(0.05)
 
 
-def _run_elastic(out: Path, workers: int, steps: int, schedule: list[int]) -> list[dict[str, Any]]:
+def _run_elastic(out: Path, workers: int, steps: int, schedule: list[int],
+                 extra: list[str] | None = None) -> list[dict[str, Any]]:
     """Run ``tidal run`` in-process; apply ``schedule`` (world sizes) once the
     job has run 15 steps at each size. Returns the requests (size, time)."""
-    t, res, lines, c = _start_elastic(out, workers, steps)
+    t, res, lines, c = _start_elastic(out, workers, steps, extra)
     c.wait_for(workers, timeout_s=120)
     deadline = time.monotonic() + 180  # a job that has run a while: its warm spares wait (TIDAL_WARM_SPARES)
     while not any("warm spare" in line for line in lines) and time.monotonic() < deadline and t.is_alive():
@@ -364,7 +372,7 @@ def measure_rescale(base: Path, a: argparse.Namespace) -> dict[str, Any]:
     """Elastic 2 -> 4 -> 3 in one job: pauses, request-to-switch, start-up."""
     d = base / "rescale"
     d.mkdir()
-    reqs = _run_elastic(d, 2, a.rescale_steps, [4, 3])
+    reqs = _run_elastic(d, 2, a.rescale_steps, [4, 3], ["--noise-scale"] if a.noise_scale else [])
     w0 = read_log(d / "elastic-w0.jsonl")
     return {
         "scaleout_pause_s": elastic_pause(d, "w0", 2, 4),
@@ -426,7 +434,8 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
     ddp = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     el = None
     try:
-        el = _start_elastic(d, 2, total, ["--turn", str(turn), "--phase-steps", str(ph)])
+        el = _start_elastic(d, 2, total, ["--turn", str(turn), "--phase-steps", str(ph),
+                                          *(["--noise-scale"] if a.noise_scale else [])])
         logs = {"el": (d / "elastic-w0.jsonl", 0), "ddp": (d / "ddp-steady-0.jsonl", 1)}
         for k in range(n):
             for kind in (("el", "ddp") if k % 2 == 0 else ("ddp", "el")):
@@ -467,6 +476,7 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
         "cpu_overhead_pct_runs": [round(x, 2) for x in cpu_pairs],
         "coord_rtt_ms_p50": summ["coord_rtt_ms_p50"],
         "coord_rtt_ms_p99": summ["coord_rtt_ms_p99"],
+        **({"noise_scale": summ["goodput"]["noise_scale"]} if "goodput" in summ else {}),
     }
 
 
@@ -482,7 +492,8 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         res |= measure_steady(base, a)
     res["config"] = {"model": f"MLP {DIM}-{HIDDEN}-{HIDDEN}-{CLASSES} fp32", "global_batch": BATCH,
                      "phase_steps": a.phase_steps, "repeats": a.repeats, "cores": os.cpu_count(),
-                     "backend": "gloo", "load_avg_1m": round(os.getloadavg()[0], 2)}
+                     "backend": "gloo", "load_avg_1m": round(os.getloadavg()[0], 2),
+                     "noise_scale_measured": a.noise_scale}
     return res
 
 
@@ -502,6 +513,8 @@ def main() -> None:
     ap.add_argument("--phase-steps", type=int, default=40, help="steps per phase of the overhead measurement")
     ap.add_argument("--turn", default=None, help="(worker roles) the turn file of the overhead measurement")
     ap.add_argument("--skip-rescale", action="store_true", help="only the steady-state overhead")
+    ap.add_argument("--noise-scale", action="store_true",
+                    help="the elastic job measures the gradient noise scale (tidal.runtime.noise)")
     a = ap.parse_args()
     if a.role == "elastic":
         return role_elastic(a)

@@ -40,11 +40,14 @@ PLAN_DIGESTS: dict[str, str] = {
     "elasticflow": "5da23ce4ab01979f",
     "fifo": "69571f09442fce41",
     "gandiva": "0ed718756da981ff",
+    "gavel": "bded9a0b6ebd8be9",
     "k8s-default": "b21fc8a43ccd09d0",
     "reshaping": "d636bfeb8405f085",
     "termination": "3751834b767c344f",
     "themis": "ff74bcc05959e8df",
     "tidal": "1e2c256f2c89648d",
+    "tidal-hetero": "2c6c052e15919381",
+    "tidal-hetero-agnostic": "2c6c052e15919381",
     "tiresias": "e8acd79f29487b03"
 }
 SIM_DIGESTS: dict[str, str] = {
@@ -57,11 +60,14 @@ SIM_DIGESTS: dict[str, str] = {
     "elasticflow": "d82db98646a62037",
     "fifo": "79f7069d2d15e738",
     "gandiva": "65feb6baf9e35c19",
+    "gavel": "48cc79cac1daf0cc",
     "k8s-default": "af630d617d12fe8e",
     "reshaping": "065471fd27d9b88f",
     "termination": "1c953cebfef42199",
     "themis": "cb46998bbec78c15",
     "tidal": "e73186e451005c82",
+    "tidal-hetero": "0b50a38100ec2a5d",
+    "tidal-hetero-agnostic": "e03fc7fbc3b1add5",
     "tiresias": "8fc0561ff45b6fc1"
 }
 

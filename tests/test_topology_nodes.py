@@ -130,3 +130,23 @@ def test_fewest_nodes_are_counted_among_the_placements_own_types():
     assert c.min_nodes(8, {"T4"}) == 2 and c.min_nodes(12, {"T4"}) == 3 and c.min_nodes(40, {"T4"}) == 6
     assert c.min_nodes(8, {"A100"}) == 1 and c.min_nodes(12, {"T4", "A100"}) == 2
     assert c.min_nodes(8, {"V100"}) == 1  # a type the cluster lacks: every node counts
+
+
+def test_a_trace_column_gives_gpu_type_constraints(tmp_path):
+    """Any trace format may add ``gpu_types`` / ``exclude_gpu_types`` (';'-separated);
+    a simulated constrained job then runs only on its types; a bad name is refused by line."""
+    from tidal.sim.traces import load_trace, shipped_traces
+
+    rows = shipped_traces()["195job"].read_text().splitlines()[:7]
+    extra = ["gpu_types,exclude_gpu_types", "A100,", ",A100", "T4;A100,", ",", "A100,T4", ","]
+    path = tmp_path / "typed.csv"
+    path.write_text("\n".join(f"{r},{e}" for r, e in zip(rows, extra)) + "\n")
+    jobs = load_trace(path).jobs
+    assert [(j.gpu_types, j.exclude_gpu_types) for j in jobs] == [
+        (("A100",), ()), (None, ("A100",)), (("A100", "T4"), ()), (None, ()), (("A100",), ("T4",)), (None, ())]
+    # the simulator refuses (raises) any placement on a type a job does not allow
+    result = simulate(jobs, parse_cluster("2xT4:4,1xA100:8"), get_policy("fifo"), slot=60.0)
+    assert all(j.state.value == "completed" for j in result.jobs)
+    path.write_text(rows[0] + ",gpu_types\n" + rows[1] + ",A 100\n")
+    with pytest.raises(InputError, match="line 2.*gpu_types.*not a list of GPU type names"):
+        load_trace(path)

@@ -76,3 +76,22 @@ def test_the_status_answer_tells_the_master_which_workers_ended():
     r = Reporter(sp.server, "j", lambda: False, on_ended=sp.note_ended)
     r.report(status("forming"))
     assert sp.exit_codes() == {"w0": -9, "w1": -9, "w3": 1}
+
+
+def test_the_reporter_sends_the_goodput_numbers_as_plain_json():
+    """A job measuring its gradient noise scale reports it (with its batch and
+    LR factor) to the control plane; a non-finite number is sent as null, since
+    the server refuses a report that is not plain JSON (and would lose its step)."""
+    import dataclasses
+    import json
+
+    server = Server()
+    r = Reporter(server, "j", lambda: False)  # type: ignore[arg-type]
+    r.report(status("running"))
+    assert "goodput" not in server.posts[-1][1]  # no estimator: nothing sent
+    st = dataclasses.replace(status("running"), goodput={"batch": 128, "lr_factor": 3.5, "noise_scale": float("nan"),
+                                                         "efficiency": 0.8})
+    r.report(st)
+    body = server.posts[-1][1]
+    assert body["goodput"] == {"batch": 128, "lr_factor": 3.5, "noise_scale": None, "efficiency": 0.8}
+    json.dumps(body, allow_nan=False)

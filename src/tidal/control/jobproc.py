@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -84,7 +85,8 @@ class Reporter:
         self.last = st
         body = {**({"suspended_step": int(suspended["step"])} if suspended else {}),"state": st.state, "step": st.step, "epoch": st.epoch, "world_size": st.world_size,
                 "members": list(st.members), "gen": st.gen, "step_time_s": st.step_time_s,
-                "changing": st.changing, "changes": list(st.changes), "node": self.node}
+                "changing": st.changing, "changes": list(st.changes), "node": self.node,
+                **({"goodput": _finite(st.goodput)} if st.goodput else {})}  # noise scale, batch, LR factor
         try:
             code, ans = self.server.call("POST", f"/internal/jobs/{self.job}/status", body, patience_s=5)
         except Unavailable as e:  # keep training while the server is away
@@ -110,6 +112,13 @@ class Reporter:
         if self._suspended_at is None:
             self._suspended_at = self.clock()
         return self.workers_left() or self.clock() - self._suspended_at > LINGER_S
+
+
+def _finite(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with non-finite numbers as None: the server keeps reports as
+    plain JSON and refuses NaN (a report refused would lose the step too)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()
+            if isinstance(v, (int, float, str, bool)) or v is None}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

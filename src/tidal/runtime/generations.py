@@ -174,13 +174,14 @@ class Generations:
         if int(p.get("gen", -1)) == self.gen.gen and int(p["step"]) >= int(self.progress.get("step", 0)):
             self.progress.update(step=int(p["step"]), cursor=int(p["cursor"]), epoch=int(p["epoch"]),
                                  gen=int(p["gen"]), step_time_s=float(p["step_time_s"]),
-                                 last_step=list(p.get("last_step") or []))
+                                 last_step=list(p.get("last_step") or []), goodput=dict(p.get("goodput") or {}))
 
     def heartbeat(self, p: dict[str, Any]) -> None:
         """Progress rank 0 posted over HTTP (the same as the store's)."""
         if self.gen is not None and int(p.get("gen", -1)) == self.gen.gen:
             self.progress.update(step=int(p["step"]), cursor=int(p["cursor"]), epoch=int(p["epoch"]),
-                                 gen=int(p["gen"]), step_time_s=float(p.get("step_time_s") or 0.0))
+                                 gen=int(p["gen"]), step_time_s=float(p.get("step_time_s") or 0.0),
+                                 **({"goodput": dict(p["goodput"])} if p.get("goodput") else {}))
 
     # ------------------------------------------------------------------ generations and plans
     def mark(self, workers: Sequence[str], state: str) -> None:

@@ -353,7 +353,7 @@ def job_status(core: JobCore, url: str) -> Status:
                   epoch=int(p["epoch"]), step_time_s=float(p["step_time_s"]), changing=c is not None,
                   pending=None if c is None else c.pending, changes=tuple(core.changes), master_url=url,
                   stragglers=tuple(core.stragglers), hung=tuple(core.hung), last_step=tuple(p.get("last_step") or ()),
-                  dropped=tuple(core.lost.records),
+                  dropped=tuple(core.lost.records), goodput=dict(p.get("goodput") or {}),
                   hosts={w: str(core.group.workers.get(w, {}).get("host") or "") for w in (g.members if g else ())})
 
 

@@ -149,6 +149,8 @@ class Status:
     dropped: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     # each member's host, as the worker registered it (tidal scale --remove-host)
     hosts: dict[str, str] = field(default_factory=dict)
+    # the batch policy's numbers when it measures the noise scale (job.goodput): batch, lr_factor, noise_scale...
+    goodput: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

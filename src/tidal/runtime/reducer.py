@@ -35,6 +35,15 @@ before it is accumulated (a pre-accumulation hook), so a window of uneven
 micro-batches still sums to the exact fixed-size gradient, and the synced
 backward that closes the window reduces without scaling again.
 
+Gradient norms (for the noise scale, :mod:`tidal.runtime.noise`): with
+``measure`` on, each bucket's squared norm is taken just before its
+all-reduce is launched (one ``torch.dot`` on the flat buffer, i.e. this
+rank's weighted gradient before reduction); their sum is
+:attr:`GradReducer.local_sq` when the listener's ``sync_begin`` runs, so the
+listener can put it in the control tail. After the reduction the squared
+norm of the reduced buckets is :attr:`GradReducer.reduced_sq` when
+``sync_done`` runs. Off (the default), nothing is computed.
+
 A silent peer (a cut host, a stopped process) cannot hold the training
 thread for the collective timeout: every collective is launched with
 ``async_op=True`` and waited for through :func:`tidal.runtime.abortable.wait`,
@@ -145,6 +154,10 @@ class GradReducer:
         self.syncs = 0  # synced backward passes since arm()
         self.last_extra: list[float] = []
         self._next = 0
+        self.measure = False  # take the gradient norms (noise scale)
+        self.local_sq = 0.0  # this rank's |bucket contents|² before the reduction (in sync_begin)
+        self.reduced_sq = 0.0  # |reduced bucket contents|² (in sync_done)
+        self._sq: list[torch.Tensor] = []
 
     def remove(self) -> None:
         for h in self._handles:
@@ -190,6 +203,7 @@ class GradReducer:
         if not self.queued:
             self.queued = True
             self._next = 0
+            self._sq = []
             for b in self.buckets:
                 b.ready.clear()
                 b.work = None
@@ -201,6 +215,7 @@ class GradReducer:
         b.ready.add(id(p))
         last = len(self.buckets) - 1 if self.merge else len(self.buckets)  # the last one carries the control tail
         while self._next < last and len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+            self._norm(self.buckets[self._next])
             self._launch(self.buckets[self._next])
             self._next += 1
 
@@ -215,6 +230,11 @@ class GradReducer:
             view.copy_(g.detach())
         else:
             torch.mul(g.detach(), self.weight, out=view)
+
+    def _norm(self, b: _Bucket) -> None:
+        """This rank's squared norm of ``b`` before its all-reduce (measuring only)."""
+        if self.measure and self.distributed:
+            self._sq.append(_sqnorm(b.buf[: b.n]))
 
     def _launch(self, b: _Bucket, extra: int = 0) -> None:
         if self.distributed:
@@ -265,6 +285,10 @@ class GradReducer:
                 if id(p) not in b.ready:
                     self._fill(b, p)
         unused = [p for b in self.buckets for p in b.params if p.grad is None]
+        if self.measure:
+            for b in self.buckets[self._next :]:
+                self._norm(b)
+            self.local_sq = float(torch.stack([t.double() for t in self._sq]).sum()) if self._sq else 0.0
         extra = self.listener.sync_begin() if self.listener is not None else []
         control = [1.0 if unused else 0.0, *extra]
         if self.merge:
@@ -284,6 +308,9 @@ class GradReducer:
                 self._wait(b.work)
                 b.work = None
         reduced = self._get_tail(len(control)) if self.merge else c.tolist()
+        if self.measure:
+            self.reduced_sq = float(sum(_sqnorm(b.buf[: b.n]) for b in self.buckets)) if self.buckets else 0.0
+            self._sq = []
         skip = self._globally_unused(unused) if reduced[0] > 0 else set()
         for b in self.buckets:
             for p, g in zip(b.params, b.views):
@@ -331,6 +358,13 @@ class GradReducer:
             self._wait(dist.all_reduce(used, async_op=True))
         flags = used.tolist()
         return {id(p) for p in self.params if flags[self.index[id(p)]] == 0.0}
+
+
+def _sqnorm(x: torch.Tensor) -> torch.Tensor:
+    """``|x|²`` of a flat buffer (accumulated in float32 for half precision)."""
+    if x.dtype in (torch.float32, torch.float64):
+        return torch.dot(x, x)
+    return torch.linalg.vector_norm(x, dtype=torch.float32).square()
 
 
 def _make_buckets(params: list[torch.nn.Parameter], cap: int, first_cap: int) -> list[_Bucket]:

@@ -12,7 +12,15 @@ its gradients are zeroed and the registered optimizers skip it, so an
 update the script still makes changes nothing, and recovery follows at the
 next boundary. In the first two synced steps of each generation and every
 ``$TIDAL_CHECK_EVERY`` steps the replicas compare checksums
-(:mod:`tidal.runtime.checksum`)."""
+(:mod:`tidal.runtime.checksum`).
+
+When the batch policy measures the gradient noise scale
+(:mod:`tidal.runtime.noise`), each rank adds to the control tail its
+weighted squared gradient norm, its weight and samples in the step, its
+compute time and the previous step's time; every rank then hands the same
+reduced numbers to the policy (``policy.observe``), so a policy that
+changes the batch (``goodput``) decides the same on every rank, at a step
+boundary (``policy.revise``) or at a switch."""
 
 from __future__ import annotations
 
@@ -28,9 +36,11 @@ from tidal.runtime import checksum
 from tidal.runtime.capture import LateOptimizerGuard, complete
 from tidal.runtime.data import StepSlice
 from tidal.runtime.faults import FaultInjector
+from tidal.runtime.goodput import StepSample
 from tidal.runtime.heartbeat import Heartbeat, StragglerWatch
 from tidal.runtime.membership import Membership
 from tidal.runtime.messages import SwitchPlan
+from tidal.runtime.noise import RANK_NUMBERS, StepNorms, rank_numbers
 from tidal.runtime.reducer import GradReducer
 from tidal.runtime.state import StepSnapshot, TrainState
 
@@ -49,6 +59,8 @@ class Window:
     snapshot: StepSnapshot | None = None  # user-side state at the start of the step
     t0: float = 0.0
     compute_s: float = 0.0  # start of the step to the end of its synced backward
+    weight: float = 0.0  # this rank's reducer weights summed over the step's micro-batches
+    samples: int = 0  # this rank's samples in the step
 
 
 @dataclass
@@ -59,12 +71,16 @@ class StepTiming:
     last_step_end: float | None = None
     # (step, wall time at its end, world size)
     step_ends: deque[tuple[int, float, int]] = field(default_factory=lambda: deque(maxlen=10_000))
+    # the last step's (duration, world size, global batch); None if it was not timed
+    last: tuple[float, int, int] | None = None
 
-    def record(self, step: int, world_size: int) -> None:
+    def record(self, step: int, world_size: int, batch: int = 0) -> None:
         """Step ``step`` just ended."""
         now = time.perf_counter()
+        self.last = None
         if self.last_step_end is not None:
             self.step_times.append(now - self.last_step_end)
+            self.last = (now - self.last_step_end, world_size, batch)
         self.last_step_end = now
         self.step_ends.append((step, time.time(), world_size))
 
@@ -129,6 +145,8 @@ class StepRunner:
             self.heartbeat.phase = ("compute", t.step)
         w.slice, w.next_cursor = sl, next_cursor
         weight = sl.local_size / sl.global_size if sl.global_size else 0.0
+        w.weight, w.samples = w.weight + weight, w.samples + sl.local_size
+        self.reducer.measure = t.policy.noise is not None
         self.reducer.arm(weight, dist.is_initialized() and seat.world_size > 1)
 
     def optimizer_stepped(self) -> None:
@@ -150,12 +168,41 @@ class StepRunner:
         extra = [0.0] * seat.world_size if self._track else []
         if self._track:
             extra[seat.rank] = w.compute_s
-        return [ctrl[0], ctrl[1], *extra]
+        return [ctrl[0], ctrl[1], *extra, *self._noise_numbers()]
+
+    def _noise_numbers(self) -> list[float]:
+        """This rank's numbers for the noise scale and the step-time model
+        (none unless the policy measures the noise scale): see
+        :func:`tidal.runtime.noise.rank_numbers`, then the compute time and
+        the previous step's time if it ran at the same world size and batch."""
+        if self.reducer is None or not self.reducer.measure:
+            return []
+        w, last = self.window, self.timing.last
+        same = last is not None and last[1:] == (self.membership.seat.world_size, self.train.global_batch_size)
+        return [*rank_numbers(self.reducer.local_sq, w.weight, w.samples), w.compute_s,
+                last[0] if same and last is not None else 0.0, 1.0 if same else 0.0]
+
+    def _observe(self, tail: list[float]) -> None:
+        """Hand the reduced noise-scale numbers and the step's timing (when
+        every rank timed it) to the batch policy; equal on every rank."""
+        t, n = self.train, self.membership.seat.world_size
+        assert self.reducer is not None
+        norms = StepNorms.from_tail(tail[:RANK_NUMBERS], self.reducer.reduced_sq)
+        scaler = t.elastic.scaler if t.elastic is not None else None
+        if scaler is not None and getattr(scaler, "is_enabled", lambda: False)():
+            norms = norms.scaled(float(scaler.get_scale()) ** 2)  # the AMP loss scale, in both norms
+        c, step_s, timed = tail[RANK_NUMBERS:]
+        timing = StepSample(n, t.global_batch_size / n, 1, c / n, step_s / n) if round(timed) == n else None
+        t.policy.observe(norms, timing)
 
     def sync_done(self, reduced: list[float]) -> None:
         seat, agreement, step = self.membership.seat, self.membership.agreement, self.train.step
+        measured = self.reducer is not None and self.reducer.measure
+        end = len(reduced) - (RANK_NUMBERS + 3 if measured else 0)
+        if measured:
+            self._observe(reduced[end:])
         if self._track and seat.rank == 0 and seat.gen is not None:
-            for rep in self.stragglers.check(reduced[2:], seat.gen, step):
+            for rep in self.stragglers.check(reduced[2:end], seat.gen, step):
                 self.heartbeat.report_straggler(rep)
         ag = agreement.settle(self._plan, (reduced[0], reduced[1]), step)
         if ag is not None and seat.rank == 0:
@@ -211,11 +258,24 @@ class StepRunner:
         t.cursor = w.next_cursor if epoch_end is None else max(w.next_cursor, epoch_end)
         if w.stepped:
             t.step += 1
-            self.timing.record(t.step, self.membership.seat.world_size)
+            self.timing.record(t.step, self.membership.seat.world_size, t.global_batch_size)
+            self._revise()
         self.close_window()
         self.heartbeat.phase = ("idle", t.step)
         self.heartbeat.wake()
         return w.stepped
+
+    def _revise(self) -> None:
+        """After a committed step: the policy may move the global batch
+        (``goodput``, on a drift of the noise scale); the same on every rank,
+        as its inputs are reduced numbers. The loader splits the new batch
+        from the cursor on, so every sample is still used once per epoch."""
+        t = self.train
+        new = t.policy.revise(t.step, self.membership.seat.world_size)
+        if new is not None and new != t.global_batch_size:
+            log.info("worker %s: global batch %d -> %d at step %d (%s)", self.worker_id, t.global_batch_size, new,
+                     t.step, t.policy.name)
+            t.global_batch_size = new
 
     def close_window(self) -> None:
         self.window = Window()

@@ -42,6 +42,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
 import operator
 import os
 import sys
@@ -123,7 +124,7 @@ class Job:
 
     # ------------------------------------------------------------------ views
     state = _view("train.elastic", "The registered :class:`ElasticState`.")
-    policy = _view("train.policy", "The batch policy (strong, weak or hybrid).")
+    policy = _view("train.policy", "The batch policy (strong, weak, hybrid or goodput).")
     global_batch_size = _view("train.global_batch_size")
     cursor = _view("train.cursor", "The data state: the global sample position.")
     step_count = _view("train.step", "Optimizer steps taken so far.")
@@ -138,6 +139,8 @@ class Job:
     straggler_reports = _view("runner.stragglers.reports", "Stragglers this worker (as rank 0) reported.")
     reducer = _view("runner.reducer")
     faults = _view("runner.faults", "Injected faults (``$TIDAL_FAULTS``).")
+    goodput = property(lambda self: self.train.policy.report(self.train.step), doc="The batch policy's numbers: "
+                       "global batch, LR factor, noise scale, efficiency, gain (:mod:`tidal.runtime.goodput`).")
 
     @property
     def rank(self) -> int:
@@ -366,14 +369,8 @@ class Job:
             dist.destroy_process_group()
 
     def summary(self) -> dict[str, Any]:
-        rtts = list(self.heartbeat.rtts_ms)
-        return {
-            "worker": self.worker_id, "steps": self.step_count, "cursor": self.cursor, "left": self.left,
-            "suspended": self.suspended, "step_time_s": self.step_time_s, "pauses": self.pauses,
-            "coord_rtt_ms_p50": _pctl(rtts, 0.5), "coord_rtt_ms_p99": _pctl(rtts, 0.99), "heartbeats": len(rtts),
-            "failures": self.failures, "stragglers": self.straggler_reports, "resumed_from": self.resumed_from,
-            "checkpoints": self.checkpoints,
-        }
+        """This worker's numbers (and the batch policy's, when it measures the noise scale)."""
+        return _summary(self)
 
     def _progress(self, g: Generation) -> dict[str, Any]:
         """Heartbeat thread: what rank 0 reports (reads of values the training thread replaces whole)."""
@@ -381,7 +378,27 @@ class Job:
         ls = ends[-1] if ends else None  # (step, wall time at its end, world size)
         return {"gen": g.gen, "step": self.step_count, "cursor": self.cursor, "epoch": self.epoch,
                 "step_time_s": self.step_time_s, "world_size": self.world_size,
-                "last_step": list(ls) if ls is not None else []}
+                "last_step": list(ls) if ls is not None else [], **_goodput_report(self)}
+
+
+def _summary(job: Job) -> dict[str, Any]:
+    rtts = list(job.heartbeat.rtts_ms)
+    return {
+        "worker": job.worker_id, "steps": job.step_count, "cursor": job.cursor, "left": job.left,
+        "suspended": job.suspended, "step_time_s": job.step_time_s, "pauses": job.pauses,
+        "coord_rtt_ms_p50": _pctl(rtts, 0.5), "coord_rtt_ms_p99": _pctl(rtts, 0.99), "heartbeats": len(rtts),
+        "failures": job.failures, "stragglers": job.straggler_reports, "resumed_from": job.resumed_from,
+        "checkpoints": job.checkpoints, **_goodput_report(job),
+    }
+
+
+def _goodput_report(job: Job) -> dict[str, Any]:
+    """``{"goodput": job.goodput}`` with JSON-safe numbers (an infinite noise
+    scale as None) when the policy measures the noise scale; else empty."""
+    if job.train.policy.noise is None:
+        return {}
+    rep = job.train.policy.report(job.train.step)
+    return {"goodput": {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rep.items()}}
 
 
 def _default_device() -> torch.device:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -14,6 +15,7 @@ from tidal.scheduler.policies.elastic_tiresias import ElasticTiresias
 from tidal.scheduler.policies.elasticflow import ElasticFlow
 from tidal.scheduler.policies.fifo import FIFO
 from tidal.scheduler.policies.gandiva import Gandiva
+from tidal.scheduler.policies.gavel import Gavel
 from tidal.scheduler.policies.k8s_default import K8sDefault
 from tidal.scheduler.policies.optimus import Optimus
 from tidal.scheduler.policies.pollux import Pollux
@@ -22,6 +24,7 @@ from tidal.scheduler.policies.termination import Termination
 from tidal.scheduler.policies.themis import Themis
 from tidal.scheduler.policies.tidal import Tidal
 from tidal.scheduler.policies.tidal_goodput import TidalGoodput
+from tidal.scheduler.policies.tidal_hetero import TidalHetero
 from tidal.scheduler.policies.tiresias import Tiresias
 
 _POLICIES: dict[str, Callable[..., Policy]] = {
@@ -34,6 +37,7 @@ _POLICIES: dict[str, Callable[..., Policy]] = {
     "elasticflow": ElasticFlow,
     "fifo": FIFO,
     "gandiva": Gandiva,
+    "gavel": Gavel,
     "k8s-default": K8sDefault,
     "optimus": Optimus,  # goodput study (Pollux, OSDI'21)
     "pollux": Pollux,  # goodput study
@@ -42,6 +46,8 @@ _POLICIES: dict[str, Callable[..., Policy]] = {
     "themis": Themis,
     "tidal": Tidal,
     "tidal-goodput": TidalGoodput,  # goodput study
+    "tidal-hetero": TidalHetero,
+    "tidal-hetero-agnostic": functools.partial(TidalHetero, hetero=False),
     "tiresias": Tiresias,
 }
 

@@ -39,6 +39,10 @@ Formats (detected from the header by :func:`detect_format`):
     with no upper bound (a policy caps them where more GPUs stop helping);
     with ``elastic=False`` they run at ``num_replicas``.
 
+Every format may add the columns ``gpu_types`` and ``exclude_gpu_types``
+(GPU type names separated by ``;``; empty: no constraint), the job's
+``JobSpec.gpu_types`` / ``exclude_gpu_types``.
+
 ITP and philly-ef jobs keep the trace's order and absolute times. Every job keeps
 its original ``duration`` (and Philly's ``cluster``) in ``JobSpec.meta``.
 
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import re
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -317,10 +322,22 @@ def _model_name(row: _Row, field: str, profiles: ThroughputProfile) -> str:
 
 
 def _job(row: _Row, **kwargs) -> JobSpec:
+    for col in TYPE_COLUMNS:  # optional in every format: GPU-type constraints, names separated by ';'
+        raw = row.cells.get(col, "")
+        if raw.strip():
+            names = [t.strip() for t in raw.split(";")]
+            if not all(_TYPE_NAME.fullmatch(t) for t in names):
+                raise row.error(col, f"not a list of GPU type names separated by ';': {raw!r}")
+            kwargs[col] = tuple(names)
     try:
         return JobSpec(**kwargs)
     except InputError as exc:  # JobSpec's own checks: add file and line
         raise row.error(exc.field, exc.reason) from None
+
+
+#: Optional columns of any format: the GPU types a job may run on / must not.
+TYPE_COLUMNS = ("gpu_types", "exclude_gpu_types")
+_TYPE_NAME = re.compile(r"[A-Za-z][\w.-]{0,62}")
 
 
 # -- per-format parsers -----------------------------------------------------
