@@ -48,6 +48,9 @@ PLAN_DIGESTS: dict[str, str] = {
     "tidal": "1e2c256f2c89648d",
     "tidal-hetero": "2c6c052e15919381",
     "tidal-hetero-agnostic": "2c6c052e15919381",
+    "tidal-goodput": "1e2c256f2c89648d",  # tidal's decisions on a plain profile
+    "pollux": "eefcc9eb22bbc594",
+    "optimus": "cd8ccd775122f643",
     "tiresias": "e8acd79f29487b03"
 }
 SIM_DIGESTS: dict[str, str] = {
@@ -68,7 +71,10 @@ SIM_DIGESTS: dict[str, str] = {
     "tidal": "e73186e451005c82",
     "tidal-hetero": "0b50a38100ec2a5d",
     "tidal-hetero-agnostic": "e03fc7fbc3b1add5",
-    "tiresias": "8fc0561ff45b6fc1"
+    "tiresias": "8fc0561ff45b6fc1",
+    "pollux": "5fb1dfb4e1c08128",
+    "optimus": "c735057b33d06292",
+    "tidal-goodput": "c3e45407ebe34409"
 }
 
 
