@@ -65,6 +65,11 @@ VALID_FIELDS: dict[str, st.SearchStrategy[Any]] = {
         "memory": st.one_of(st.sampled_from(["2Gi", "512Mi", "4G", "1.5Gi", "0", "-1Gi", "2Zi"]),
                             st.integers(-1, 2**40), TEXT),
         "cpus": st.one_of(st.none(), FLOAT, st.integers(-2, 2000))})),
+    # GPU-type constraints: mostly absent (n0 has no type, so a required type is refused at submit)
+    "gpu_type": st.one_of(st.none(), st.none(), st.none(), st.sampled_from(["A100", "T4", ""]), TEXT),
+    "gpu_types": st.one_of(st.none(), st.none(), st.lists(st.sampled_from(["A100", "T4", "V100", ""]), max_size=3),
+                           st.sampled_from(["A100", "T4"]), TEXT),
+    "exclude_gpu_types": st.one_of(st.none(), st.lists(st.sampled_from(["A100", "T4", "x y"]), max_size=2), TEXT),
 }
 KEYS = st.one_of(st.none(), st.sampled_from(["k1", "k2", "same-key"]),  # replays and reuses
                  st.text(st.characters(min_codepoint=32, max_codepoint=255), max_size=140))
