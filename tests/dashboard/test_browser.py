@@ -89,9 +89,9 @@ def test_a_tenant_sees_its_running_job_on_its_gpus(page, live):
     assert sorted(int(g) for g in held.evaluate_all("els => els.map(e => e.dataset.gid)")) == live.alice.job(live.job)["gpus"]
     expect(page.locator(".node .badge.up")).to_have_count(2)
     # each node with its GPU type (the agents' --gpu-type), and the cluster's GPUs by type
-    expect(page.locator('.node[data-node="node-0"] .gpu-type')).to_have_text("2 × T4")
+    expect(page.locator('.node[data-node="node-0"] .gpu-type')).to_have_text("2 × T4")  # its agent's --gpu-type
     expect(page.locator('.node[data-node="node-1"] .gpu-type')).to_have_text("2 × A100")
-    expect(page.locator("#cluster-summary")).to_contain_text("GPUs busy (2 T4, 2 A100)")
+    expect(page.locator("#cluster-summary")).to_contain_text("GPUs busy (2 A100, 2 T4)")  # types by name
     expect(page.locator("#live")).to_have_text("live")
     shot(page, "cluster")
     page.click('a[data-route="jobs"]')

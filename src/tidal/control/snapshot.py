@@ -22,6 +22,7 @@ from tidal.core.topology import Cluster, describe
 from tidal.core.topology import Node as TreeNode
 from tidal.control.db import GPU, Job, Node, ThroughputRow
 from tidal.scheduler.api import JobView, Snapshot
+from tidal.scheduler.goodput import REPORT_TAG
 
 
 ACTIVE = ("submitted", "pending", "running", "resizing")
@@ -143,8 +144,12 @@ def build_snapshot(s: Session, now: float, overheads: OverheadModel) -> tuple[Sn
                 profiles.curves["generic"].setdefault(b, GENERIC)
         held = tuple(sorted(index[g] for g in holders.get(j.id, []) if g in index))
         state = JobState(j.state)
+        tags = dict(j.tags or {})
+        reported = (j.progress or {}).get("goodput")
+        if isinstance(reported, dict) and reported:  # the job's own numbers (noise scale...): read-only for policies
+            tags[REPORT_TAG] = dict(reported)
         views.append(JobView(spec, state, held, j.done, j.attained, j.executed, j.waiting_since, j.admitted,
-                             dict(j.tags or {}), int(j.batch or 0)))
+                             tags, int(j.batch or 0)))
         by_id[j.id] = j
     snap = Snapshot(now=now, cluster=cluster, jobs=tuple(views), profiles=profiles, overheads=overheads)
     return snap, gmap, by_id

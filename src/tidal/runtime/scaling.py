@@ -223,6 +223,11 @@ class GoodputScaling(BatchPolicy):
         rec[3] += timing.compute_s
         rec[4] += timing.step_s
 
+    def report(self, step: int) -> dict[str, Any]:
+        """The base numbers and the largest batch it may choose (a scheduler
+        rates the job's larger allocations with it)."""
+        return {**super().report(step), "max_batch": self.max_batch}
+
     def samples(self) -> list[StepSample]:
         """The measured configurations, as the model's input."""
         return [StepSample(int(n), b / n, int(c), sc / c, ss / c) for n, b, c, sc, ss in self.timings.values() if c]

@@ -38,7 +38,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -62,6 +62,53 @@ StepFn = Callable[[int, int, float], float]  # (nodes, replicas, local batch) ->
 def efficiency(phi: float, m0: float, m: float) -> float:
     """Pollux eq. 4: samples at ``M0`` one sample at batch ``m`` is worth."""
     return (phi + m0) / (phi + m)
+
+
+#: The view tag a live executor fills with a job's own reported numbers
+#: (``noise_scale``, ``base_batch``, ``max_batch``...: the runtime's goodput
+#: scaling, measured online); policies only read it.
+REPORT_TAG = "goodput"
+
+
+def reported_noise(tags: Mapping[str, Any]) -> tuple[float, int, int] | None:
+    """``(noise scale, base batch, largest batch)`` a running job reported
+    (its ``REPORT_TAG``), or None without a usable estimate."""
+    rep = tags.get(REPORT_TAG)
+    if not isinstance(rep, Mapping):
+        return None
+    phi, m0 = rep.get("noise_scale"), rep.get("base_batch")
+    if not isinstance(phi, (int, float)) or not isinstance(m0, int) or not math.isfinite(phi) or phi <= 0 or m0 < 1:
+        return None
+    top = rep.get("max_batch")
+    return float(phi), m0, int(top) if isinstance(top, int) and top >= m0 else 8 * m0
+
+
+def best_reported(throughput: Callable[[int], float], phi: float, m0: int, top: int, points: int = 16
+                  ) -> tuple[int, float]:
+    """The batch in ``[m0, top]`` (a geometric grid) with the most goodput, in
+    steps at ``m0`` per second, from ``throughput(batch)`` (iterations/s at
+    that global batch on the allocation): Pollux §3.1's goodput with the
+    job's measured noise scale ``phi``."""
+    best_b, best_g = m0, 0.0
+    for b in sorted({int(round(m0 * (top / m0) ** (i / (points - 1)))) for i in range(points)}):
+        g = throughput(b) * b / m0 * efficiency(phi, m0, b)
+        if g > best_g:
+            best_b, best_g = b, g
+    return best_b, best_g
+
+
+def local_batch_throughput(profile: ThroughputProfile, model: str, batch: float, n: int) -> float:
+    """Iterations/s of ``model`` at global ``batch`` on ``n`` GPUs from a
+    profile measured at other batches: each GPU runs at the per-GPU speed the
+    profile measured at the same local batch (``batch / n``), on its largest
+    batch (weak scaling; a local batch above every measured one runs at the
+    largest measured local batch's per-sample speed)."""
+    if n < 1 or batch <= 0:
+        return 0.0
+    bp = max(profile.batch_sizes(model))
+    k = max(1.0, bp * n / batch)  # the profile's count with this local batch
+    per_gpu = profile.throughput(model, bp, k) * bp / k  # samples/s of one GPU there
+    return n * per_gpu / batch
 
 
 def is_goodput_job(spec: JobSpec) -> bool:

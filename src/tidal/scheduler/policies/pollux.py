@@ -39,7 +39,7 @@ import math
 from typing import Sequence
 
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
-from tidal.scheduler.goodput import phi_bucket
+from tidal.scheduler.goodput import best_reported, local_batch_throughput, phi_bucket, reported_noise
 
 _MAX = "pollux_max"  # tag: most GPUs the job has held
 _MOVES = "pollux_moves"  # tag: re-allocations so far
@@ -99,6 +99,17 @@ def grow(tables: dict[str, tuple[Sequence[int], Sequence[float]]], base: dict[st
     return alloc
 
 
+def _live_speedups(prof, model: str, counts: Sequence[int], phi: float, m0: int, top: int) -> list[float]:  # type: ignore[no-untyped-def]
+    """SPEEDUP of a live job at each count: its best goodput there (the
+    profile's per-GPU speed at each local batch, the job's reported noise
+    scale) over its best on one GPU."""
+    def best(k: int) -> float:
+        return best_reported(lambda b: local_batch_throughput(prof, model, b, k), phi, m0, top)[1]
+
+    one = best(1)
+    return [best(k) / one if one > 0 else 0.0 for k in counts]
+
+
 class Pollux(Policy):
     """``p``: the fitness exponent (-1: harmonic mean). ``restart_s``: the
     restart delay ``delta`` of the re-allocation penalty. ``growth``: a job
@@ -128,9 +139,11 @@ class Pollux(Policy):
         gp = prof.goodput if owns is not None and owns(spec) else None  # type: ignore[attr-defined]
         batch = j.batch or spec.batch_size
         phi = gp.phi(spec.model, j.done, batch) if gp is not None else 0.0  # what the job's agent measures now
+        live = reported_noise(j.tags) if gp is None else None  # a live job's own measured noise scale
         held = max(j.tags.get(_MAX, 0), j.size)
         cap = min(spec.hi(total), max(int(self.growth * held), gpn)) if spec.elastic else 0
-        key = (cap, j.size, gpn, total, id(prof), phi_bucket(phi) if gp is not None else batch)
+        key = (cap, j.size, gpn, total, id(prof),
+               phi_bucket(phi) if gp is not None else (phi_bucket(live[0]), live[1:]) if live else batch)
         hit = self._memo.get(spec.job_id)
         if hit is not None and hit[0] is spec and hit[1] == key:
             return hit[2]
@@ -144,6 +157,8 @@ class Pollux(Policy):
             one = gp.best(spec.model, 1, phi)[1]
             bests = [gp.best(spec.model, k, phi) for k in counts]
             speedups, batches = [b[1] / one if one > 0 else 0.0 for b in bests], [b[0] for b in bests]
+        elif live is not None:  # the job picks its batch itself (the runtime's goodput scaling): rate its best
+            speedups, batches = _live_speedups(prof, spec.model, counts, *live), [0] * len(counts)
         else:
             one = snap.progress_rate(j, 1) or 1.0
             speedups, batches = [snap.progress_rate(j, k) / one for k in counts], [0] * len(counts)

@@ -223,7 +223,7 @@ function renderCluster(s) {
     const t = (n.labels || {})["gpu-type"];
     if (t) byType.set(t, (byType.get(t) || 0) + n.gpus.length);
   }
-  const types = byType.size ? ` (${[...byType].map(([t, k]) => `${k} ${t}`).join(", ")})` : "";
+  const types = byType.size ? ` (${[...byType].sort(([a], [b]) => a.localeCompare(b)).map(([t, k]) => `${k} ${t}`).join(", ")})` : "";
   $("cluster-summary").textContent = `${nodes.length} nodes, ${busy}/${gpus} GPUs busy${types}, policy ${s.policy}`;
   const seen = new Map();
   $("nodes").replaceChildren(...nodes.map((n) => {
