@@ -126,6 +126,7 @@ class Pollux(Policy):
         self.growth = float(growth)
         self.slot = float(slot) if slot > 0 else 60.0
         self._memo: dict[str, tuple] = {}  # job id -> (spec, key, its speedup curve)
+        self._shared: dict[tuple, tuple] = {}  # counts and plain-profile speedups, shared by alike jobs
 
     # -- speedups ------------------------------------------------------------
     def _curve(self, snap: Snapshot, j: JobView, gpn: int) -> tuple[list[int], list[float], list[int]]:
@@ -147,27 +148,45 @@ class Pollux(Policy):
         hit = self._memo.get(spec.job_id)
         if hit is not None and hit[0] is spec and hit[1] == key:
             return hit[2]
-        if not spec.elastic:
-            counts = spec.counts(total)
-        else:
-            counts = [k for k in candidate_counts(cap, gpn, spec.lo) if spec.can_run_at(k)]
-            if j.size and j.size not in counts and spec.can_run_at(j.size):
-                counts = sorted(set(counts) | {j.size})
+        counts = self._counts(spec, cap, gpn, total, j.size)
         if gp is not None:
             one = gp.best(spec.model, 1, phi)[1]
             bests = [gp.best(spec.model, k, phi) for k in counts]
             speedups, batches = [b[1] / one if one > 0 else 0.0 for b in bests], [b[0] for b in bests]
         elif live is not None:  # the job picks its batch itself (the runtime's goodput scaling): rate its best
             speedups, batches = _live_speedups(prof, spec.model, counts, *live), [0] * len(counts)
-        else:
-            one = snap.progress_rate(j, 1) or 1.0
-            speedups, batches = [snap.progress_rate(j, k) / one for k in counts], [0] * len(counts)
+        else:  # alike jobs (model, batches, counts) share the curve
+            skey = ("rate", id(prof), spec.model, batch, spec.batch_size, counts)
+            shared = self._shared.get(skey)
+            if shared is None or shared[0] is not prof:  # (an id may be reused by a later profile)
+                one = snap.progress_rate(j, 1) or 1.0
+                shared = self._shared[skey] = (prof, tuple(snap.progress_rate(j, k) / one for k in counts))
+            speedups, batches = list(shared[1]), [0] * len(counts)
         keep = [i for i, x in enumerate(speedups) if x > 0]
         out = ([counts[i] for i in keep], [speedups[i] for i in keep], [batches[i] for i in keep])
         if len(self._memo) > 100_000:
             self._memo.clear()
+        if len(self._shared) > 50_000:
+            self._shared.clear()
         self._memo[spec.job_id] = (spec, key, out)
         return out
+
+    def _counts(self, spec, cap: int, gpn: int, total: int, size: int) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
+        """The counts a job is offered (its allowed ones among
+        :func:`candidate_counts`, and the count it holds), shared by jobs
+        with the same limits."""
+        key = ("counts", spec.elastic, cap, gpn, total, size, spec.lo, spec.max_gpus, spec.allowed_gpus,
+               spec.requested_gpus)
+        hit = self._shared.get(key)
+        if hit is None:
+            if not spec.elastic:
+                counts = spec.counts(total)
+            else:
+                counts = [k for k in candidate_counts(cap, gpn, spec.lo) if spec.can_run_at(k)]
+                if size and size not in counts and spec.can_run_at(size):
+                    counts = sorted(set(counts) | {size})
+            hit = self._shared[key] = tuple(counts)
+        return hit
 
     def _penalty(self, snap: Snapshot, j: JobView) -> float:
         """Pollux §4.2's re-allocation factor (T_j - R_j d) / (T_j + d)."""
