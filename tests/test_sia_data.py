@@ -209,3 +209,24 @@ def test_profile_counts_are_dense_then_sparse():
     big = profile_counts(2048)
     assert big[:64] == list(range(1, 65)) and big[-1] == 2048 and len(big) < 120
     assert all(b > a and b <= math.ceil(a * 1.1) + 1 for a, b in zip(big[64:], big[65:]))
+
+
+def test_progress_auto_is_goodput_on_one_gpu_type_and_steps_on_a_mixed_cluster(shared):
+    """`tidal simulate`'s default for a Pollux/Sia workload: goodput jobs
+    (statistical-efficiency progress, a model fitted for one GPU type) on a
+    cluster of one type; fixed-batch steps at each type's speed on a mixed one."""
+    from tidal.cli.simulate import _load_inputs
+    from tidal.scheduler.goodput import is_goodput_job
+
+    workload = shared / "sia" / "workloads" / "saturn" / "workload-1.csv"
+    if not workload.is_file():
+        pytest.skip(f"Sia workload not found at {workload}")
+
+    def kinds(cluster: str, progress: str) -> set[bool]:
+        _, tr = _load_inputs(workload, "auto", parse_cluster(cluster), None, seed=0, limit=20, elastic=True,
+                             progress=progress)
+        return {is_goodput_job(j) for j in tr.jobs}
+
+    assert kinds("n16g4", "auto") == {True}
+    assert kinds(SIA_CLUSTER, "auto") == {False}
+    assert kinds(SIA_CLUSTER, "efficiency") == {True} and kinds("n16g4", "steps") == {False}

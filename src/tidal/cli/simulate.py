@@ -182,17 +182,21 @@ def _options_problem(names: list[str], fidelity: str, out: Optional[Path], trace
 
 
 def _load_inputs(trace: Path, fmt: str, topo: Any, profiles_dir: Optional[Path], *, seed: int,
-                 limit: Optional[int], elastic: bool, progress: str = "efficiency") -> tuple[Any, Any]:
+                 limit: Optional[int], elastic: bool, progress: str = "auto") -> tuple[Any, Any]:
     """The throughput profiles and the trace. A Pollux/Sia workload brings
     its own: profiles fitted to the measured data of its ``traces/`` folder
     (or of ``--profiles`` when that is such a folder) for this cluster's GPU
     types (:mod:`tidal.sim.sia`); with ``progress="efficiency"`` its jobs are
-    goodput jobs (:mod:`tidal.sim.goodput`)."""
+    goodput jobs (:mod:`tidal.sim.goodput`); ``"auto"``: goodput jobs on a
+    cluster of one GPU type, fixed-batch steps at each type's speed on a
+    mixed one."""
     from tidal.core.profile import load_profiles
     from tidal.sim.traces import detect_format, load_trace, resolve_trace
 
-    if progress not in ("efficiency", "steps"):
-        raise InputError(f"must be efficiency or steps, got {progress!r}", field="--progress")
+    if progress not in ("auto", "efficiency", "steps"):
+        raise InputError(f"must be auto, efficiency or steps, got {progress!r}", field="--progress")
+    if progress == "auto":  # the goodput model is measured on one GPU type: per-type steps on a mixed cluster
+        progress = "efficiency" if len({n.gpu_type for n in topo.nodes}) <= 1 else "steps"
     if (fmt if fmt != "auto" else detect_format(resolve_trace(trace))) == "pollux":
         from tidal.sim.sia import data_for, workload_profiles
 
@@ -243,8 +247,9 @@ def simulate(
     overhead: str = typer.Option("stop-free", "--overhead", help="Rescale overhead model: stop-free | stop-resume "
                                  "| restart (Pollux's simulator: 30 s without progress on every change, the first "
                                  "start included)."),
-    progress: str = typer.Option("efficiency", "--progress", help="A Pollux/Sia workload's progress: efficiency "
-                                 "(goodput jobs, Pollux's statistical efficiency) | steps (fixed-batch steps)."),
+    progress: str = typer.Option("auto", "--progress", help="A Pollux/Sia workload's progress: efficiency "
+                                 "(goodput jobs, Pollux's statistical efficiency) | steps (fixed-batch steps at each "
+                                 "GPU type's speed) | auto (efficiency on a cluster of one GPU type, else steps)."),
     profiles_dir: Optional[Path] = typer.Option(None, "--profiles", help="Throughput profile directory (default: shipped A100); for a Pollux/Sia workload, its "
                                                      "measured-data folder (default: the traces/ folder above it)."),
     rigid: bool = typer.Option(False, "--rigid", metavar="", help="Treat every job as rigid (not elastic)."),
