@@ -66,7 +66,8 @@ class LocalCluster:
         self.home.mkdir(parents=True, exist_ok=True)
         self.layout: tuple[tuple[int, str], ...] = (
             tuple((int(g), t) for g, t in layout) if layout else ((gpus_per_node, ""),) * nodes)
-        self.nodes, self.gpus_per_node = len(self.layout), self.layout[0][0]
+        self.nodes = len(self.layout)  # 0: agents come later (add_agent)
+        self.gpus_per_node = self.layout[0][0] if self.layout else gpus_per_node
         self.policy, self.tick_s = policy, tick_s
         self.port = port or free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
