@@ -108,3 +108,30 @@ def grow_while_reading(script: Path, job: str, home: Path, before_grow: Callable
             proc.kill()
     reader.join(timeout=10)
     return proc, lines, joined
+
+
+def run_ranks(worker: Callable[..., None], ranks: int = 2, timeout: float = 80) -> dict[Any, Any]:
+    """``worker(rank, port, out)`` in ``ranks`` spawned processes (a gloo
+    group on a free loopback port); what they put in the shared dict ``out``.
+    Fails the test unless every process exits 0 within ``timeout``."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as mgr:
+        out = mgr.dict()
+        procs = [ctx.Process(target=worker, args=(r, port, out)) for r in range(ranks)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=timeout)
+        codes = [p.exitcode for p in procs]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        assert codes == [0] * ranks, codes
+        return dict(out)

@@ -17,17 +17,16 @@ import contextlib
 import datetime
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tidal.runtime.goodput import StepSample, StepTimeModel, choose_batch, fit_step_time, lr_factor
 from tidal.runtime.noise import NoiseScale, StepNorms, adascale_gain, efficiency, estimate, rank_numbers
 from tidal.runtime.reducer import GradReducer
 from tidal.runtime.scaling import GoodputScaling, make_policy
+from runtime_helpers import run_ranks
 
 
 def _model() -> torch.nn.Module:
@@ -93,29 +92,10 @@ def _worker(rank: int, port: int, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.timeout(90)
 def test_tail_carries_rank_norms_and_estimates_match_offline() -> None:
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as mgr:
-        out = mgr.dict()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=80)
-        codes = [p.exitcode for p in procs]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        assert codes == [0, 0], codes
-        res = dict(out)
+    res = run_ranks(_worker)
     for case, (parts, bg) in CASES.items():
         idx = {r: [i for mb in parts[r] for i in mb] for r in (0, 1)}
         b = {r: len(idx[r]) for r in (0, 1)}

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tidal.runtime.data import split_sizes
 from tidal.runtime.reducer import GradReducer
+from runtime_helpers import run_ranks
 
 
 def _model() -> torch.nn.Module:
@@ -122,29 +121,10 @@ def _worker(rank: int, port: int, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.timeout(90)
 def test_weighted_allreduce_equals_full_batch_gradient() -> None:
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as mgr:
-        out = mgr.dict()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=80)
-        codes = [p.exitcode for p in procs]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        assert codes == [0, 0], codes
-        res = dict(out)
+    res = run_ranks(_worker)
     full = _full_grads(7)
     for case in CASES:
         for rank in (0, 1):
