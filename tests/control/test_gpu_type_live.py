@@ -31,11 +31,9 @@ def _wait(pred, timeout: float, what: str):
 
 
 def test_a_job_asking_for_a_type_runs_only_on_it_and_all_six_gpus_are_used(tmp_path):
-    with LocalCluster(tmp_path / "home", nodes=0, policy="fifo", tick_s=0.5, in_process=True) as c:
-        c.add_agent("big", 4, "A100")
-        c.add_agent("small", 2, "T4")
+    with LocalCluster(tmp_path / "home", layout=[(4, "A100"), (2, "T4")], policy="fifo", tick_s=0.5,
+                      in_process=True) as c:  # node-0: 4 A100, node-1: 2 T4 (start() waits for both)
         api = c.api()
-        _wait(lambda: len([n for n in api.cluster()["nodes"] if n["state"] == "up"]) == 2, 60, "the agents")
         gpu_node = {g["gid"]: n["name"] for n in api.cluster()["nodes"] for g in n["gpus"]}
         # one round sees all three jobs: a type-blind best fit puts "a-any" on the 2-GPU node
         # (an exact fit) and "t4" beside "b-any" on the A100 node
@@ -55,7 +53,7 @@ def test_a_job_asking_for_a_type_runs_only_on_it_and_all_six_gpus_are_used(tmp_p
             return jobs if all(len(j["gpus"]) == 2 for j in jobs) else None
 
         jobs = _wait(all_placed, 120, "the three jobs to hold their GPUs")
-        assert {gpu_node[g] for g in jobs[1]["gpus"]} == {"small"}
+        assert {gpu_node[g] for g in jobs[1]["gpus"]} == {"node-1"}  # the T4 node
         assert len({g for j in jobs for g in j["gpus"]}) == 6  # every GPU of the cluster at once
         # a type no node has is refused at submit, naming the types there are
         with pytest.raises(Exception, match="GPUs of type V100, the cluster has 0"):
@@ -64,4 +62,4 @@ def test_a_job_asking_for_a_type_runs_only_on_it_and_all_six_gpus_are_used(tmp_p
         _wait(lambda: all(api.job(j)["state"] in done for j in ids), 180, "the jobs to finish")
         assert [api.job(j)["state"] for j in ids] == ["completed"] * 3
         held = [e for e in api.job(t4)["events"] if e.get("gpu") is not None]
-        assert all(gpu_node[e["gpu"]] == "small" for e in held)
+        assert all(gpu_node[e["gpu"]] == "node-1" for e in held)

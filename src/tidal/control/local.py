@@ -66,7 +66,7 @@ class LocalCluster:
         self.home.mkdir(parents=True, exist_ok=True)
         self.layout: tuple[tuple[int, str], ...] = (
             tuple((int(g), t) for g, t in layout) if layout else ((gpus_per_node, ""),) * nodes)
-        self.nodes = len(self.layout)  # 0: agents come later (add_agent)
+        self.nodes = len(self.layout)
         self.gpus_per_node = self.layout[0][0] if self.layout else gpus_per_node
         self.policy, self.tick_s = policy, tick_s
         self.port = port or free_port()
@@ -124,15 +124,6 @@ class LocalCluster:
         args = ["agent", "--server", self.url, "--name", f"node-{i}", "--virtual-gpus", str(gpus),
                 "--interval", "0.3"] + (["--gpu-type", gtype] if gtype else [])
         return self._spawn(args, f"agent-{i}", **{settings.TOKEN.name: join})
-
-    def add_agent(self, name: str, gpus: int, gpu_type: str = "") -> None:
-        """One more agent of ``gpus`` virtual GPUs of ``gpu_type`` (a cluster
-        of mixed nodes: ``nodes=0``, then one call per node); it registers soon after."""
-        join = (self.home / "agent.token").read_text().strip()
-        args = ["agent", "--server", self.url, "--name", name, "--virtual-gpus", str(gpus), "--interval", "0.3"]
-        if gpu_type:
-            args += ["--gpu-type", gpu_type]
-        self.agents.append(self._spawn(args, f"agent-{name}", **{settings.TOKEN.name: join}))
 
     def start(self, timeout_s: float = 60.0) -> "LocalCluster":
         self.start_server(timeout_s)
