@@ -107,11 +107,16 @@ def main() -> int:
             "ids": ids,
             "uids": {k: sorted(v) for k, v in seen.items() if k != "pids"},
             "listening": sorted(sockets),
-            "log_modes": sorted({oct(p.stat().st_mode & 0o777) for p in logs}),
-            "log_dir_modes": sorted({oct(p.parent.stat().st_mode & 0o777) for p in logs}),
+            "log_modes": sorted({oct(p.stat().st_mode & 0o777) 
+                                  for p in [*logs, *(base / "home").glob("*.log")]}),
+            "log_dir_modes": sorted({oct(p.parent.stat().st_mode & 0o777) 
+                                  for p in [*logs, *(base / "home").glob("*.log")]}),
             "logs": len(logs),
             "pwned": marker.exists(),
         }
+        if any(st != "completed" for st in report["states"].values()):  # why: the end of every log
+            report["log_tails"] = {str(p.relative_to(base)): p.read_text(errors="replace")[-1500:] 
+                                  for p in [*logs, *(base / "home").glob("*.log")]}
         if attacker is not None:
             a_out, a_err = attacker.communicate(timeout=60)
             report["attack"] = json.loads(a_out.strip().splitlines()[-1]) if attacker.returncode == 0 else a_err[-2000:]

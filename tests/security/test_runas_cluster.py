@@ -29,7 +29,7 @@ def test_jobs_of_two_tenants_run_as_uids_of_their_own_and_complete(open_tmp: Pat
                        capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stderr[-4000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["states"] == {"alice": "completed", "bob": "completed"}, (r, p.stderr[-3000:])
+    assert r["states"] == {"alice": "completed", "bob": "completed"}, (r["reasons"], r.get("log_tails"), r, p.stderr[-3000:])
     by_job = {n: set(r["uids"].get(r["ids"][n], [])) for n in ("alice", "bob")}
     assert all(len(u) == 1 for u in by_job.values()), r  # every process of a job: one uid
     ua, ub = by_job["alice"].pop(), by_job["bob"].pop()
