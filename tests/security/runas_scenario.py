@@ -107,15 +107,13 @@ def main() -> int:
             "ids": ids,
             "uids": {k: sorted(v) for k, v in seen.items() if k != "pids"},
             "listening": sorted(sockets),
-            "log_modes": sorted({oct(p.stat().st_mode & 0o777) 
-                                  for p in [*logs, *(base / "home").glob("*.log")]}),
-            "log_dir_modes": sorted({oct(p.parent.stat().st_mode & 0o777) 
-                                  for p in [*logs, *(base / "home").glob("*.log")]}),
+            "log_modes": sorted({oct(p.stat().st_mode & 0o777) for p in logs}),
+            "log_dir_modes": sorted({oct(p.parent.stat().st_mode & 0o777) for p in logs}),
             "logs": len(logs),
             "pwned": marker.exists(),
         }
         if any(st != "completed" for st in report["states"].values()):  # why: the end of every log
-            report["log_tails"] = {str(p.relative_to(base)): p.read_text(errors="replace")[-1500:] 
+            report["log_tails"] = {str(p.relative_to(base)): p.read_text(errors="replace")[-1500:]
                                   for p in [*logs, *(base / "home").glob("*.log")]}
         if attacker is not None:
             a_out, a_err = attacker.communicate(timeout=60)
