@@ -1,12 +1,15 @@
 """Run a command as another uid with this test run's Python (not collected).
 
 The attacks of these tests are made by a process of another uid on the
-same host, with the same Python and torch a tenant would have. This
-machine's Python lives under ``/root`` (mode 0700), which no other uid may
-enter, so when the interpreter is not reachable by others the command runs
-in a private mount namespace (``unshare -m``) where ``/root`` is replaced by
-an empty directory holding only the Python installation: nothing changes
-on the host, and the namespace ends with the command.
+same host, with the same Python, torch and Tidal a tenant would have. On
+this machine the interpreter lives under ``/root`` (mode 0700), which no
+other uid may enter, and a checkout may lie in a 0700 directory too (a
+``mktemp -d``). So when something another uid needs (the interpreter, the
+import path, this project) is behind such a directory, the command runs in
+a private mount namespace (``unshare -m``) where each of those directories
+is replaced by an empty one (0755) holding only what is needed, bound from
+the original: nothing changes on the host, and the namespace ends with the
+command.
 """
 
 from __future__ import annotations
@@ -20,21 +23,28 @@ from pathlib import Path
 NOBODY = 65534
 
 
-def _reachable_by_others(path: Path) -> bool:
-    """Every directory above ``path`` can be entered by any uid."""
-    for d in path.resolve().parents:
-        if not os.stat(d).st_mode & stat.S_IXOTH:
-            return False
-    return True
+def _needed() -> list[Path]:
+    """What a process of another uid needs to run this Python with its
+    imports: the interpreter, the installation and every import path."""
+    import tidal
+
+    paths = [Path(sys.executable).resolve(), Path(sys.prefix), Path(sys.base_prefix),
+             Path(tidal.__file__).resolve().parents[1], Path(__file__).resolve().parent]
+    paths += [Path(p) for p in sys.path if p and Path(p).is_dir()]
+    return [p.resolve() for p in paths]
 
 
-def _hidden_root() -> str | None:
-    """The 0700 directory (under /) that hides the interpreter, if any."""
-    exe = Path(sys.executable).resolve()
-    for d in reversed(exe.parents):
-        if d != Path("/") and not os.stat(d).st_mode & stat.S_IXOTH:
-            return str(d)
-    return None
+def _hidden(paths: list[Path]) -> dict[Path, set[Path]]:
+    """Each directory other uids cannot enter (its mode has no o+x) above a
+    needed path, with the entries below it to keep: the outermost only."""
+    out: dict[Path, set[Path]] = {}
+    for p in paths:
+        parts = [*reversed(p.parents), p]
+        for d, below in zip(parts, parts[1:]):
+            if d != Path("/") and not os.stat(d).st_mode & stat.S_IXOTH:
+                out.setdefault(d, set()).add(below)
+                break
+    return out
 
 
 def can_switch_uid() -> str | None:
@@ -48,16 +58,24 @@ def can_switch_uid() -> str | None:
 
 def namespace_prefix() -> list[str]:
     """A prefix that runs a command where other uids can run this Python
-    (empty when they already can)."""
-    hidden = _hidden_root()
-    if hidden is None or _reachable_by_others(Path(sys.executable)):
+    and import this project (empty when they already can)."""
+    hidden = _hidden(_needed())
+    if not hidden:
         return []
-    exe = Path(sys.executable).resolve()
-    keep = exe.parents[len(exe.relative_to(hidden).parts) - 2]  # the first directory below ``hidden``
-    script = ('set -e; mount -t tmpfs tmpfs /mnt; mkdir /mnt/keep; mount --bind "$1" /mnt/keep; '
-              'mount -t tmpfs -o mode=0755 tmpfs "$2"; mkdir -p "$1"; mount --bind /mnt/keep "$1"; '
-              'umount -l /mnt; shift 2; exec "$@"')
-    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", str(keep), hidden]
+    # stage every kept entry under /mnt, hide each directory behind an empty 0755 tmpfs, bind them back
+    lines, args = ["set -e", "mount -t tmpfs tmpfs /mnt"], []
+    pairs = [(h, k) for h in sorted(hidden) for k in sorted(hidden[h])]
+    for i, (_, keep) in enumerate(pairs):
+        args.append(str(keep))
+        lines += [f'mkdir /mnt/k{i}', f'mount --bind "${{{i + 1}}}" /mnt/k{i}']
+    for h in sorted(hidden):
+        args.append(str(h))
+        lines.append(f'mount -t tmpfs -o mode=0755 tmpfs "${{{len(args)}}}"')
+    for i, (_, keep) in enumerate(pairs):
+        kind = "mkdir -p" if keep.is_dir() else "touch"
+        lines += [f'{kind} "${{{i + 1}}}"', f'mount --bind /mnt/k{i} "${{{i + 1}}}"']
+    lines += ["umount -l /mnt", f"shift {len(args)}", 'exec "$@"']
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", "; ".join(lines), "sh", *args]
 
 
 def as_uid(uid: int, argv: list[str], gid: int | None = None) -> list[str]:
