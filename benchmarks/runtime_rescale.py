@@ -38,7 +38,8 @@ alternate between them (ABBA; the other job waits in a sleep loop at its
 phase boundary), so each elastic phase has a DDP phase a second or two away
 (this VM's speed drifts by 10-30 % over tens of seconds, which separate runs
 cannot cancel). A phase's step time is the median gap between consecutive
-step ends inside it; phase 0 is warm-up. ``overhead_pct`` is the median over
+step ends inside it; phase 0 is warm-up, and lasts until ``tidal run`` has
+warmed its spares (a one-time start-up cost, as DDP's own start is). ``overhead_pct`` is the median over
 ``--repeats`` phase pairs of elastic/DDP - 1, with min, max and quartiles;
 ``cpu_overhead_pct`` the same for the CPU time per step of rank 0's process.
 
@@ -300,9 +301,7 @@ def _run_elastic(out: Path, workers: int, steps: int, schedule: list[int],
     job has run 15 steps at each size. Returns the requests (size, time)."""
     t, res, lines, c = _start_elastic(out, workers, steps, extra)
     c.wait_for(workers, timeout_s=120)
-    deadline = time.monotonic() + 180  # a job that has run a while: its warm spares wait (TIDAL_WARM_SPARES)
-    while not any("warm spare" in line for line in lines) and time.monotonic() < deadline and t.is_alive():
-        time.sleep(0.05)
+    _await_spares(lines, t)  # a job that has run a while: its warm spares wait (TIDAL_WARM_SPARES)
     requests = []
     for size in schedule:
         target = c.status().step + 15
@@ -315,6 +314,14 @@ def _run_elastic(out: Path, workers: int, steps: int, schedule: list[int],
     if res.get("rc") != 0:
         raise RuntimeError("elastic run failed:\n" + "\n".join(lines))
     return requests
+
+
+def _await_spares(lines: list[str], launcher: threading.Thread, timeout_s: float = 180.0) -> None:
+    """Wait until ``tidal run`` says its warm spares are ready (their warm-up
+    takes a core for a second or two once the job is steady)."""
+    deadline = time.monotonic() + timeout_s
+    while not any("warm spare" in line for line in lines) and time.monotonic() < deadline and launcher.is_alive():
+        time.sleep(0.05)
 
 
 def elastic_pause(out: Path, wid: str, from_size: int, to_size: int) -> float:
@@ -447,6 +454,8 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
                     if time.monotonic() > deadline or ddp.poll() not in (None, 0) or not el[0].is_alive():
                         raise RuntimeError(f"phase {k} of {kind} did not finish:\n" + "\n".join(el[2]))
                     time.sleep(0.02)
+            if k == 0:  # the launcher warms its spares once the job is steady: part of the start, not of a step
+                _await_spares(el[2], el[0])
         ddp.wait(timeout=120)
         el[0].join(timeout=120)
         if el[1].get("rc") != 0 or ddp.returncode != 0:
