@@ -62,3 +62,28 @@ def test_no_policy_places_a_job_on_a_type_it_does_not_allow(policy: str) -> None
     unfinished = [j for j, s in by_id.items() if j not in ("v100", "a100-12") and s.state is not JobState.COMPLETED]
     assert not unfinished, [(j, by_id[j].state.value) for j in unfinished]
     assert {"a100-4", "t4-elastic", "not-t4", "a100-8"} <= set(seen)
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_a_job_whose_type_is_only_on_a_node_that_is_down_waits_for_it(policy: str) -> None:
+    """A live cluster's A100 node is down (``Snapshot.away``): a job asking
+    for A100s is neither dropped nor placed on the T4s that are up; it waits
+    with a reason. Without that node it is dropped, as before."""
+    from tidal.core.profile import load_profiles
+    from tidal.core.topology import Node
+    from tidal.scheduler.api import JobView
+
+    cluster = parse_cluster("2xT4:4")
+    job = JobSpec("a100-2", 0.0, MODEL, 64, 1500, requested_gpus=2, gpu_types=("A100",))
+    other = JobSpec("any-2", 0.0, MODEL, 64, 1500, requested_gpus=2)
+    views = (JobView(job, JobState.SUBMITTED), JobView(other, JobState.SUBMITTED))
+    for away in ((Node(8, "A100"),), ()):
+        snap = Snapshot(now=0.0, cluster=cluster, jobs=views, profiles=load_profiles(), away=away)
+        plan = get_policy(policy).schedule(snap)
+        if away:
+            assert "a100-2" not in plan.drop, plan.drop
+            assert not plan.allocation.get("a100-2"), plan
+            if "a100-2" in plan.waiting:
+                assert "of type A100" in plan.waiting["a100-2"]
+        else:
+            assert "of type A100, the cluster has 0" in plan.drop.get("a100-2", ""), plan

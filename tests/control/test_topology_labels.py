@@ -70,3 +70,33 @@ def test_bad_labels_are_refused_with_the_reason(tmp_path):
     r = client.post("/internal/agents/register", headers=H,
                     json={"name": "x", "num_gpus": 2, "labels": {"": "a"}})
     assert r.status_code == 422 and "keys take 1-63 characters" in r.text
+
+
+def test_a_node_that_is_down_is_away_and_its_type_keeps_a_job_waiting(tmp_path):
+    """The A100 node is down: the policy gets the T4 node only, the A100 node
+    as ``away``, and a job asking for A100s is not dropped (it waits)."""
+    from sqlalchemy import update
+
+    from tidal.control.db import Node
+    from tidal.core.job import JobSpec, JobState
+    from tidal.scheduler.api import JobView, Plan
+    from tidal.scheduler.constraints import enforce_types
+
+    store = Store(f"sqlite:///{tmp_path / 't.db'}")
+    client = TestClient(create_app(store, admin_token="tok", home=tmp_path, start_loop=False))
+    for name, gpus, gtype in (("a100", 4, "A100"), ("t4", 2, "T4")):
+        r = client.post("/internal/agents/register", headers=H, json={
+            "name": name, "num_gpus": gpus, "virtual": True, "labels": {"gpu-type": gtype}})
+        assert r.status_code == 200, r.text
+    with store.session() as s:
+        s.execute(update(Node).where(Node.name == "a100").values(state="down"))
+        s.commit()
+        snap, _, _ = build_snapshot(s, 0.0, OverheadModel())
+    assert [n.gpu_type for n in snap.cluster.nodes] == ["T4"]
+    assert [(n.gpus, n.gpu_type) for n in snap.away] == [(4, "A100")]
+    spec = JobSpec("j", 0.0, "resnet50", 64, 100, requested_gpus=2, gpu_types=("A100",))
+    snap = snap.__class__(now=0.0, cluster=snap.cluster, jobs=(JobView(spec, JobState.SUBMITTED),),
+                          profiles=snap.profiles, away=snap.away)
+    plan = enforce_types(snap, Plan(admit={"j"}, allocation={"j": 2}, placement={"j": (0, 1)}))
+    assert "j" not in plan.drop and "j" not in plan.placement
+    assert plan.waiting["j"].startswith("waits for 2 free GPUs of type A100: the cluster's nodes")

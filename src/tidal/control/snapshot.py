@@ -127,6 +127,8 @@ def build_snapshot(s: Session, now: float, overheads: OverheadModel) -> tuple[Sn
             gids.extend(node_gpus)
             tree.append(TreeNode(len(node_gpus), str((n.labels or {}).get("gpu-type", "")), sw))
     cluster = Cluster(tuple(tree), name="live-" + describe(tree)) if tree else Cluster.uniform(1, 1, 1, "live-empty")
+    away = tuple(TreeNode(n.num_gpus, str((n.labels or {}).get("gpu-type", "")), 0)
+                 for n in s.scalars(select(Node).where(Node.state != "up")) if n.num_gpus)
     gmap = GpuMap(tuple(gids))
     index = gmap.index()
     profiles = profiles_from_store(s)
@@ -151,5 +153,5 @@ def build_snapshot(s: Session, now: float, overheads: OverheadModel) -> tuple[Sn
         views.append(JobView(spec, state, held, j.done, j.attained, j.executed, j.waiting_since, j.admitted,
                              tags, int(j.batch or 0)))
         by_id[j.id] = j
-    snap = Snapshot(now=now, cluster=cluster, jobs=tuple(views), profiles=profiles, overheads=overheads)
+    snap = Snapshot(now=now, cluster=cluster, jobs=tuple(views), profiles=profiles, overheads=overheads, away=away)
     return snap, gmap, by_id

@@ -25,7 +25,7 @@ import numpy as np
 from tidal.core.job import JobSpec, JobState
 from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ThroughputProfile
-from tidal.core.topology import Cluster
+from tidal.core.topology import Cluster, Node
 from tidal.scheduler.constraints import enforce_types
 from tidal.scheduler.placement import place_consolidated
 
@@ -90,6 +90,9 @@ class Snapshot:
     jobs: Sequence[JobView]  # active jobs: submitted, pending, running, resizing (a tuple, or equal to one)
     profiles: ThroughputProfile
     overheads: OverheadModel = field(default_factory=OverheadModel)
+    # registered nodes not up now (a live cluster's down or unreachable agents): not
+    # the policy's to use, but a job whose GPU types only they have waits for them
+    away: tuple[Node, ...] = ()
 
     def indexed(self, **indexes: Any) -> Snapshot:
         """Set indexes (``held``, ``sizes``, ``free``, ``by_free``, ``submitted``...) the

@@ -18,17 +18,19 @@ one about types, :func:`enforce_types` runs after every policy's
   free of others) or waits this round, with a reason in ``Plan.waiting``.
 
 Unconstrained jobs and one-type clusters pay one check per round: a plan
-that admits no job, on a cluster of one GPU type, is returned untouched.
+that admits no job, on a cluster of one GPU type with no constrained job,
+is returned untouched. A job whose types only nodes that are down have
+(``Snapshot.away``) is not dropped: it waits for them, with a reason.
 """
 
 from __future__ import annotations
 
 from itertools import compress
 from operator import is_not
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from tidal.core.job import JobSpec
-from tidal.core.topology import Cluster
+from tidal.core.topology import Cluster, Node
 
 if TYPE_CHECKING:
     from tidal.scheduler.api import JobView, Plan, Snapshot
@@ -43,19 +45,22 @@ def type_phrase(spec: JobSpec) -> str:
     return "of a type other than " + ", ".join(spec.exclude_gpu_types)
 
 
-def allowed_gpus(cluster: Cluster, spec: JobSpec) -> int:
-    """How many GPUs of the cluster the job's types allow."""
-    return sum(n.gpus for n in cluster.nodes if spec.allows_type(n.gpu_type))
+def allowed_gpus(cluster: Cluster, spec: JobSpec, away: Sequence[Node] = ()) -> int:
+    """How many GPUs of the cluster (and of the nodes ``away`` from it now)
+    the job's types allow."""
+    return sum(n.gpus for n in (*cluster.nodes, *away) if spec.allows_type(n.gpu_type))
 
 
-def never_fits(cluster: Cluster, spec: JobSpec) -> str | None:
-    """Why a constrained job can never run on ``cluster`` (None: it can)."""
+def never_fits(cluster: Cluster, spec: JobSpec, away: Sequence[Node] = ()) -> str | None:
+    """Why a constrained job can never run on ``cluster`` (None: it can).
+    Nodes ``away`` (registered, not up now) count: they may come back, and
+    until they do the job waits with a reason instead of being dropped."""
     if not spec.constrained:
         return None
-    cap = allowed_gpus(cluster, spec)
+    cap = allowed_gpus(cluster, spec, away)
     if spec.fits(cap):
         return None
-    types = ", ".join(t or "untyped" for t in cluster.gpu_types)
+    types = ", ".join(sorted({t or "untyped" for t in (*cluster.gpu_types, *(n.gpu_type for n in away))}))
     return f"needs {spec.lo} GPUs {type_phrase(spec)}, the cluster has {cap} (its types: {types})"
 
 
@@ -75,8 +80,8 @@ def enforce_types(snap: Snapshot, plan: Plan) -> Plan:
     docstring); returns ``plan``, changed in place."""
     if plan.admit:
         _admission(snap, plan)
-    if len(snap.cluster.gpu_types) > 1 and plan.placement:
-        _placement(snap, plan)
+    if plan.placement and (len(snap.cluster.gpu_types) > 1 or any(v.spec.constrained for v in snap.jobs)):
+        _placement(snap, plan)  # one type: only a job that excludes it (its types away, or gone) is placed wrong
     return plan
 
 
@@ -102,7 +107,7 @@ def _admission(snap: Snapshot, plan: Plan) -> None:
     admit = plan.admit
     for j in snap.submitted:
         if j.spec.constrained and j.job_id in admit:
-            why = never_fits(snap.cluster, j.spec)
+            why = never_fits(snap.cluster, j.spec, snap.away)
             if why is not None:
                 admit.discard(j.job_id)
                 plan.drop[j.job_id] = why
@@ -211,4 +216,7 @@ class _Repair:
             self.free.difference_update(v.gpus)
             return
         n = max(1, v.spec.lo)
-        plan.waiting[jid] = f"waits for {n} free GPUs {type_phrase(v.spec)}"
+        why = f"waits for {n} free GPUs {type_phrase(v.spec)}"
+        if not v.spec.fits(allowed_gpus(self.cluster, v.spec)):
+            why += ": the cluster's nodes of those types are not up"
+        plan.waiting[jid] = why
