@@ -14,8 +14,9 @@ process's CPU time (``time.process_time``; the policies are single-threaded,
 so on an idle machine this equals wall time, and it does not count time the
 process waited for a core on a busy one); ``wall_total_p95_ms`` is the wall
 time of the whole ``schedule`` call. Each timed decision follows an untimed one over
-the same jobs (as in a live cluster, where consecutive decisions share almost
-all jobs; policies keep per-job tables and admission tags across them);
+the same jobs one tick (``TICK_S``) earlier (as in a live cluster, where
+consecutive decisions share almost all jobs, whose training has moved on;
+policies keep per-job tables and admission tags across them);
 ``cold_p95_ms`` is that first decision, over 505 jobs the policy has not seen.
 
     python benchmarks/policy_latency.py --json          # one JSON line: every policy
@@ -57,6 +58,7 @@ log = logging.getLogger("policy_latency")
 NOW = 100_000.0
 TARGET_MS = 25.0  # every decision's p95, with a 2x margin on the 50 ms budget
 COLD_TARGET_MS = 50.0  # the first decision over jobs the policy has not seen
+TICK_S = 10.0  # a timed decision is one scheduling tick after the untimed one before it
 GOODPUT_POLICIES = ("pollux", "optimus", "tidal-goodput")  # --goodput: Pollux's study's policies
 HETERO = ("gavel", "tidal-hetero", "tidal-hetero-agnostic")  # measured on the mixed cluster
 HETERO_CLUSTER = "32xT4:8,32xA100:8,64xRTX2080Ti:8"
@@ -163,13 +165,24 @@ def build_goodput_snapshot(cluster_spec: str, jobs: int, new: int, seed: int, da
     return Snapshot(now=NOW, cluster=cluster, jobs=tuple(views), profiles=profile)
 
 
-def with_memory(snap: Snapshot, tags: dict[str, dict]) -> Snapshot:
-    """The snapshot after a previous event: admitted jobs carry the per-job
-    memory (tags) the policy wrote then, as the executor stores it."""
-    jobs = tuple(
-        j._replace(tags={**j.tags, **tags[j.job_id]}) if j.admitted and j.job_id in tags else j for j in snap.jobs
-    )
-    return dataclasses.replace(snap, jobs=jobs)
+def with_memory(snap: Snapshot, tags: dict[str, dict], tick_s: float = TICK_S) -> Snapshot:
+    """The snapshot one scheduling tick after a previous event: admitted jobs
+    carry the per-job memory (tags) the policy wrote then, as the executor
+    stores it, and time has moved on: every running job has trained
+    ``tick_s`` more seconds at its rate (so nothing a policy kept for the
+    very same state applies; in a live cluster the state always moves)."""
+    rate = snap.profiles.throughput
+
+    def later(j: JobView) -> JobView:
+        if j.admitted and j.job_id in tags:
+            j = j._replace(tags={**j.tags, **tags[j.job_id]})
+        if j.gpus:
+            step = (rate(j.spec.model, j.spec.batch_size, len(j.gpus)) or 0.0) * tick_s
+            j = j._replace(done=min(j.done + step, j.spec.iterations * 0.999), executed=j.executed + tick_s,
+                           attained=j.attained + tick_s * len(j.gpus))
+        return j
+
+    return dataclasses.replace(snap, now=snap.now + tick_s, jobs=tuple(map(later, snap.jobs)))
 
 
 class CallTimeout(Exception):
@@ -212,7 +225,7 @@ def _measure(name: str, snaps: list[Snapshot], budget_s: float, call_timeout: fl
         c0 = clock()
         first = _timed(policy, snap, call_timeout)  # a first decision over these jobs (nothing carried over)
         cold.append((clock() - c0) * 1e3)
-        snap = with_memory(snap, first.tags)  # steady state: previous event's tags
+        snap = with_memory(snap, first.tags)  # steady state: previous event's tags, one tick later
         w0, t0 = time.perf_counter(), clock()
         plan = _timed(policy, snap, call_timeout)
         t1, w1 = clock(), time.perf_counter()
