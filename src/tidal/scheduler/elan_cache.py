@@ -33,7 +33,7 @@ class JobTable:
         self.rates: tuple[float, ...] | None = None  # progress rate at each of ``counts``
         self.one: float | None = None  # one-GPU rate at the spec's batch
         self.rate_at: dict[int, tuple[float, int]] = {}  # count -> (progress rate, batch)
-        self.steps: dict[int, list[tuple]] = {}  # lookahead -> uncapped step sequence
+        self.steps: dict[int, tuple] = {}  # lookahead -> uncapped steps (elan_order.step_arrays)
         self.shape: JobTable = self  # the table its counts and rates were copied from
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import heapq
+import itertools
 import math
 from typing import NamedTuple, Sequence
 
@@ -83,44 +84,76 @@ def job_steps(j: OrderJob, lookahead: int, memo: dict | None = None) -> list[tup
         i, s = k, s + 1
 
 
+def step_arrays(seq: Sequence[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A job's steps (:func:`job_steps`) as arrays: the sort key's first
+    part (-prefix minimum of the gains), the count index after each step,
+    its gain, the GPUs it adds. They do not depend on the job's submit time
+    or id: jobs of the same shape share them."""
+    return (np.array([st[0] for st in seq], dtype=float), np.array([st[4] for st in seq], dtype=np.int64),
+            np.array([st[5] for st in seq], dtype=float), np.array([st[6] for st in seq], dtype=np.int64))
+
+
 class StepOrder:
     """The round's step order (module docstring) and the rule evaluated on it."""
 
     def __init__(self, jobs: Sequence[OrderJob], lookahead: int = 8, memo: dict | None = None,
-                 steps: Sequence[list[tuple]] | None = None, merged: list[tuple] | None = None) -> None:
+                 steps: Sequence[list[tuple]] | None = None,
+                 parts: Sequence[tuple[np.ndarray, ...]] | None = None) -> None:
+        """``steps``: each job's steps (:func:`job_steps`), or ``parts``:
+        the same as :func:`step_arrays`; computed when neither is given."""
         self.jobs = list(jobs)
         self.lookahead = lookahead
-        self.index = index = {j.job_id: x for x, j in enumerate(self.jobs)}
+        self.index = {j.job_id: x for x, j in enumerate(self.jobs)}
         self.counts = [j.counts for j in self.jobs]
         self.rs = [j.rates for j in self.jobs]
         self.lows = [j.counts[0] for j in self.jobs]
         self.tie = [(j.submit, j.job_id) for j in self.jobs]
-        if merged is None:  # else: the jobs' steps, already sorted
+        if parts is None:
             if steps is None:
                 steps = [job_steps(j, lookahead, memo) for j in self.jobs]
-            merged = [st for seq in steps for st in seq]
-            merged.sort()
-        self.merged = merged
-        self.oj = [index[st[2]] for st in merged]  # job of each step
-        self.ot = [st[4] for st in merged]  # count index after the step
-        self.og = [st[5] for st in merged]  # the step's gain
-        self.on = [st[6] for st in merged]  # GPUs the step adds
-        self.oc = [self.counts[x][k] for x, k in zip(self.oj, self.ot)]  # the job's GPUs after the step
-        self.os = [self.rs[x][k] for x, k in zip(self.oj, self.ot)]  # its progress rate after it
-        self.oj_np = np.array(self.oj, dtype=np.int64)
-        self.ot_np = np.array(self.ot, dtype=np.int64)
-        self.on_np = np.array(self.on, dtype=np.int64)
-        width = max((len(c) for c in self.counts), default=1)
-        self.rate2d = np.ones((len(self.jobs), width))
-        for x, r in enumerate(self.rs):
-            self.rate2d[x, : len(r)] = r
-        self.positive = bool((self.rate2d > 0).all())  # every count runs (the padding is 1)
+            parts = [step_arrays(seq) for seq in steps]
+        self._grids()
+        self._sort(parts)
         self.capped: dict[tuple[int, int, int], tuple[float, int]] = {}  # (job, count index, free) -> step
-        self.lows_np = np.array(self.lows, dtype=np.int64)
-        self.counts2d = np.zeros((len(self.jobs), width), dtype=np.int64)
-        for x, c in enumerate(self.counts):
-            self.counts2d[x, : len(c)] = c
         self._job_arrays()
+
+    def _grids(self) -> None:
+        """Each job's rates and counts by count index as rows of 2-D arrays
+        (padded with rate 1 and count 0), and the min_res."""
+        n = len(self.jobs)
+        lens = np.fromiter(map(len, self.counts), dtype=np.int64, count=n)
+        width = int(lens.max()) if n else 1
+        rows = np.repeat(np.arange(n), lens)
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(lens) - lens, lens)
+        self.rate2d = np.ones((n, width))
+        self.rate2d[rows, cols] = np.fromiter(itertools.chain.from_iterable(self.rs), dtype=float, count=len(rows))
+        self.positive = bool((self.rate2d > 0).all())  # every count runs (the padding is 1)
+        self.counts2d = np.zeros((n, width), dtype=np.int64)
+        self.counts2d[rows, cols] = np.fromiter(itertools.chain.from_iterable(self.counts), dtype=np.int64,
+                                                count=len(rows))
+        self.lows_np = self.counts2d[:, 0].copy() if n else np.zeros(0, dtype=np.int64)
+
+    def _sort(self, parts: Sequence[tuple[np.ndarray, ...]]) -> None:
+        """The step order: the jobs' steps sorted by (-prefix minimum of the
+        gains, submit time, job id, step number), as lists and arrays of the
+        job, count index after, gain, GPUs added, GPUs and rate after."""
+        n = len(self.jobs)
+        lens = np.fromiter((len(p[1]) for p in parts), dtype=np.int64, count=n)
+        key, ks, gs, ns = ((np.concatenate([p[i] for p in parts]) if n else np.zeros(0, dtype=float if i in (0, 2)
+                            else np.int64)) for i in range(4))
+        job = np.repeat(np.arange(n), lens)
+        step = np.arange(len(job)) - np.repeat(np.cumsum(lens) - lens, lens)
+        rank = np.empty(n, dtype=np.int64)
+        rank[sorted(range(n), key=[j.job_id for j in self.jobs].__getitem__)] = np.arange(n)
+        submit = np.array([j.submit for j in self.jobs], dtype=float)
+        by = np.lexsort((step, rank[job], submit[job], key))
+        self.oj_np, self.ot_np, self.on_np = job[by], ks[by], ns[by]
+        self.oj = self.oj_np.tolist()  # job of each step
+        self.ot = self.ot_np.tolist()  # count index after the step
+        self.og = gs[by].tolist()  # the step's gain
+        self.on = self.on_np.tolist()  # GPUs the step adds
+        self.oc = self.counts2d[self.oj_np, self.ot_np].tolist()  # the job's GPUs after the step
+        self.os = self.rate2d[self.oj_np, self.ot_np].tolist()  # its progress rate after it
 
     def _job_arrays(self) -> None:
         """The arrays of the jobs' state: remaining work (and the exact
