@@ -84,13 +84,13 @@ def job_steps(j: OrderJob, lookahead: int, memo: dict | None = None) -> list[tup
         i, s = k, s + 1
 
 
-def step_arrays(seq: Sequence[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A job's steps (:func:`job_steps`) as arrays: the sort key's first
-    part (-prefix minimum of the gains), the count index after each step,
-    its gain, the GPUs it adds. They do not depend on the job's submit time
-    or id: jobs of the same shape share them."""
-    return (np.array([st[0] for st in seq], dtype=float), np.array([st[4] for st in seq], dtype=np.int64),
-            np.array([st[5] for st in seq], dtype=float), np.array([st[6] for st in seq], dtype=np.int64))
+def step_arrays(seq: Sequence[tuple]) -> np.ndarray:
+    """A job's steps (:func:`job_steps`) as rows of an array: the sort
+    key's first part (-prefix minimum of the gains), the count index after
+    the step, its gain, the GPUs it adds (the integers exact as floats).
+    They do not depend on the job's submit time or id: jobs of the same
+    shape share them."""
+    return np.array([(st[0], st[4], st[5], st[6]) for st in seq], dtype=float).reshape(len(seq), 4)
 
 
 class StepOrder:
@@ -98,7 +98,7 @@ class StepOrder:
 
     def __init__(self, jobs: Sequence[OrderJob], lookahead: int = 8, memo: dict | None = None,
                  steps: Sequence[list[tuple]] | None = None,
-                 parts: Sequence[tuple[np.ndarray, ...]] | None = None) -> None:
+                 parts: Sequence[np.ndarray] | None = None) -> None:
         """``steps``: each job's steps (:func:`job_steps`), or ``parts``:
         the same as :func:`step_arrays`; computed when neither is given."""
         self.jobs = list(jobs)
@@ -133,27 +133,44 @@ class StepOrder:
                                                 count=len(rows))
         self.lows_np = self.counts2d[:, 0].copy() if n else np.zeros(0, dtype=np.int64)
 
-    def _sort(self, parts: Sequence[tuple[np.ndarray, ...]]) -> None:
+    def _sort(self, parts: Sequence[np.ndarray]) -> None:
         """The step order: the jobs' steps sorted by (-prefix minimum of the
-        gains, submit time, job id, step number), as lists and arrays of the
-        job, count index after, gain, GPUs added, GPUs and rate after."""
+        gains, submit time, job id, step number), as arrays of the job,
+        count index after, GPUs added and gain (the lists of these and of
+        the GPUs and rate after each step are made when first read)."""
         n = len(self.jobs)
-        lens = np.fromiter((len(p[1]) for p in parts), dtype=np.int64, count=n)
-        key, ks, gs, ns = ((np.concatenate([p[i] for p in parts]) if n else np.zeros(0, dtype=float if i in (0, 2)
-                            else np.int64)) for i in range(4))
+        lens = np.fromiter(map(len, parts), dtype=np.int64, count=n)
+        rows = np.concatenate(parts) if n else np.zeros((0, 4))
         job = np.repeat(np.arange(n), lens)
         step = np.arange(len(job)) - np.repeat(np.cumsum(lens) - lens, lens)
         rank = np.empty(n, dtype=np.int64)
         rank[sorted(range(n), key=[j.job_id for j in self.jobs].__getitem__)] = np.arange(n)
         submit = np.array([j.submit for j in self.jobs], dtype=float)
-        by = np.lexsort((step, rank[job], submit[job], key))
-        self.oj_np, self.ot_np, self.on_np = job[by], ks[by], ns[by]
-        self.oj = self.oj_np.tolist()  # job of each step
-        self.ot = self.ot_np.tolist()  # count index after the step
-        self.og = gs[by].tolist()  # the step's gain
-        self.on = self.on_np.tolist()  # GPUs the step adds
-        self.oc = self.counts2d[self.oj_np, self.ot_np].tolist()  # the job's GPUs after the step
-        self.os = self.rate2d[self.oj_np, self.ot_np].tolist()  # its progress rate after it
+        by = np.lexsort((step, rank[job], submit[job], rows[:, 0]))
+        rows = rows[by]
+        self.oj_np, self.ot_np, self.on_np = job[by], rows[:, 1].astype(np.int64), rows[:, 3].astype(np.int64)
+        self._og_np = rows[:, 2]
+        self._lists: dict[str, list] = {}
+
+    def _list(self, name: str) -> list:
+        lists = self._lists
+        got = lists.get(name)
+        if got is None:
+            if name == "oc":
+                got = self.counts2d[self.oj_np, self.ot_np].tolist()
+            elif name == "os":
+                got = self.rate2d[self.oj_np, self.ot_np].tolist()
+            else:
+                got = getattr(self, f"{name}_np" if name != "og" else "_og_np").tolist()
+            lists[name] = got
+        return got
+
+    oj = property(lambda self: self._list("oj"), doc="The job of each step.")
+    ot = property(lambda self: self._list("ot"), doc="The count index after each step.")
+    on = property(lambda self: self._list("on"), doc="The GPUs each step adds.")
+    og = property(lambda self: self._list("og"), doc="Each step's gain.")
+    oc = property(lambda self: self._list("oc"), doc="The job's GPUs after each step.")
+    os = property(lambda self: self._list("os"), doc="The job's progress rate after each step.")
 
     def _job_arrays(self) -> None:
         """The arrays of the jobs' state: remaining work (and the exact
@@ -196,7 +213,7 @@ class StepOrder:
         count index, so a job's index is that of its last step before the
         pointer."""
         pos = np.zeros(len(self.jobs), dtype=np.int64)
-        if free < self.lookahead or not self.oj:
+        if free < self.lookahead or not len(self.oj_np):
             return pos, 0, free
         m = present[self.oj_np]
         need = np.where(m, self.on_np, 0)

@@ -248,7 +248,7 @@ def adds_no_jct(rates: Rates, active: list[JobView], w: JobView, total: int,
     ov = rates.snap.overheads
     cost = ov.stop_resume_s if ov.mode == "stop-resume" else ov.pause_s
     x = order.index[w.job_id]
-    kept = rates.cache.verdicts(order.oj, order.state())  # type: ignore[union-attr]
+    kept = rates.cache.verdicts(order.oj_np, order.state())  # type: ignore[union-attr]
     key = (tuple(xs), x, total, cost)
     hit = kept.get(key)
     if hit is not None:  # the same test on the same jobs in the same state (an earlier decision)
