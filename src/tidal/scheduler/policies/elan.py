@@ -47,7 +47,8 @@ from tidal.scheduler.estimate import rigid_count
 
 def hybrid_enabled(job: JobView) -> bool:
     """Per-job opt-in to hybrid scaling: ``meta`` entry ``hybrid`` = 1/true/yes."""
-    return any(k == "hybrid" and v.strip().lower() in ("1", "true", "yes") for k, v in job.spec.meta)
+    meta = job.spec.meta
+    return bool(meta) and any(k == "hybrid" and v.strip().lower() in ("1", "true", "yes") for k, v in meta)
 
 
 @dataclass
