@@ -103,11 +103,11 @@ class StepOrder:
         the same as :func:`step_arrays`; computed when neither is given."""
         self.jobs = list(jobs)
         self.lookahead = lookahead
-        self.index = {j.job_id: x for x, j in enumerate(self.jobs)}
-        self.counts = [j.counts for j in self.jobs]
-        self.rs = [j.rates for j in self.jobs]
-        self.lows = [j.counts[0] for j in self.jobs]
-        self.tie = [(j.submit, j.job_id) for j in self.jobs]
+        ids, submits, counts, rates = (list(c) for c in list(zip(*self.jobs))[:4]) if self.jobs else ([], [], [], [])
+        self.index = dict(zip(ids, range(len(ids))))
+        self.counts, self.rs = counts, rates
+        self.lows = [c[0] for c in counts]
+        self.tie = list(zip(submits, ids))
         if parts is None:
             if steps is None:
                 steps = [job_steps(j, lookahead, memo) for j in self.jobs]
@@ -144,8 +144,8 @@ class StepOrder:
         job = np.repeat(np.arange(n), lens)
         step = np.arange(len(job)) - np.repeat(np.cumsum(lens) - lens, lens)
         rank = np.empty(n, dtype=np.int64)
-        rank[sorted(range(n), key=[j.job_id for j in self.jobs].__getitem__)] = np.arange(n)
-        submit = np.array([j.submit for j in self.jobs], dtype=float)
+        rank[sorted(range(n), key=[t[1] for t in self.tie].__getitem__)] = np.arange(n)
+        submit = np.array([t[0] for t in self.tie], dtype=float)
         by = np.lexsort((step, rank[job], submit[job], rows[:, 0]))
         rows = rows[by]
         self.oj_np, self.ot_np, self.on_np = job[by], rows[:, 1].astype(np.int64), rows[:, 3].astype(np.int64)
@@ -175,9 +175,11 @@ class StepOrder:
     def _job_arrays(self) -> None:
         """The arrays of the jobs' state: remaining work (and the exact
         loop's completion tolerance on it), GPUs held by running jobs."""
-        self.rem_np = np.array([j.remaining for j in self.jobs], dtype=float)
+        _, _, _, _, _, rem, running, size = zip(*self.jobs) if self.jobs else ((),) * 8
+        self.rem_np = np.array(rem, dtype=float)
         self.thr = 1e-9 * np.maximum(1.0, self.rem_np)
-        self.size_np = np.array([j.size if j.running else 0 for j in self.jobs], dtype=np.int64)
+        self._running = np.array(running, dtype=bool)
+        self.size_np = np.where(self._running, np.array(size, dtype=np.int64), 0)
         self.capped_seen = False  # an event-driven estimate met capped steps (elan_event): the exact one runs
         self.begun: dict[tuple, tuple] = {}  # elan_event's start of a run, by job set: shared by consecutive tests
         self._state: bytes | None = None
@@ -187,8 +189,7 @@ class StepOrder:
         (remaining work, running or not, GPUs held), as bytes: equal bytes,
         equal estimates. Computed once."""
         if self._state is None:
-            running = np.array([j.running for j in self.jobs], dtype=bool)
-            self._state = self.rem_np.tobytes() + self.size_np.tobytes() + running.tobytes()
+            self._state = self.rem_np.tobytes() + self.size_np.tobytes() + self._running.tobytes()
         return self._state
 
     def with_jobs(self, jobs: Sequence[OrderJob]) -> StepOrder:
