@@ -153,6 +153,9 @@ class StepOrder:
         self._lists: dict[str, list] = {}
 
     def _list(self, name: str) -> list:
+        """One of the step lists (``oj``, ``ot``, ``on``, ``og``, ``oc``,
+        ``os``), made from the arrays when first read and shared with the
+        copies of :meth:`with_jobs`."""
         lists = self._lists
         got = lists.get(name)
         if got is None:
