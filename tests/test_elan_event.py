@@ -75,3 +75,34 @@ def test_tests_in_a_row_equal_fresh_ones(seed: int) -> None:
         assert event_pair(order, members, w, total, 10.0) == event_pair(fresh, members, w, total, 10.0)
         if rng.random() < 0.7:
             members = members + [w]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_step_order_is_the_sorted_steps(seed: int) -> None:
+    """The order built by one numpy sort (from per-job arrays, shared by jobs
+    of one shape) is the jobs' step tuples sorted (ties: submit time, then
+    the job id as a string, then the step number), and a job's count and
+    rate after each step are read off its own tables."""
+    from tidal.scheduler.elan_order import job_steps, step_arrays
+
+    rng = random.Random(seed)
+    base = _jobs(rng, rng.randint(0, 40))
+    jobs = []
+    for i, j in enumerate(base):  # copies of one shape, equal submit times, ids that sort as strings
+        jobs.append(j._replace(job_id=f"j{rng.randint(0, 200)}-{i}", submit=float(rng.randint(0, 3))))
+        if rng.random() < 0.3:
+            jobs.append(j._replace(job_id=f"k{i}", submit=jobs[-1].submit))
+    look = rng.choice([8, 3, 5])
+    steps = [job_steps(j, look) for j in jobs]
+    ref = sorted(st for seq in steps for st in seq)
+    for order in (StepOrder(jobs, look), StepOrder(jobs, look, parts=[step_arrays(s) for s in steps])):
+        index = {j.job_id: x for x, j in enumerate(jobs)}
+        assert order.oj == [index[st[2]] for st in ref]
+        assert order.ot == [st[4] for st in ref] and order.og == [st[5] for st in ref]
+        assert order.on == [st[6] for st in ref]
+        assert order.oc == [jobs[index[st[2]]].counts[st[4]] for st in ref]
+        assert order.os == [jobs[index[st[2]]].rates[st[4]] for st in ref]
+        assert order.lows_np.tolist() == [j.counts[0] for j in jobs]
+        for x, j in enumerate(jobs):
+            assert order.rate2d[x, : len(j.rates)].tolist() == list(j.rates)
+            assert order.counts2d[x, : len(j.counts)].tolist() == list(j.counts)

@@ -382,3 +382,60 @@ def test_the_table_cache_is_keyed_by_the_spec_object_and_bounded(toy_profiles):
         snap = Snapshot(now=30.0, cluster=parse_cluster(cluster), jobs=tuple(view(s) for s in jobs),
                         profiles=toy_profiles, overheads=NO_OVERHEAD)
         assert shared.schedule(snap) == get_policy("e-backfill").schedule(snap)
+
+
+
+def _busy(seed: int) -> Snapshot:
+    """A busy n4g8 cluster: 60 admitted jobs, about half running on buddy
+    placements, and a few just submitted (admission has tests to run)."""
+    import random
+
+    from tidal.scheduler.buddy import BuddyAllocator
+
+    rng = random.Random(seed)
+    profiles = load_profiles()
+    models = [m for m in profiles.models if m != "resnet50_cifar10"]
+    cluster = parse_cluster("n4g8")
+    buddy = BuddyAllocator(cluster)
+    views = []
+    for i in range(64):
+        m = rng.choice(models)
+        p = rng.choice([1, 1, 2, 4])
+        spec = JobSpec(f"j{i}", submit_time=float(i), model=m, batch_size=rng.choice(profiles.batch_sizes(m)),
+                       iterations=float(rng.randint(1_000, 500_000)), requested_gpus=p, elastic=True)
+        got = buddy.alloc(p) if i < 60 and rng.random() < 0.6 else None
+        views.append(JobView(spec, JobState.RUNNING if got else JobState.PENDING, gpus=tuple(sorted(got or ())),
+                             done=rng.uniform(0, 500), admitted=i < 60))
+    return Snapshot(now=100.0, cluster=cluster, jobs=tuple(views), profiles=profiles)
+
+
+@pytest.mark.parametrize("policy", ["e-fifo", "e-backfill"])
+def test_kept_verdicts_serve_only_the_same_jobs_in_the_same_state(policy, monkeypatch):
+    """A policy object keeps its admission verdicts for a later decision over
+    the very same jobs in the very same state: random busy clusters decided
+    again (the same snapshot, new tags, progress moved, a job gone) give the
+    plans of a fresh policy, and the same decision again runs no estimate."""
+    import dataclasses
+    import random
+
+    import tidal.scheduler.policies.elan as elan
+
+    calls = []
+    real = elan.event_pair
+    monkeypatch.setattr(elan, "event_pair", lambda *a: calls.append(1) or real(*a))
+    shared, tested = get_policy(policy), 0
+    for seed in range(6):
+        snap = _busy(seed)
+        rng = random.Random(seed)
+        moved = dataclasses.replace(snap, jobs=tuple(
+            v._replace(done=rng.uniform(0.0, 0.9) * v.spec.iterations) for v in snap.jobs))
+        tagged = dataclasses.replace(snap, jobs=tuple(v._replace(tags={"k": "v"}) for v in snap.jobs))
+        fewer = dataclasses.replace(snap, jobs=snap.jobs[1:])
+        for s in (snap, tagged, moved, snap, fewer, moved, moved):
+            calls.clear()
+            assert shared.schedule(s) == get_policy(policy).schedule(s)
+            tested += len(calls)
+        calls.clear()
+        shared.schedule(moved)  # right after the same decision: every verdict kept
+        assert not calls
+    assert tested  # the snapshots do run admission tests

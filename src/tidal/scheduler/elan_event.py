@@ -170,6 +170,7 @@ def _together(order: StepOrder, a: _Run, b: _Run) -> None:
             break
         left += held[xa]
         held[xa] = 0
+        moved = {}
         while ptr < end:  # the steps that now fit; their jobs' new speeds, in both runs
             y = oj[ptr]
             if present[y]:
@@ -183,11 +184,13 @@ def _together(order: StepOrder, a: _Run, b: _Run) -> None:
                 s = os_[ptr]
                 q = sp[y] / s
                 sp[y] = s
-                fa[y] = f = ta + (fa[y] - ta) * q
-                push(ha, (f, y))
-                fb[y] = f = tb + (fb[y] - tb) * q
-                push(hb, (f, y))
+                fa[y] = ta + (fa[y] - ta) * q
+                fb[y] = tb + (fb[y] - tb) * q
+                moved[y] = None
             ptr += 1
+        for y in moved:  # one heap entry per job moved (its earlier ones are stale)
+            push(ha, (fa[y], y))
+            push(hb, (fb[y], y))
     else:
         a.result = acc_a + sum(itertools.compress(fa, present))
         b.result = acc_b + sum(itertools.compress(fb, present))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import heapq
+import itertools
 import math
 from typing import NamedTuple, Sequence
 
@@ -83,53 +84,116 @@ def job_steps(j: OrderJob, lookahead: int, memo: dict | None = None) -> list[tup
         i, s = k, s + 1
 
 
+def step_arrays(seq: Sequence[tuple]) -> np.ndarray:
+    """A job's steps (:func:`job_steps`) as rows of an array: the sort
+    key's first part (-prefix minimum of the gains), the count index after
+    the step, its gain, the GPUs it adds (the integers exact as floats).
+    They do not depend on the job's submit time or id: jobs of the same
+    shape share them."""
+    return np.array([(st[0], st[4], st[5], st[6]) for st in seq], dtype=float).reshape(len(seq), 4)
+
+
 class StepOrder:
     """The round's step order (module docstring) and the rule evaluated on it."""
 
     def __init__(self, jobs: Sequence[OrderJob], lookahead: int = 8, memo: dict | None = None,
-                 steps: Sequence[list[tuple]] | None = None, merged: list[tuple] | None = None) -> None:
+                 steps: Sequence[list[tuple]] | None = None,
+                 parts: Sequence[np.ndarray] | None = None) -> None:
+        """``steps``: each job's steps (:func:`job_steps`), or ``parts``:
+        the same as :func:`step_arrays`; computed when neither is given."""
         self.jobs = list(jobs)
         self.lookahead = lookahead
-        self.index = index = {j.job_id: x for x, j in enumerate(self.jobs)}
-        self.counts = [j.counts for j in self.jobs]
-        self.rs = [j.rates for j in self.jobs]
-        self.lows = [j.counts[0] for j in self.jobs]
-        self.tie = [(j.submit, j.job_id) for j in self.jobs]
-        if merged is None:  # else: the jobs' steps, already sorted
+        ids, submits, counts, rates = (list(c) for c in list(zip(*self.jobs))[:4]) if self.jobs else ([], [], [], [])
+        self.index = dict(zip(ids, range(len(ids))))
+        self.counts, self.rs = counts, rates
+        self.lows = [c[0] for c in counts]
+        self.tie = list(zip(submits, ids))
+        if parts is None:
             if steps is None:
                 steps = [job_steps(j, lookahead, memo) for j in self.jobs]
-            merged = [st for seq in steps for st in seq]
-            merged.sort()
-        self.merged = merged
-        self.oj = [index[st[2]] for st in merged]  # job of each step
-        self.ot = [st[4] for st in merged]  # count index after the step
-        self.og = [st[5] for st in merged]  # the step's gain
-        self.on = [st[6] for st in merged]  # GPUs the step adds
-        self.oc = [self.counts[x][k] for x, k in zip(self.oj, self.ot)]  # the job's GPUs after the step
-        self.os = [self.rs[x][k] for x, k in zip(self.oj, self.ot)]  # its progress rate after it
-        self.oj_np = np.array(self.oj, dtype=np.int64)
-        self.ot_np = np.array(self.ot, dtype=np.int64)
-        self.on_np = np.array(self.on, dtype=np.int64)
-        width = max((len(c) for c in self.counts), default=1)
-        self.rate2d = np.ones((len(self.jobs), width))
-        for x, r in enumerate(self.rs):
-            self.rate2d[x, : len(r)] = r
-        self.positive = bool((self.rate2d > 0).all())  # every count runs (the padding is 1)
+            parts = [step_arrays(seq) for seq in steps]
+        self._grids()
+        self._sort(parts)
         self.capped: dict[tuple[int, int, int], tuple[float, int]] = {}  # (job, count index, free) -> step
-        self.lows_np = np.array(self.lows, dtype=np.int64)
-        self.counts2d = np.zeros((len(self.jobs), width), dtype=np.int64)
-        for x, c in enumerate(self.counts):
-            self.counts2d[x, : len(c)] = c
         self._job_arrays()
+
+    def _grids(self) -> None:
+        """Each job's rates and counts by count index as rows of 2-D arrays
+        (padded with rate 1 and count 0), and the min_res."""
+        n = len(self.jobs)
+        lens = np.fromiter(map(len, self.counts), dtype=np.int64, count=n)
+        width = int(lens.max()) if n else 1
+        rows = np.repeat(np.arange(n), lens)
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(lens) - lens, lens)
+        self.rate2d = np.ones((n, width))
+        self.rate2d[rows, cols] = np.fromiter(itertools.chain.from_iterable(self.rs), dtype=float, count=len(rows))
+        self.positive = bool((self.rate2d > 0).all())  # every count runs (the padding is 1)
+        self.counts2d = np.zeros((n, width), dtype=np.int64)
+        self.counts2d[rows, cols] = np.fromiter(itertools.chain.from_iterable(self.counts), dtype=np.int64,
+                                                count=len(rows))
+        self.lows_np = self.counts2d[:, 0].copy() if n else np.zeros(0, dtype=np.int64)
+
+    def _sort(self, parts: Sequence[np.ndarray]) -> None:
+        """The step order: the jobs' steps sorted by (-prefix minimum of the
+        gains, submit time, job id, step number), as arrays of the job,
+        count index after, GPUs added and gain (the lists of these and of
+        the GPUs and rate after each step are made when first read)."""
+        n = len(self.jobs)
+        lens = np.fromiter(map(len, parts), dtype=np.int64, count=n)
+        rows = np.concatenate(parts) if n else np.zeros((0, 4))
+        job = np.repeat(np.arange(n), lens)
+        step = np.arange(len(job)) - np.repeat(np.cumsum(lens) - lens, lens)
+        rank = np.empty(n, dtype=np.int64)
+        rank[sorted(range(n), key=[t[1] for t in self.tie].__getitem__)] = np.arange(n)
+        submit = np.array([t[0] for t in self.tie], dtype=float)
+        by = np.lexsort((step, rank[job], submit[job], rows[:, 0]))
+        rows = rows[by]
+        self.oj_np, self.ot_np, self.on_np = job[by], rows[:, 1].astype(np.int64), rows[:, 3].astype(np.int64)
+        self._og_np = rows[:, 2]
+        self._lists: dict[str, list] = {}
+
+    def _list(self, name: str) -> list:
+        """One of the step lists (``oj``, ``ot``, ``on``, ``og``, ``oc``,
+        ``os``), made from the arrays when first read and shared with the
+        copies of :meth:`with_jobs`."""
+        lists = self._lists
+        got = lists.get(name)
+        if got is None:
+            if name == "oc":
+                got = self.counts2d[self.oj_np, self.ot_np].tolist()
+            elif name == "os":
+                got = self.rate2d[self.oj_np, self.ot_np].tolist()
+            else:
+                got = getattr(self, f"{name}_np" if name != "og" else "_og_np").tolist()
+            lists[name] = got
+        return got
+
+    oj = property(lambda self: self._list("oj"), doc="The job of each step.")
+    ot = property(lambda self: self._list("ot"), doc="The count index after each step.")
+    on = property(lambda self: self._list("on"), doc="The GPUs each step adds.")
+    og = property(lambda self: self._list("og"), doc="Each step's gain.")
+    oc = property(lambda self: self._list("oc"), doc="The job's GPUs after each step.")
+    os = property(lambda self: self._list("os"), doc="The job's progress rate after each step.")
 
     def _job_arrays(self) -> None:
         """The arrays of the jobs' state: remaining work (and the exact
         loop's completion tolerance on it), GPUs held by running jobs."""
-        self.rem_np = np.array([j.remaining for j in self.jobs], dtype=float)
+        _, _, _, _, _, rem, running, size = zip(*self.jobs) if self.jobs else ((),) * 8
+        self.rem_np = np.array(rem, dtype=float)
         self.thr = 1e-9 * np.maximum(1.0, self.rem_np)
-        self.size_np = np.array([j.size if j.running else 0 for j in self.jobs], dtype=np.int64)
+        self._running = np.array(running, dtype=bool)
+        self.size_np = np.where(self._running, np.array(size, dtype=np.int64), 0)
         self.capped_seen = False  # an event-driven estimate met capped steps (elan_event): the exact one runs
         self.begun: dict[tuple, tuple] = {}  # elan_event's start of a run, by job set: shared by consecutive tests
+        self._state: bytes | None = None
+
+    def state(self) -> bytes:
+        """What the fluid estimates read of the jobs beyond the static order
+        (remaining work, running or not, GPUs held), as bytes: equal bytes,
+        equal estimates. Computed once."""
+        if self._state is None:
+            self._state = self.rem_np.tobytes() + self.size_np.tobytes() + self._running.tobytes()
+        return self._state
 
     def with_jobs(self, jobs: Sequence[OrderJob]) -> StepOrder:
         """This order for the same jobs at another time (their remaining work
@@ -153,7 +217,7 @@ class StepOrder:
         count index, so a job's index is that of its last step before the
         pointer."""
         pos = np.zeros(len(self.jobs), dtype=np.int64)
-        if free < self.lookahead or not self.oj:
+        if free < self.lookahead or not len(self.oj_np):
             return pos, 0, free
         m = present[self.oj_np]
         need = np.where(m, self.on_np, 0)

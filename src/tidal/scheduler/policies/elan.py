@@ -40,14 +40,15 @@ from dataclasses import dataclass
 
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.elan_cache import ElanCache, JobTable
-from tidal.scheduler.elan_order import OrderJob, StepOrder, job_steps
+from tidal.scheduler.elan_order import OrderJob, StepOrder, job_steps, step_arrays
 from tidal.scheduler.elan_event import decided, event_pair
 from tidal.scheduler.elan_pair import fluid_pair
 from tidal.scheduler.estimate import rigid_count
 
 def hybrid_enabled(job: JobView) -> bool:
     """Per-job opt-in to hybrid scaling: ``meta`` entry ``hybrid`` = 1/true/yes."""
-    return any(k == "hybrid" and v.strip().lower() in ("1", "true", "yes") for k, v in job.spec.meta)
+    meta = job.spec.meta
+    return bool(meta) and any(k == "hybrid" and v.strip().lower() in ("1", "true", "yes") for k, v in meta)
 
 
 @dataclass
@@ -77,23 +78,23 @@ class Rates:
         on each job's table, fixed for the round)."""
         o = self._order
         if o is None or o.lookahead != lookahead or any(j.job_id not in o.index for j in jobs):
-            ojs, seqs, tables = [], [], []
+            ojs, parts, tables = [], [], []
             for j in jobs:
                 t = self._table(j)
                 tables.append(t)
                 ojs.append(OrderJob(j.job_id, j.spec.submit_time, t.ctup, t.rates, t.one, j.remaining,
                                     j.running, j.size))
-                seq = t.steps.get(lookahead)
-                if seq is None:
-                    seq = t.steps[lookahead] = _steps(t, ojs[-1], lookahead)
-                seqs.append(seq)
+                src = t.shape  # jobs of one shape have the same steps
+                part = src.steps.get(lookahead)
+                if part is None:
+                    part = src.steps[lookahead] = step_arrays(job_steps(ojs[-1], lookahead))
+                parts.append(part)
             last = self.cache.last_order  # type: ignore[union-attr]
             if last is not None and last[0] == lookahead and len(last[1]) == len(tables) and all(
                     map(operator.is_, last[1], tables)):
                 o = self._order = last[2].with_jobs(ojs)  # the same jobs as the last order: its static part
             else:
-                merged = _remerge(last[1], last[2].merged, tables, seqs) if last and last[0] == lookahead else None
-                o = self._order = StepOrder(ojs, lookahead, steps=seqs, merged=merged)
+                o = self._order = StepOrder(ojs, lookahead, parts=parts)
                 self.cache.last_order = (lookahead, tables, o)  # type: ignore[union-attr]
         return o
 
@@ -174,33 +175,6 @@ class Rates:
         return hit
 
 
-def _steps(t: JobTable, j: OrderJob, lookahead: int) -> list[tuple]:
-    """The job's steps (:func:`~tidal.scheduler.elan_order.job_steps`): those
-    of the first table of its shape with its own submit time and id."""
-    src = t.shape.steps.get(lookahead) if t.shape is not t else None
-    if src is None:
-        return job_steps(j, lookahead)
-    head = (j.submit, j.job_id)
-    return [(st[0],) + head + st[3:] for st in src]
-
-
-def _remerge(old_tables: list[JobTable], old: list[tuple], tables: list[JobTable], seqs: list[list[tuple]]) -> list[tuple]:
-    """The sorted steps of ``tables``' jobs from the last order's (``old``):
-    the steps of jobs with the same tables kept, the others' added, sorted
-    again (nearly sorted already)."""
-    before = {t.spec.job_id: t for t in old_tables}
-    keep: set[str] = set()
-    merged: list[tuple] = []
-    for t, seq in zip(tables, seqs):
-        if before.get(t.spec.job_id) is t:
-            keep.add(t.spec.job_id)
-        else:
-            merged.extend(seq)
-    merged.extend(st for st in old if st[2] in keep)
-    merged.sort()
-    return merged
-
-
 def total_batch(snap: Snapshot, job: JobView, n: int, saturation: float = 0.2) -> int:
     """Elan Algorithm 1, ``GetTotalBatchSize``: start from the submitted global
     batch B; while strong scaling at B has saturated at ``n`` GPUs
@@ -262,7 +236,9 @@ def adds_no_jct(rates: Rates, active: list[JobView], w: JobView, total: int,
     its sums differ from the exact loop's only by rounding); where they are
     within :data:`~tidal.scheduler.elan_event.MARGIN` of the bound, or the
     rule needs steps that event-driven run does not follow, the exact paired
-    estimate (:func:`~tidal.scheduler.elan_pair.fluid_pair`) decides."""
+    estimate (:func:`~tidal.scheduler.elan_pair.fluid_pair`) decides. A
+    verdict is kept for a later decision over the very same jobs in the very
+    same state (:meth:`~tidal.scheduler.elan_cache.ElanCache.verdicts`)."""
     lo = rates.counts(w)[0]
     if known is None:
         order = rates.order(active + [w])
@@ -273,6 +249,20 @@ def adds_no_jct(rates: Rates, active: list[JobView], w: JobView, total: int,
     ov = rates.snap.overheads
     cost = ov.stop_resume_s if ov.mode == "stop-resume" else ov.pause_s
     x = order.index[w.job_id]
+    kept = rates.cache.verdicts(order.oj_np, order.state())  # type: ignore[union-attr]
+    key = (tuple(xs), x, total, cost)
+    hit = kept.get(key)
+    if hit is not None:  # the same test on the same jobs in the same state (an earlier decision)
+        order.capped_seen = order.capped_seen or hit[1]
+        return hit[0]
+    verdict = _admits(order, xs, x, total, cost)
+    kept[key] = (verdict, order.capped_seen)
+    return verdict
+
+
+def _admits(order: StepOrder, xs: list[int], x: int, total: int, cost: float) -> bool:
+    """:func:`adds_no_jct` on the step order: the event-driven estimate
+    where it decides by a margin, else the exact paired one."""
     if order.positive and not order.capped_seen:  # the event-driven estimate, trusted where it decides by a margin
         sums = event_pair(order, xs, x, total, cost)
         order.capped_seen = sums is None
