@@ -410,11 +410,11 @@ def _busy(seed: int) -> Snapshot:
 
 
 @pytest.mark.parametrize("policy", ["e-fifo", "e-backfill"])
-def test_kept_verdicts_serve_only_the_same_jobs_in_the_same_state(policy, monkeypatch):
-    """A policy object keeps its admission verdicts for a later decision over
-    the very same jobs in the very same state: random busy clusters decided
-    again (the same snapshot, new tags, progress moved, a job gone) give the
-    plans of a fresh policy, and the same decision again runs no estimate."""
+def test_a_policy_that_decided_before_plans_as_a_fresh_one(policy, monkeypatch):
+    """What a policy object keeps across decisions (tables, shapes, the last
+    step order) never changes a plan: random busy clusters decided again (the
+    same snapshot, new tags, progress moved, a job gone) give the plans of a
+    fresh policy."""
     import dataclasses
     import random
 
@@ -423,7 +423,7 @@ def test_kept_verdicts_serve_only_the_same_jobs_in_the_same_state(policy, monkey
     calls = []
     real = elan.event_pair
     monkeypatch.setattr(elan, "event_pair", lambda *a: calls.append(1) or real(*a))
-    shared, tested = get_policy(policy), 0
+    shared = get_policy(policy)
     for seed in range(6):
         snap = _busy(seed)
         rng = random.Random(seed)
@@ -432,10 +432,5 @@ def test_kept_verdicts_serve_only_the_same_jobs_in_the_same_state(policy, monkey
         tagged = dataclasses.replace(snap, jobs=tuple(v._replace(tags={"k": "v"}) for v in snap.jobs))
         fewer = dataclasses.replace(snap, jobs=snap.jobs[1:])
         for s in (snap, tagged, moved, snap, fewer, moved, moved):
-            calls.clear()
             assert shared.schedule(s) == get_policy(policy).schedule(s)
-            tested += len(calls)
-        calls.clear()
-        shared.schedule(moved)  # right after the same decision: every verdict kept
-        assert not calls
-    assert tested  # the snapshots do run admission tests
+    assert calls  # the snapshots do run admission tests

@@ -52,9 +52,6 @@ class ElanCache:
         # (lookahead, the jobs' tables, the step order built on them): a decision
         # over the very same jobs reuses the order's job-independent part
         self.last_order: tuple[int, list[JobTable], Any] | None = None
-        # (a step order's static part, its jobs' state, {admission test: (verdict, capped seen)}):
-        # a decision over the very same jobs in the very same state gets the same verdicts
-        self._verdicts: tuple[Any, bytes, dict] | None = None
 
     def bind(self, profiles: Any, *context: Any) -> None:
         """Use the tables for ``profiles`` (by identity) and ``context``;
@@ -63,18 +60,7 @@ class ElanCache:
             self._jobs.clear()
             self.shapes.clear()
             self.last_order = None
-            self._verdicts = None
             self._profiles, self._context = profiles, context
-
-    def verdicts(self, static: Any, state: bytes) -> dict:
-        """The admission verdicts kept for the step order whose static part
-        is ``static`` (by identity: it is kept while the jobs' tables stay the
-        same) with its jobs in ``state``; a new, empty map when either
-        differs (only the last state's verdicts are kept)."""
-        v = self._verdicts
-        if v is None or v[0] is not static or v[1] != state:
-            v = self._verdicts = (static, state, {})
-        return v[2]
 
     def table(self, spec: JobSpec) -> JobTable:
         """The job's tables (a new, empty one on a miss)."""

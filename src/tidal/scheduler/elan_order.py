@@ -185,15 +185,6 @@ class StepOrder:
         self.size_np = np.where(self._running, np.array(size, dtype=np.int64), 0)
         self.capped_seen = False  # an event-driven estimate met capped steps (elan_event): the exact one runs
         self.begun: dict[tuple, tuple] = {}  # elan_event's start of a run, by job set: shared by consecutive tests
-        self._state: bytes | None = None
-
-    def state(self) -> bytes:
-        """What the fluid estimates read of the jobs beyond the static order
-        (remaining work, running or not, GPUs held), as bytes: equal bytes,
-        equal estimates. Computed once."""
-        if self._state is None:
-            self._state = self.rem_np.tobytes() + self.size_np.tobytes() + self._running.tobytes()
-        return self._state
 
     def with_jobs(self, jobs: Sequence[OrderJob]) -> StepOrder:
         """This order for the same jobs at another time (their remaining work

@@ -236,9 +236,7 @@ def adds_no_jct(rates: Rates, active: list[JobView], w: JobView, total: int,
     its sums differ from the exact loop's only by rounding); where they are
     within :data:`~tidal.scheduler.elan_event.MARGIN` of the bound, or the
     rule needs steps that event-driven run does not follow, the exact paired
-    estimate (:func:`~tidal.scheduler.elan_pair.fluid_pair`) decides. A
-    verdict is kept for a later decision over the very same jobs in the very
-    same state (:meth:`~tidal.scheduler.elan_cache.ElanCache.verdicts`)."""
+    estimate (:func:`~tidal.scheduler.elan_pair.fluid_pair`) decides."""
     lo = rates.counts(w)[0]
     if known is None:
         order = rates.order(active + [w])
@@ -249,15 +247,7 @@ def adds_no_jct(rates: Rates, active: list[JobView], w: JobView, total: int,
     ov = rates.snap.overheads
     cost = ov.stop_resume_s if ov.mode == "stop-resume" else ov.pause_s
     x = order.index[w.job_id]
-    kept = rates.cache.verdicts(order.oj_np, order.state())  # type: ignore[union-attr]
-    key = (tuple(xs), x, total, cost)
-    hit = kept.get(key)
-    if hit is not None:  # the same test on the same jobs in the same state (an earlier decision)
-        order.capped_seen = order.capped_seen or hit[1]
-        return hit[0]
-    verdict = _admits(order, xs, x, total, cost)
-    kept[key] = (verdict, order.capped_seen)
-    return verdict
+    return _admits(order, xs, x, total, cost)
 
 
 def _admits(order: StepOrder, xs: list[int], x: int, total: int, cost: float) -> bool:
