@@ -18,8 +18,9 @@ one about types, :func:`enforce_types` runs after every policy's
   free of others) or waits this round, with a reason in ``Plan.waiting``.
 
 Unconstrained jobs and one-type clusters pay one check per round: a plan
-that admits no job, on a cluster of one GPU type with no constrained job,
-is returned untouched. A job whose types only nodes that are down have
+that admits no job, on a cluster of one GPU type with no node away, is
+returned untouched (the live coordinator's :func:`strip_breaks` still
+guards against a job whose types were removed from the cluster). A job whose types only nodes that are down have
 (``Snapshot.away``) is not dropped: it waits for them, with a reason.
 """
 
@@ -80,8 +81,8 @@ def enforce_types(snap: Snapshot, plan: Plan) -> Plan:
     docstring); returns ``plan``, changed in place."""
     if plan.admit:
         _admission(snap, plan)
-    if plan.placement and (len(snap.cluster.gpu_types) > 1 or any(v.spec.constrained for v in snap.jobs)):
-        _placement(snap, plan)  # one type: only a job that excludes it (its types away, or gone) is placed wrong
+    if plan.placement and (len(snap.cluster.gpu_types) > 1 or snap.away):
+        _placement(snap, plan)  # one type up: only a job whose types are away can be placed wrong
     return plan
 
 
