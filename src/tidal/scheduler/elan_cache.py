@@ -24,7 +24,7 @@ from tidal.core.job import JobSpec
 class JobTable:
     """One job's tables (filled by the policy's :class:`Rates`)."""
 
-    __slots__ = ("spec", "counts", "ctup", "rates", "one", "rate_at", "steps", "shape")
+    __slots__ = ("spec", "counts", "ctup", "rates", "one", "rate_at", "steps", "tops", "hybrid", "shape")
 
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec  # the spec the tables were built from
@@ -34,6 +34,8 @@ class JobTable:
         self.one: float | None = None  # one-GPU rate at the spec's batch
         self.rate_at: dict[int, tuple[float, int]] = {}  # count -> (progress rate, batch)
         self.steps: dict[int, tuple] = {}  # lookahead -> uncapped steps (elan_order.step_arrays)
+        self.tops: dict[int, int] = {}  # lookahead -> the count after the last of those steps
+        self.hybrid = False  # hybrid scaling: the batch depends on the count
         self.shape: JobTable = self  # the table its counts and rates were copied from
 
 
