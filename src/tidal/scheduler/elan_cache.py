@@ -16,7 +16,7 @@ copied from the first table of its shape.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from tidal.core.job import JobSpec
 
@@ -81,6 +81,14 @@ class ElanCache:
             self.shapes.clear()
         hit = jobs[spec.job_id] = JobTable(spec)
         return hit
+
+    def tables(self, specs: Iterable[JobSpec]) -> list[JobTable]:
+        """:meth:`table` of each of ``specs``."""
+        get, table, out = self._jobs.get, self.table, []
+        for spec in specs:
+            hit = get(spec.job_id)
+            out.append(hit if hit is not None and hit.spec is spec else table(spec))
+        return out
 
     def __len__(self) -> int:
         return len(self._jobs)

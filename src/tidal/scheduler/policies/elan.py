@@ -34,6 +34,7 @@ their requested count.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ from tidal.scheduler.elan_pair import fluid_pair
 from tidal.scheduler.estimate import rigid_count
 
 _JOB_ID = operator.attrgetter("spec.job_id")
+_SPEC = operator.attrgetter("spec")
+_RUNNING = operator.attrgetter("state.holds_gpus")  # JobView.running
+_GPUS = operator.attrgetter("gpus")
 
 
 def hybrid_enabled(job: JobView) -> bool:
@@ -109,14 +113,12 @@ class Rates:
         src.tops[lookahead] = src.ctup[int(part[-1, 1])] if len(part) else src.ctup[0]
         return part
 
-    def tops(self, jobs: list[JobView], lookahead: int = 8) -> list[int]:
+    def tops(self, jobs: list[JobView], lookahead: int = 8, tables: list[JobTable] | None = None) -> list[int]:
         """Each job's count after its last uncapped step: what the allocation
-        rule gives it when GPUs are plenty (:func:`plenty_allocation`)."""
-        tables, table, out = self._tables, self._table, []
-        for j in jobs:
-            t = tables(j.spec)
-            if t.rates is None:
-                t = table(j)
+        rule gives it when GPUs are plenty (:func:`plenty_allocation`).
+        ``tables``: the jobs' (:meth:`tables_of`), when the caller has them."""
+        out = []
+        for j, t in zip(jobs, self.tables_of(jobs) if tables is None else tables):
             src = t.shape
             top = src.tops.get(lookahead)
             if top is None:
@@ -126,10 +128,13 @@ class Rates:
             out.append(top)
         return out
 
-    def table_of(self, job: JobView) -> JobTable:
-        """The job's tables, filled."""
-        t = self._tables(job.spec)
-        return self._table(job) if t.rates is None else t
+    def tables_of(self, jobs: list[JobView]) -> list[JobTable]:
+        """The jobs' tables, filled."""
+        out = self.cache.tables(map(_SPEC, jobs))  # type: ignore[union-attr]
+        for i, t in enumerate(out):
+            if t.rates is None:
+                out[i] = self._table(jobs[i])
+        return out
 
     def _table(self, job: JobView) -> JobTable:
         t = self._tables(job.spec)
@@ -249,14 +254,16 @@ def rule_allocation(rates: Rates, jobs: list[JobView], total: int, lookahead: in
     return {j.job_id: order.counts[x][pos[x]] for j, x in zip(jobs, xs)}
 
 
-def plenty_allocation(rates: Rates, jobs: list[JobView], total: int, lookahead: int = 8) -> dict[str, int] | None:
+def plenty_allocation(rates: Rates, jobs: list[JobView], total: int, lookahead: int = 8,
+                      tables: list[JobTable] | None = None) -> dict[str, int] | None:
     """The allocation rule's result when GPUs are plenty, without the step
     order: if every job's count after its last uncapped step (:meth:`Rates.tops`)
     fits together in ``total``, each job gets that count. Every step of the
     order then fits: the prefix takes them while ``lookahead`` GPUs are free,
     the tail the rest in order (:meth:`~tidal.scheduler.elan_order.StepOrder.tail`),
-    and no job has a step beyond. ``None`` otherwise."""
-    tops = rates.tops(jobs, lookahead)
+    and no job has a step beyond. ``None`` otherwise. ``tables``: the jobs'
+    (:meth:`Rates.tables_of`), when the caller has them."""
+    tops = rates.tops(jobs, lookahead, tables)
     if sum(tops) > total:
         return None
     return dict(zip(map(_JOB_ID, jobs), tops))
@@ -325,9 +332,10 @@ def elastic_admission(
     blocked head job. Returns the jobs to run (running ones first)."""
     total = snap.cluster.num_gpus
     jobs = schedulable(snap, plan)
-    active = [j for j in jobs if j.running]
-    queue = sorted((j for j in jobs if not j.running), key=lambda j: (j.spec.submit_time, j.job_id))
-    idle = total - sum(j.size for j in active)
+    running = list(map(_RUNNING, jobs))
+    active = list(itertools.compress(jobs, running))
+    queue = sorted(itertools.compress(jobs, map(operator.not_, running)), key=lambda j: (j.spec.submit_time, j.job_id))
+    idle = total - sum(map(len, map(_GPUS, active)))
     # from the first job that does not fit the idle GPUs: the sum of active's min_res; from the
     # first admission test: one step order for all of the round's jobs and active's indexes in it
     known: dict = {}
@@ -411,17 +419,19 @@ class _Elan(Policy):
         rates = Rates(snap, self.hybrid, self.saturation, self.min_factor, self.max_factor, self._cache)
         active = elastic_admission(rates, snap, plan, self.backfill)
         total = snap.cluster.num_gpus
-        alloc = plenty_allocation(rates, active, total)
+        tables = rates.tables_of(active)
+        alloc = plenty_allocation(rates, active, total, tables=tables)
         self._plenty = plan if alloc is not None else None
         if alloc is None:
             alloc = rule_allocation(rates, active, total)
         plan.allocation.update(alloc)
-        table = rates.table_of
-        for j in active:
+        for j, t in zip(active, tables):
             spec = j.spec
-            if table(j).hybrid:
+            if t.hybrid:
                 b = rates.batch(j, alloc[spec.job_id])
-            else:  # the spec's batch at every count
+            elif not j.batch:
+                continue  # the spec's batch at every count, and now
+            else:
                 b = spec.batch_size
             if b != (j.batch or spec.batch_size):
                 plan.batch[spec.job_id] = b
