@@ -72,6 +72,8 @@ class Rates:
     min_factor: float = 0.5
     max_factor: float = 2.0
     cache: ElanCache | None = None
+    # the round's jobs: an order asked for some of them is built for all, so that one serves the round
+    cover: list[JobView] | None = None
     _order: StepOrder | None = None
 
     def __post_init__(self) -> None:
@@ -87,22 +89,30 @@ class Rates:
         on each job's table, fixed for the round)."""
         o = self._order
         if o is None or o.lookahead != lookahead or any(j.job_id not in o.index for j in jobs):
-            ojs, parts, tables = [], [], []
-            for j in jobs:
-                t = self._table(j)
-                tables.append(t)
-                ojs.append(OrderJob(j.job_id, j.spec.submit_time, t.ctup, t.rates, t.one, j.remaining,
-                                    j.running, j.size))
-                src = t.shape  # jobs of one shape have the same steps
-                part = src.steps.get(lookahead)
-                parts.append(self._steps(ojs[-1], src, lookahead) if part is None else part)
-            last = self.cache.last_order  # type: ignore[union-attr]
-            if last is not None and last[0] == lookahead and len(last[1]) == len(tables) and all(
-                    map(operator.is_, last[1], tables)):
-                o = self._order = last[2].with_jobs(ojs)  # the same jobs as the last order: its static part
-            else:
-                o = self._order = StepOrder(ojs, lookahead, parts=parts)
-                self.cache.last_order = (lookahead, tables, o)  # type: ignore[union-attr]
+            o = self._build(jobs if self.cover is None else self.cover, lookahead)
+            if any(j.job_id not in o.index for j in jobs):
+                o = self._build(jobs, lookahead)
+        return o
+
+    def _build(self, jobs: list[JobView], lookahead: int) -> StepOrder:
+        """:meth:`order`'s step order over ``jobs``, built (or the last
+        decision's, when it was over the same tables, with the jobs' progress)."""
+        ojs, parts, tables = [], [], []
+        for j in jobs:
+            t = self._table(j)
+            tables.append(t)
+            ojs.append(OrderJob(j.job_id, j.spec.submit_time, t.ctup, t.rates, t.one, j.remaining,
+                                j.running, j.size))
+            src = t.shape  # jobs of one shape have the same steps
+            part = src.steps.get(lookahead)
+            parts.append(self._steps(ojs[-1], src, lookahead) if part is None else part)
+        last = self.cache.last_order  # type: ignore[union-attr]
+        if last is not None and last[0] == lookahead and len(last[1]) == len(tables) and all(
+                map(operator.is_, last[1], tables)):
+            o = self._order = last[2].with_jobs(ojs)  # the same jobs as the last order: its static part
+        else:
+            o = self._order = StepOrder(ojs, lookahead, parts=parts)
+            self.cache.last_order = (lookahead, tables, o)  # type: ignore[union-attr]
         return o
 
     @staticmethod
@@ -113,11 +123,13 @@ class Rates:
         src.tops[lookahead] = src.ctup[int(part[-1, 1])] if len(part) else src.ctup[0]
         return part
 
-    def tops(self, jobs: list[JobView], lookahead: int = 8, tables: list[JobTable] | None = None) -> list[int]:
+    def tops(self, jobs: list[JobView], lookahead: int = 8, tables: list[JobTable] | None = None,
+             limit: float = math.inf) -> list[int] | None:
         """Each job's count after its last uncapped step: what the allocation
-        rule gives it when GPUs are plenty (:func:`plenty_allocation`).
-        ``tables``: the jobs' (:meth:`tables_of`), when the caller has them."""
-        out = []
+        rule gives it when GPUs are plenty (:func:`plenty_allocation`);
+        ``None`` as soon as their sum exceeds ``limit``. ``tables``: the
+        jobs' (:meth:`tables_of`), when the caller has them."""
+        out, acc = [], 0
         for j, t in zip(jobs, self.tables_of(jobs) if tables is None else tables):
             src = t.shape
             top = src.tops.get(lookahead)
@@ -125,6 +137,9 @@ class Rates:
                 self._steps(OrderJob(j.job_id, j.spec.submit_time, t.ctup, t.rates, t.one, 0.0, False, 0), src,
                             lookahead)
                 top = src.tops[lookahead]
+            acc += top
+            if acc > limit:
+                return None
             out.append(top)
         return out
 
@@ -263,10 +278,8 @@ def plenty_allocation(rates: Rates, jobs: list[JobView], total: int, lookahead: 
     the tail the rest in order (:meth:`~tidal.scheduler.elan_order.StepOrder.tail`),
     and no job has a step beyond. ``None`` otherwise. ``tables``: the jobs'
     (:meth:`Rates.tables_of`), when the caller has them."""
-    tops = rates.tops(jobs, lookahead, tables)
-    if sum(tops) > total:
-        return None
-    return dict(zip(map(_JOB_ID, jobs), tops))
+    tops = rates.tops(jobs, lookahead, tables, limit=total)
+    return None if tops is None else dict(zip(map(_JOB_ID, jobs), tops))
 
 
 def _finish_times(rates: Rates, jobs: list[JobView], alloc: dict[str, int], shrink_cost: float) -> dict[str, float]:
@@ -331,7 +344,7 @@ def elastic_admission(
     """E-FIFO's admission, or E-Backfill's with an EASY reservation for the
     blocked head job. Returns the jobs to run (running ones first)."""
     total = snap.cluster.num_gpus
-    jobs = schedulable(snap, plan)
+    jobs = rates.cover = schedulable(snap, plan)
     running = list(map(_RUNNING, jobs))
     active = list(itertools.compress(jobs, running))
     queue = sorted(itertools.compress(jobs, map(operator.not_, running)), key=lambda j: (j.spec.submit_time, j.job_id))
