@@ -450,10 +450,10 @@ class _Elan(Policy):
                 plan.batch[spec.job_id] = b
 
     def settled(self, snap: Snapshot, plan: Plan) -> bool:
-        """Every job runs, at the count after its last uncapped step with GPUs
-        to spare (:func:`plenty_allocation`), at its batch: with only
-        completions since, the same holds for the remaining jobs (fewer of
-        the same counts fit), so no job waits and none changes its count."""
+        """Every job runs, at its batch and at the count after its last
+        uncapped step, all of them fitting (:func:`plenty_allocation`): with
+        only completions since, the remaining jobs' counts fit too, so no job
+        waits and none changes its count (the simulator skips those rounds)."""
         alloc = plan.allocation
         return (self._plenty is plan and not plan.batch and len(alloc) + len(plan.drop) == len(snap.jobs)
                 and all(alloc.values()))
