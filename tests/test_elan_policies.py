@@ -434,3 +434,88 @@ def test_a_policy_that_decided_before_plans_as_a_fresh_one(policy, monkeypatch):
         for s in (snap, tagged, moved, snap, fewer, moved, moved):
             assert shared.schedule(s) == get_policy(policy).schedule(s)
     assert calls  # the snapshots do run admission tests
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plenty_allocation_is_the_rule_s_allocation(seed):
+    """Random job sets and cluster sizes (small and large, so both cases
+    come up): where GPUs are plenty, the counts read off each job's last
+    uncapped step equal the step order's allocation and the plain heap's."""
+    import random
+
+    from tidal.scheduler.policies.elan import plenty_allocation, rule_allocation
+
+    rng = random.Random(200 + seed)
+    views, snap = _random_jobs(rng, 40, 0.4)
+    rates = Rates(snap, hybrid_all=seed % 2 == 1)
+    hits = misses = 0
+    for _ in range(40):
+        sub = [v for v in views if rng.random() < rng.choice([0.1, 0.3, 0.6])]
+        look = rng.choice([8, 8, 3, 5])
+        total = rng.choice([16, 32, 64, 100, 200, 400])
+        if rng.random() < 0.5:  # about as many GPUs as the last steps take: fewer than lookahead spare, or short
+            total = sum(rates.tops(sub, look)) + rng.randint(-3, look)
+        if sum(rates.counts(v)[0] for v in sub) > total:
+            continue
+        got = plenty_allocation(rates, sub, total, look)
+        if got is None:
+            misses += 1
+            continue
+        hits += 1
+        assert got == rule_allocation(rates, sub, total, look) == _heap_rule(rates, sub, total, look)
+        assert elan_allocation(rates, sub, total, look) == got
+    assert hits and misses
+
+
+class _Checked:
+    """A policy's decisions checked where the simulator would skip them:
+    after a plan the policy calls settled, every later round with only
+    completions since must change nothing (each job keeps its GPUs, no
+    batch). ``settled`` answers False, so that every round is decided."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.checked, self.last = inner, inner.name, 0, None
+
+    def schedule(self, snap):
+        plan = self.inner.schedule(snap)
+        ids = {v.job_id for v in snap.jobs}
+        if self.last is not None and ids <= self.last:
+            self.checked += 1
+            assert plan.allocation == dict(snap.sizes) and not plan.batch and not plan.drop
+            assert plan.placement == dict(snap.held)
+        else:
+            self.last = None
+        if self.inner.settled(snap, plan):
+            self.last = ids
+        return plan
+
+    def settled(self, snap, plan):  # noqa: ARG002
+        return False
+
+
+@pytest.mark.parametrize("policy", ["e-fifo", "e-backfill"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_settled_plan_holds_until_a_job_arrives(policy, seed):
+    """Random workloads on clusters where GPUs are sometimes plenty: after
+    every plan the policy calls settled, the rounds with only completions
+    since (those the simulator skips) decide nothing new; skipping them
+    gives the same result as deciding every round."""
+    import random
+
+    rng = random.Random(300 + seed)
+    profiles = load_profiles()
+    models = [m for m in profiles.models if m != "resnet50_cifar10"]
+    specs = []
+    for i in range(60):
+        m = rng.choice(models)
+        specs.append(JobSpec(f"j{i}", submit_time=float(rng.randint(0, 4000)), model=m,
+                             batch_size=rng.choice(profiles.batch_sizes(m)), iterations=float(rng.randint(500, 20_000)),
+                             requested_gpus=rng.choice([1, 2, 4, 8]), elastic=rng.random() < 0.85,
+                             meta=(("hybrid", "1"),) if rng.random() < 0.3 else ()))
+    cluster = parse_cluster(rng.choice(["n4g8", "n8g8", "n16g8"]))
+    checked = _Checked(get_policy(policy))
+    every = simulate(specs, cluster, checked, profiles=profiles, slot=60.0)
+    skipping = simulate(specs, cluster, get_policy(policy), profiles=profiles, slot=60.0)
+    assert checked.checked
+    assert every.rounds == skipping.rounds
+    assert [(j.spec.job_id, j.end_time) for j in every.jobs] == [(j.spec.job_id, j.end_time) for j in skipping.jobs]

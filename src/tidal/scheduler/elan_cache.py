@@ -16,7 +16,7 @@ copied from the first table of its shape.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from tidal.core.job import JobSpec
 
@@ -24,7 +24,7 @@ from tidal.core.job import JobSpec
 class JobTable:
     """One job's tables (filled by the policy's :class:`Rates`)."""
 
-    __slots__ = ("spec", "counts", "ctup", "rates", "one", "rate_at", "steps", "shape")
+    __slots__ = ("spec", "counts", "ctup", "rates", "one", "rate_at", "steps", "tops", "hybrid", "shape")
 
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec  # the spec the tables were built from
@@ -34,6 +34,8 @@ class JobTable:
         self.one: float | None = None  # one-GPU rate at the spec's batch
         self.rate_at: dict[int, tuple[float, int]] = {}  # count -> (progress rate, batch)
         self.steps: dict[int, tuple] = {}  # lookahead -> uncapped steps (elan_order.step_arrays)
+        self.tops: dict[int, int] = {}  # lookahead -> the count after the last of those steps
+        self.hybrid = False  # hybrid scaling: the batch depends on the count
         self.shape: JobTable = self  # the table its counts and rates were copied from
 
 
@@ -79,6 +81,14 @@ class ElanCache:
             self.shapes.clear()
         hit = jobs[spec.job_id] = JobTable(spec)
         return hit
+
+    def tables(self, specs: Iterable[JobSpec]) -> list[JobTable]:
+        """:meth:`table` of each of ``specs``."""
+        get, table, out = self._jobs.get, self.table, []
+        for spec in specs:
+            hit = get(spec.job_id)
+            out.append(hit if hit is not None and hit.spec is spec else table(spec))
+        return out
 
     def __len__(self) -> int:
         return len(self._jobs)

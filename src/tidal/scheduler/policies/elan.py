@@ -34,9 +34,12 @@ their requested count.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from dataclasses import dataclass
+
+import numpy as np
 
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.elan_cache import ElanCache, JobTable
@@ -44,6 +47,12 @@ from tidal.scheduler.elan_order import OrderJob, StepOrder, job_steps, step_arra
 from tidal.scheduler.elan_event import decided, event_pair
 from tidal.scheduler.elan_pair import fluid_pair
 from tidal.scheduler.estimate import rigid_count
+
+_JOB_ID = operator.attrgetter("spec.job_id")
+_SPEC = operator.attrgetter("spec")
+_RUNNING = operator.attrgetter("state.holds_gpus")  # JobView.running
+_GPUS = operator.attrgetter("gpus")
+
 
 def hybrid_enabled(job: JobView) -> bool:
     """Per-job opt-in to hybrid scaling: ``meta`` entry ``hybrid`` = 1/true/yes."""
@@ -63,6 +72,8 @@ class Rates:
     min_factor: float = 0.5
     max_factor: float = 2.0
     cache: ElanCache | None = None
+    # the round's jobs: an order asked for some of them is built for all, so that one serves the round
+    cover: list[JobView] | None = None
     _order: StepOrder | None = None
 
     def __post_init__(self) -> None:
@@ -78,25 +89,67 @@ class Rates:
         on each job's table, fixed for the round)."""
         o = self._order
         if o is None or o.lookahead != lookahead or any(j.job_id not in o.index for j in jobs):
-            ojs, parts, tables = [], [], []
-            for j in jobs:
-                t = self._table(j)
-                tables.append(t)
-                ojs.append(OrderJob(j.job_id, j.spec.submit_time, t.ctup, t.rates, t.one, j.remaining,
-                                    j.running, j.size))
-                src = t.shape  # jobs of one shape have the same steps
-                part = src.steps.get(lookahead)
-                if part is None:
-                    part = src.steps[lookahead] = step_arrays(job_steps(ojs[-1], lookahead))
-                parts.append(part)
-            last = self.cache.last_order  # type: ignore[union-attr]
-            if last is not None and last[0] == lookahead and len(last[1]) == len(tables) and all(
-                    map(operator.is_, last[1], tables)):
-                o = self._order = last[2].with_jobs(ojs)  # the same jobs as the last order: its static part
-            else:
-                o = self._order = StepOrder(ojs, lookahead, parts=parts)
-                self.cache.last_order = (lookahead, tables, o)  # type: ignore[union-attr]
+            o = self._build(jobs if self.cover is None else self.cover, lookahead)
+            if any(j.job_id not in o.index for j in jobs):
+                o = self._build(jobs, lookahead)
         return o
+
+    def _build(self, jobs: list[JobView], lookahead: int) -> StepOrder:
+        """:meth:`order`'s step order over ``jobs``, built (or the last
+        decision's, when it was over the same tables, with the jobs' progress)."""
+        ojs, parts, tables = [], [], []
+        for j in jobs:
+            t = self._table(j)
+            tables.append(t)
+            ojs.append(OrderJob(j.job_id, j.spec.submit_time, t.ctup, t.rates, t.one, j.remaining,
+                                j.running, j.size))
+            src = t.shape  # jobs of one shape have the same steps
+            part = src.steps.get(lookahead)
+            parts.append(self._steps(ojs[-1], src, lookahead) if part is None else part)
+        last = self.cache.last_order  # type: ignore[union-attr]
+        if last is not None and last[0] == lookahead and len(last[1]) == len(tables) and all(
+                map(operator.is_, last[1], tables)):
+            o = self._order = last[2].with_jobs(ojs)  # the same jobs as the last order: its static part
+        else:
+            o = self._order = StepOrder(ojs, lookahead, parts=parts)
+            self.cache.last_order = (lookahead, tables, o)  # type: ignore[union-attr]
+        return o
+
+    @staticmethod
+    def _steps(oj: OrderJob, src: JobTable, lookahead: int) -> np.ndarray:
+        """The uncapped steps of ``src``'s shape (:func:`step_arrays`), and
+        the count after the last of them, computed and kept in ``src``."""
+        part = src.steps[lookahead] = step_arrays(job_steps(oj, lookahead))
+        src.tops[lookahead] = src.ctup[int(part[-1, 1])] if len(part) else src.ctup[0]
+        return part
+
+    def tops(self, jobs: list[JobView], lookahead: int = 8, tables: list[JobTable] | None = None,
+             limit: float = math.inf) -> list[int] | None:
+        """Each job's count after its last uncapped step: what the allocation
+        rule gives it when GPUs are plenty (:func:`plenty_allocation`);
+        ``None`` as soon as their sum exceeds ``limit``. ``tables``: the
+        jobs' (:meth:`tables_of`), when the caller has them."""
+        out, acc = [], 0
+        for j, t in zip(jobs, self.tables_of(jobs) if tables is None else tables):
+            src = t.shape
+            top = src.tops.get(lookahead)
+            if top is None:
+                self._steps(OrderJob(j.job_id, j.spec.submit_time, t.ctup, t.rates, t.one, 0.0, False, 0), src,
+                            lookahead)
+                top = src.tops[lookahead]
+            acc += top
+            if acc > limit:
+                return None
+            out.append(top)
+        return out
+
+    def tables_of(self, jobs: list[JobView]) -> list[JobTable]:
+        """The jobs' tables, filled."""
+        out = self.cache.tables(map(_SPEC, jobs))  # type: ignore[union-attr]
+        for i, t in enumerate(out):
+            if t.rates is None:
+                out[i] = self._table(jobs[i])
+        return out
 
     def _table(self, job: JobView) -> JobTable:
         t = self._tables(job.spec)
@@ -108,7 +161,9 @@ class Rates:
             if src is not None and src.rates is not None:
                 t.counts, t.ctup, t.one, t.rates, t.rate_at, t.shape = (src.counts, src.ctup, src.one, src.rates,
                                                                         src.rate_at, src)
+                t.hybrid = src.hybrid
                 return t
+            t.hybrid = key[-1]
             t.counts = self._counts(job, t)
             t.ctup = tuple(t.counts)
             t.one = self.snap.throughput(job, 1) or 1.0
@@ -200,11 +255,31 @@ def elan_allocation(rates: Rates, jobs: list[JobView], total: int, lookahead: in
     flat before hybrid scaling pays, the step spans to the next count that
     gains (at most ``lookahead`` GPUs): on concave curves it is one GPU. Ties
     go to the earlier submission, then the smaller job id. Evaluated on the
-    round's step order (:class:`~tidal.scheduler.elan_order.StepOrder`)."""
+    round's step order (:class:`~tidal.scheduler.elan_order.StepOrder`)
+    unless GPUs are plenty (:func:`plenty_allocation`)."""
+    alloc = plenty_allocation(rates, jobs, total, lookahead)
+    return rule_allocation(rates, jobs, total, lookahead) if alloc is None else alloc
+
+
+def rule_allocation(rates: Rates, jobs: list[JobView], total: int, lookahead: int = 8) -> dict[str, int]:
+    """:func:`elan_allocation` on the round's step order."""
     order = rates.order(jobs, lookahead)
     xs = [order.index[j.job_id] for j in jobs]
     pos = order.allocation(xs, total)
     return {j.job_id: order.counts[x][pos[x]] for j, x in zip(jobs, xs)}
+
+
+def plenty_allocation(rates: Rates, jobs: list[JobView], total: int, lookahead: int = 8,
+                      tables: list[JobTable] | None = None) -> dict[str, int] | None:
+    """The allocation rule's result when GPUs are plenty, without the step
+    order: if every job's count after its last uncapped step (:meth:`Rates.tops`)
+    fits together in ``total``, each job gets that count. Every step of the
+    order then fits: the prefix takes them while ``lookahead`` GPUs are free,
+    the tail the rest in order (:meth:`~tidal.scheduler.elan_order.StepOrder.tail`),
+    and no job has a step beyond. ``None`` otherwise. ``tables``: the jobs'
+    (:meth:`Rates.tables_of`), when the caller has them."""
+    tops = rates.tops(jobs, lookahead, tables, limit=total)
+    return None if tops is None else dict(zip(map(_JOB_ID, jobs), tops))
 
 
 def _finish_times(rates: Rates, jobs: list[JobView], alloc: dict[str, int], shrink_cost: float) -> dict[str, float]:
@@ -269,27 +344,35 @@ def elastic_admission(
     """E-FIFO's admission, or E-Backfill's with an EASY reservation for the
     blocked head job. Returns the jobs to run (running ones first)."""
     total = snap.cluster.num_gpus
-    jobs = schedulable(snap, plan)
-    active = [j for j in jobs if j.running]
-    queue = sorted((j for j in jobs if not j.running), key=lambda j: (j.spec.submit_time, j.job_id))
-    idle = total - sum(j.size for j in active)
-    known: list = []  # at the first test: one step order for all of the round's, active's indexes, min_res sum
+    jobs = rates.cover = schedulable(snap, plan)
+    running = list(map(_RUNNING, jobs))
+    active = list(itertools.compress(jobs, running))
+    queue = sorted(itertools.compress(jobs, map(operator.not_, running)), key=lambda j: (j.spec.submit_time, j.job_id))
+    idle = total - sum(map(len, map(_GPUS, active)))
+    # from the first job that does not fit the idle GPUs: the sum of active's min_res; from the
+    # first admission test: one step order for all of the round's jobs and active's indexes in it
+    known: dict = {}
 
     def admissible(w: JobView) -> bool:
         lo = rates.counts(w)[0]
         if lo <= idle:
             return True
-        if not known:
-            order = rates.order(jobs)
-            known.extend((order, [order.index[j.job_id] for j in active], sum(rates.counts(j)[0] for j in active)))
-        return adds_no_jct(rates, active, w, total, tuple(known))  # type: ignore[arg-type]
+        if "lows" not in known:
+            known["lows"] = sum(rates.counts(j)[0] for j in active)
+        if known["lows"] + lo > total:
+            return False  # adds_no_jct's answer, without the order
+        if "order" not in known:
+            order = known["order"] = rates.order(jobs)
+            known["xs"] = [order.index[j.job_id] for j in active]
+        return adds_no_jct(rates, active, w, total, (known["order"], known["xs"], known["lows"]))
 
     def start(w: JobView) -> int:
         active.append(w)
         lo = rates.counts(w)[0]
-        if known:
-            known[1].append(known[0].index[w.job_id])
-            known[2] += lo
+        if "lows" in known:
+            known["lows"] += lo
+        if "order" in known:
+            known["xs"].append(known["order"].index[w.job_id])
         return max(0, idle - lo)
 
     head = None
@@ -300,19 +383,7 @@ def elastic_admission(
         idle = start(w)
     if head is None or not backfill:
         return active
-    # EASY: reserve the head's min_res at the shadow time (backfill.py's rule)
-    h = queue[head]
-    need = rates.counts(h)[0]
-    alloc = elan_allocation(rates, active, total)
-    ends = sorted(
-        (t, alloc[jid]) for jid, t in _finish_times(rates, active, alloc, 0.0).items()
-    )
-    shadow, extra, avail = math.inf, 0, idle
-    for t, n in ends:
-        avail += n
-        if avail >= need:
-            shadow, extra = t, avail - need
-            break
+    shadow, extra = _reservation(rates, active, rates.counts(queue[head])[0], idle, total)
     for w in queue[head + 1:]:
         lo = rates.counts(w)[0]
         r = rates.rate(w, lo)
@@ -323,6 +394,21 @@ def elastic_admission(
             extra -= lo
         idle = start(w)
     return active
+
+
+def _reservation(rates: Rates, active: list[JobView], need: int, idle: int, total: int) -> tuple[float, int]:
+    """EASY's reservation of the head job's min_res ``need`` (backfill.py's
+    rule): the shadow time (s from now) when the running jobs' completions
+    at the rule's allocation free enough GPUs, and the GPUs beyond ``need``
+    free then."""
+    alloc = elan_allocation(rates, active, total)
+    ends = sorted((t, alloc[jid]) for jid, t in _finish_times(rates, active, alloc, 0.0).items())
+    avail = idle
+    for t, n in ends:
+        avail += n
+        if avail >= need:
+            return t, avail - need
+    return math.inf, 0
 
 
 class _Elan(Policy):
@@ -340,15 +426,37 @@ class _Elan(Policy):
         self.min_factor = min_factor
         self.max_factor = max_factor
         self._cache = ElanCache()  # per-job tables kept across decisions (never changes one)
+        self._plenty: Plan | None = None  # the last plan, if plenty_allocation made its allocation
 
     def allocation(self, snap: Snapshot, plan: Plan) -> None:
         rates = Rates(snap, self.hybrid, self.saturation, self.min_factor, self.max_factor, self._cache)
         active = elastic_admission(rates, snap, plan, self.backfill)
-        plan.allocation.update(elan_allocation(rates, active, snap.cluster.num_gpus))
-        for j in active:
-            b = rates.batch(j, plan.allocation[j.job_id])
-            if b != (j.batch or j.spec.batch_size):
-                plan.batch[j.job_id] = b
+        total = snap.cluster.num_gpus
+        tables = rates.tables_of(active)
+        alloc = plenty_allocation(rates, active, total, tables=tables)
+        self._plenty = plan if alloc is not None else None
+        if alloc is None:
+            alloc = rule_allocation(rates, active, total)
+        plan.allocation.update(alloc)
+        for j, t in zip(active, tables):
+            spec = j.spec
+            if t.hybrid:
+                b = rates.batch(j, alloc[spec.job_id])
+            elif not j.batch:
+                continue  # the spec's batch at every count, and now
+            else:
+                b = spec.batch_size
+            if b != (j.batch or spec.batch_size):
+                plan.batch[spec.job_id] = b
+
+    def settled(self, snap: Snapshot, plan: Plan) -> bool:
+        """Every job runs, at its batch and at the count after its last
+        uncapped step, all of them fitting (:func:`plenty_allocation`): with
+        only completions since, the remaining jobs' counts fit too, so no job
+        waits and none changes its count (the simulator skips those rounds)."""
+        alloc = plan.allocation
+        return (self._plenty is plan and not plan.batch and len(alloc) + len(plan.drop) == len(snap.jobs)
+                and all(alloc.values()))
 
 
 class EFIFO(_Elan):
