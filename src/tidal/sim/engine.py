@@ -24,6 +24,7 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Callable, Iterable, Iterator
 
 from tidal.core.job import JobSpec, JobState, check_transition
@@ -38,6 +39,7 @@ from tidal.sim.views import ViewCache
 
 _COMPLETE, _ARRIVAL, _SCHED = 0, 1, 2
 _COMPLETED = JobState.COMPLETED
+_ORDER = attrgetter("submit_time", "job_id")  # event order of the arrivals
 __all__ = ["PolicyError", "SimResult", "Simulator", "simulate"]
 
 
@@ -99,16 +101,15 @@ class Simulator(PlanExecutor):
         self.until = until
         self.on_progress = on_progress
         self.validate = validate
-        specs = sorted(jobs, key=lambda s: (s.submit_time, s.job_id))
-        ids = [s.job_id for s in specs]
-        if len(set(ids)) != len(ids):
-            raise ValueError("duplicate job ids in the trace")
+        specs = sorted(jobs, key=_ORDER)
         one = self.profiles.throughput
         self.jobs: dict[str, SimJob] = {
             s.job_id: SimJob(spec=s, last_t=s.submit_time, batch=s.batch_size,
                              single_rate=one(s.model, s.batch_size, 1) or 1.0)
             for s in specs
         }
+        if len(self.jobs) != len(specs):
+            raise ValueError("duplicate job ids in the trace")
         self._goodput = init_jobs(self)  # goodput jobs: re-rated every round (tidal.sim.goodput)
         self.active: dict[str, SimJob] = {}
         self.running: dict[str, SimJob] = {}
@@ -238,13 +239,12 @@ class Simulator(PlanExecutor):
         self.cache.rows.advance(end, self.progress, self.cache.tags)
         self.cache.rows.flush_all()
         self.progress.account(end, len(self.owner))
-        starts = [j.spec.submit_time for j in self.jobs.values()]
         return SimResult(
             policy=self.policy.name,
             cluster=self.cluster,
             jobs=list(self.jobs.values()),
             timeline=self.timeline,
-            start=min(starts) if starts else 0.0,
+            start=self._arrivals[0][0] if self._arrivals else 0.0,  # the first submission (in order)
             end=end,
             busy_gpu_s=self.progress.busy_gpu_s,
             useful_norm_s=self.progress.useful,

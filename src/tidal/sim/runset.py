@@ -12,14 +12,15 @@ Rows are kept in running order (the order jobs started), which is the order
 the useful-work integral is summed in. A job's row is its slot
 (``SimJob.row``): a job that stops leaves a hole (all gains zero, so it adds
 exactly ``0.0`` to the sum and nothing else), and the slots are compacted, in
-order, once holes are as many as rows; so every operation on one job is
+order, once holes are half as many as rows; so every operation on one job is
 O(1). For a steady job the row is the truth and the ``SimJob`` fields are
 stale until :meth:`RunSet.flush`.
 """
 
 from __future__ import annotations
 
-from itertools import compress
+from itertools import compress, repeat
+from operator import attrgetter, is_not
 from typing import Any
 
 import numpy as np
@@ -31,8 +32,9 @@ from tidal.sim.progress import Progress, SimJob, integrate
 # row columns: done, overhead_gpu_s, attained, gpu_seconds, executed, (useful: scratch)
 _NCOL = 6
 _new_view = tuple.__new__
+_JOB_ID = attrgetter("job_id")
 _RUNNING, _RESIZING = JobState.RUNNING, JobState.RESIZING
-_COMPACT_MIN = 64  # holes tolerated whatever the rows
+_COMPACT_MIN = 32  # holes tolerated whatever the rows (and up to half as many as rows)
 
 
 def steady(job: SimJob) -> bool:
@@ -108,7 +110,7 @@ class RunSet:
                 n -= 1
             del jobs[n:], self.statics[n:]
             self.n = n
-        elif n - self.k >= max(self.k, _COMPACT_MIN):
+        elif 2 * (n - self.k) > max(self.k, 2 * _COMPACT_MIN):
             self._compact()
 
     def _compact(self) -> None:
@@ -220,23 +222,34 @@ class Rows:
         self.statics, self.counters, self.running = statics, counters, running
         self._pos: dict[str, int] | None = None
 
+    def _live(self) -> tuple[list[tuple], list[float], list[float], list[float]]:
+        """The rows' static fields and counters (done, attained, executed), holes left out."""
+        statics = self.statics
+        done, attained, executed = self.counters.T.tolist()
+        if None in statics:
+            keep = list(map(is_not, statics, repeat(None)))
+            statics = list(compress(statics, keep))
+            done, attained, executed = (list(compress(c, keep)) for c in (done, attained, executed))
+        return statics, done, attained, executed
+
     @property
     def ids(self) -> list[str]:
         """The rows' job ids, in running order."""
         return [st[0].job_id for st in self.statics if st is not None]
 
-    def items(self) -> list[tuple[str, JobView]]:
-        """(job id, view) per row, in running order."""
-        done, attained, executed = self.counters.T.tolist()
-        out = []
-        for st, d, a, e in zip(self.statics, done, attained, executed):
-            if st is not None:
-                out.append((st[0].job_id, _new_view(JobView, (st[0], st[1], st[2], d, a, e, st[3], st[4], st[5], st[6]))))
-        return out
+    def columns(self) -> tuple[list[str], list[JobView]]:
+        """The rows' job ids and a :class:`JobView` per row, in running order."""
+        statics, done, attained, executed = self._live()
+        if not statics:
+            return [], []
+        spec, state, gpus, since, admitted, tags, batch = zip(*statics)
+        views = list(map(_new_view, repeat(JobView),
+                         zip(spec, state, gpus, done, attained, executed, since, admitted, tags, batch)))
+        return list(map(_JOB_ID, spec)), views
 
     def views(self) -> list[JobView]:
         """A :class:`JobView` per row, in running order."""
-        return [v for _, v in self.items()]
+        return self.columns()[1]
 
     def view(self, jid: str) -> JobView | None:
         """The view of one row's job, or None if ``jid`` has no row."""

@@ -6,10 +6,10 @@ a waiting job's view is rebuilt only when one of its fields changes
 their :class:`~tidal.sim.runset.RunSet` rows, in one pass, only if the
 policy reads ``snap.jobs`` (:class:`LazyJobs`; a policy that looks only at
 the jobs without GPUs, through the indexes, never builds them). The
-snapshot's indexes (GPUs held per job, counts, free GPUs) are the engine's
-own, handed over read-only and copied before the next change (copy-on-write),
-so a snapshot never changes after it is built; positions, which few rounds
-read, the snapshot derives from its job ids when asked.
+snapshot's indexes (GPUs held per job, counts, free GPUs) come from the
+engine's own: read-only copies, made again only once they changed, so a
+snapshot never changes after it is built; positions, which few rounds read,
+the snapshot derives from its job ids when asked.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from tidal.sim.progress import SimJob
 from tidal.sim.runset import Rows, RunSet
 
 _new_view = tuple.__new__
-_set, _pop = dict.__setitem__, dict.pop
 
 
 _NO_TAGS = FrozenDict()
@@ -53,9 +52,9 @@ class ViewCache:
         self.submitted: dict[str, None] = {}  # active jobs in state submitted, in arrival order
         self.owner: dict[int, str] = {}  # GPU -> job
         self.used: np.ndarray | None = None  # GPUs held, once a policy read a snapshot's used_mask (track_used)
-        self.held = FrozenDict()  # job -> GPUs
-        self.sizes = FrozenDict()  # job -> GPU count
-        self._shared = False  # the two dicts above are in a snapshot
+        self.held: dict[str, tuple[int, ...]] = {}  # job -> GPUs
+        self.sizes: dict[str, int] = {}  # job -> GPU count
+        self._frozen: tuple[FrozenDict, FrozenDict] | None = None  # read-only copies of the two, while unchanged
         self._idle: dict[str, None] = {}  # active jobs holding no GPUs, in arrival order (see snapshot)
         self._returned: set[str] = set()  # jobs that gave back GPUs since the last snapshot
         self._cluster = cluster
@@ -68,11 +67,6 @@ class ViewCache:
             self.by_free[len(gpus)].append(n)
 
     # -- GPUs held -----------------------------------------------------------
-    def _own(self) -> None:
-        if self._shared:
-            self.held, self.sizes = FrozenDict(self.held), FrozenDict(self.sizes)
-            self._shared = False
-
     def track_used(self) -> None:
         """From now on keep the mask of held GPUs that snapshots hand over as
         ``used_mask`` (built from the owners once)."""
@@ -83,13 +77,12 @@ class ViewCache:
 
     def hold(self, job: SimJob) -> None:
         """Record ``job.gpus`` as held by ``job``."""
-        if self._shared:
-            self._own()
+        self._frozen = None
         jid, gpus = job.spec.job_id, job.gpus
         if self.used is not None:
             self.used[list(gpus)] = True
-        _set(self.held, jid, gpus)
-        _set(self.sizes, jid, len(gpus))
+        self.held[jid] = gpus
+        self.sizes[jid] = len(gpus)
         self._idle.pop(jid, None)
         if len(gpus) == 1:  # one GPU: it leaves its node's free list
             g = gpus[0]
@@ -110,13 +103,12 @@ class ViewCache:
         gpus = job.gpus
         if not gpus:
             return
-        if self._shared:
-            self._own()
+        self._frozen = None
         jid, owner = job.spec.job_id, self.owner
         if self.used is not None:
             self.used[list(gpus)] = False
-        _pop(self.held, jid, None)
-        _pop(self.sizes, jid, None)
+        self.held.pop(jid, None)
+        self.sizes.pop(jid, None)
         if not leaving:
             self._idle[jid] = None  # out of arrival order if it stays idle (see snapshot)
             self._returned.add(jid)
@@ -208,8 +200,9 @@ class ViewCache:
             if job is not None and not job.gpus:
                 views[jid] = self._view(job)
         self.dirty.clear()
-        self._shared = True
-        held = self.held
+        if self._frozen is None:  # fresh copies: compact, so the policy's own copies of them are fast
+            self._frozen = (FrozenDict(self.held), FrozenDict(self.sizes))
+        held, sizes = self._frozen
         ids = tuple(views)
         if self._returned and not self._returned.isdisjoint(self._idle):  # a preempted job: back in order
             self._idle = dict.fromkeys(compress(ids, map(not_, map(held.__contains__, ids))))
@@ -222,7 +215,7 @@ class ViewCache:
             jobs = LazyJobs(ids, tuple(self._idle), idle, rows)
             from_rows = {"view_of": _ById(jobs), "holders_running": rows.running}
         snap = Snapshot(now=now, cluster=cluster, jobs=jobs, profiles=profiles, overheads=overheads)
-        snap.indexed(held=held, sizes=self.sizes, ids=ids, free=tuple(self.free),
+        snap.indexed(held=held, sizes=sizes, ids=ids, free=tuple(self.free),
                      by_free=tuple(map(tuple, self.by_free)),
                      submitted=tuple([views[jid] for jid in self.submitted]),
                      idle=idle, **from_rows)
@@ -251,7 +244,7 @@ class LazyJobs(Sequence[JobView]):
     def _all(self) -> tuple[JobView, ...]:
         if self._built is None:
             d = self._by_id = dict(zip(self._idle_ids, self._idle))
-            d.update(self.rows.items())
+            d.update(zip(*self.rows.columns()))
             self._built = tuple(map(d.__getitem__, self._ids))
         return self._built
 
