@@ -20,7 +20,7 @@ stale until :meth:`RunSet.flush`.
 from __future__ import annotations
 
 from itertools import compress, repeat
-from operator import attrgetter, is_not
+from operator import is_not
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,6 @@ from tidal.sim.progress import Progress, SimJob, integrate
 # row columns: done, overhead_gpu_s, attained, gpu_seconds, executed, (useful: scratch)
 _NCOL = 6
 _new_view = tuple.__new__
-_JOB_ID = attrgetter("job_id")
 _RUNNING, _RESIZING = JobState.RUNNING, JobState.RESIZING
 _COMPACT_MIN = 32  # holes tolerated whatever the rows (and up to half as many as rows)
 
@@ -41,12 +40,6 @@ def steady(job: SimJob) -> bool:
     """One segment, already in force: the per-round fast path applies."""
     segs = job.segments
     return len(segs) == 1 and segs[0][0] <= job.last_t
-
-
-def _bad(static: tuple) -> bool:
-    """A row whose job is not admitted, or neither running nor resizing."""
-    state = static[1]
-    return not static[4] or (state is not _RUNNING and state is not _RESIZING)
 
 
 class RunSet:
@@ -61,18 +54,19 @@ class RunSet:
         self.n = 0  # slots in use, holes included
         self.k = 0  # rows (jobs)
         self.jobs: list[SimJob | None] = []  # per slot (None: a hole)
-        # per slot, the static view fields: spec, state, gpus, waiting_since, admitted, tags, batch
-        self.statics: list[tuple | None] = []
+        # per slot (None in a hole), the static view fields:
+        # job id, spec, state, gpus, waiting_since, admitted, tags, batch
+        self.cols: list[list[Any]] = [[] for _ in range(8)]
         self.slow: dict[int, SimJob] = {}  # slot -> job, for the jobs in a rescale
         self.bad = 0  # rows not admitted or neither running nor resizing (see all_running)
 
     def __contains__(self, jid: str) -> bool:
-        return any(j is not None and j.spec.job_id == jid for j in self.jobs)
+        return jid in self.cols[0]
 
     @property
     def ids(self) -> list[str]:
         """The rows' job ids, in running order."""
-        return [j.spec.job_id for j in self.jobs if j is not None]
+        return [jid for jid in self.cols[0] if jid is not None]
 
     # -- membership ----------------------------------------------------------
     def add(self, job: SimJob, view_tags: Any) -> None:
@@ -86,7 +80,11 @@ class RunSet:
         self.n = pos + 1
         self.k += 1
         self.jobs.append(job)
-        self.statics.append(None)
+        cols = self.cols
+        cols[0].append(job.spec.job_id)
+        for col in cols[1:]:
+            col.append(None)
+        self.bad += 1  # its empty fields count as not running until touch fills them
         job.row = pos
         self.load(job, view_tags, pos)
 
@@ -99,16 +97,21 @@ class RunSet:
             self.M[pos] = 0.0
         job.row = -1
         self.jobs[pos] = None
-        if _bad(self.statics[pos]):
+        cols = self.cols
+        state = cols[2][pos]
+        if not cols[5][pos] or (state is not _RUNNING and state is not _RESIZING):
             self.bad -= 1
-        self.statics[pos] = None
+        for col in cols:
+            col[pos] = None
         self.k -= 1
         n = self.n
         if pos == n - 1:  # trailing holes go at once
             jobs = self.jobs
             while n and jobs[n - 1] is None:
                 n -= 1
-            del jobs[n:], self.statics[n:]
+            del jobs[n:]
+            for col in cols:
+                del col[n:]
             self.n = n
         elif 2 * (n - self.k) > max(self.k, 2 * _COMPACT_MIN):
             self._compact()
@@ -116,7 +119,7 @@ class RunSet:
     def _compact(self) -> None:
         """Close the holes, keeping the rows' order."""
         n = self.n
-        keep = [j is not None for j in self.jobs]
+        keep = list(map(is_not, self.jobs, repeat(None)))
         if all(keep):
             return
         idx = np.flatnonzero(np.array(keep, dtype=bool))
@@ -125,7 +128,7 @@ class RunSet:
             a[:k] = a[idx]
         self.M[k:n] = 0.0
         self.jobs = list(compress(self.jobs, keep))
-        self.statics = list(compress(self.statics, keep))
+        self.cols = [list(compress(col, keep)) for col in self.cols]
         for pos, job in enumerate(self.jobs):
             job.row = pos
         self.slow = {job.row: job for job in self.slow.values()}
@@ -172,10 +175,14 @@ class RunSet:
         """Refresh the row's view fields that are not counters."""
         if pos is None:
             pos = job.row
-        st = (job.spec, job.state, job.gpus, job.waiting_since, job.admitted, view_tags, job.batch)
-        old = self.statics[pos]
-        self.bad += _bad(st) - (old is not None and _bad(old))
-        self.statics[pos] = st
+        c = self.cols
+        old_state, old_admitted = c[2][pos], c[5][pos]
+        state, admitted = job.state, job.admitted
+        c[1][pos], c[2][pos], c[3][pos] = job.spec, state, job.gpus
+        c[4][pos], c[5][pos], c[6][pos], c[7][pos] = job.waiting_since, admitted, view_tags, job.batch
+        # rows not admitted or neither running nor resizing
+        self.bad += ((not admitted or (state is not _RUNNING and state is not _RESIZING))
+                     - (not old_admitted or (old_state is not _RUNNING and old_state is not _RESIZING)))
 
     # -- the round -------------------------------------------------------------
     def advance(self, now: float, progress: Progress, view_tags: dict[str, Any]) -> None:
@@ -210,42 +217,34 @@ class RunSet:
         """The rows' view fields as they are now (copies: later changes to the
         rows do not reach them)."""
         n = self.n
-        return Rows(self.statics[:n], self.S[:n, 0:5:2].copy(), self.bad == 0)
+        return Rows([col[:n] for col in self.cols], self.S[:n, 0:5:2].copy(), self.bad == 0, n != self.k)
 
 
 class Rows:
     """A copy of the running rows' view fields, made into views on demand."""
 
-    __slots__ = ("statics", "counters", "running", "_pos")
+    __slots__ = ("cols", "counters", "running", "holes", "_pos")
 
-    def __init__(self, statics: list[tuple | None], counters: np.ndarray, running: bool) -> None:
-        self.statics, self.counters, self.running = statics, counters, running
+    def __init__(self, cols: list[list[Any]], counters: np.ndarray, running: bool, holes: bool) -> None:
+        self.cols, self.counters, self.running, self.holes = cols, counters, running, holes
         self._pos: dict[str, int] | None = None
-
-    def _live(self) -> tuple[list[tuple], list[float], list[float], list[float]]:
-        """The rows' static fields and counters (done, attained, executed), holes left out."""
-        statics = self.statics
-        done, attained, executed = self.counters.T.tolist()
-        if None in statics:
-            keep = list(map(is_not, statics, repeat(None)))
-            statics = list(compress(statics, keep))
-            done, attained, executed = (list(compress(c, keep)) for c in (done, attained, executed))
-        return statics, done, attained, executed
 
     @property
     def ids(self) -> list[str]:
         """The rows' job ids, in running order."""
-        return [st[0].job_id for st in self.statics if st is not None]
+        return [jid for jid in self.cols[0] if jid is not None]
 
     def columns(self) -> tuple[list[str], list[JobView]]:
         """The rows' job ids and a :class:`JobView` per row, in running order."""
-        statics, done, attained, executed = self._live()
-        if not statics:
-            return [], []
-        spec, state, gpus, since, admitted, tags, batch = zip(*statics)
-        views = list(map(_new_view, repeat(JobView),
-                         zip(spec, state, gpus, done, attained, executed, since, admitted, tags, batch)))
-        return list(map(_JOB_ID, spec)), views
+        cols = self.cols
+        done, attained, executed = self.counters.T.tolist()
+        if self.holes:
+            keep = list(map(is_not, cols[0], repeat(None)))
+            cols = [list(compress(col, keep)) for col in cols]
+            done, attained, executed = (list(compress(c, keep)) for c in (done, attained, executed))
+        jid, spec, state, gpus, since, admitted, tags, batch = cols
+        return jid, list(map(_new_view, repeat(JobView),
+                             zip(spec, state, gpus, done, attained, executed, since, admitted, tags, batch)))
 
     def views(self) -> list[JobView]:
         """A :class:`JobView` per row, in running order."""
@@ -254,15 +253,17 @@ class Rows:
     def view(self, jid: str) -> JobView | None:
         """The view of one row's job, or None if ``jid`` has no row."""
         if self._pos is None:
-            self._pos = {st[0].job_id: i for i, st in enumerate(self.statics) if st is not None}
+            ids = self.cols[0]
+            self._pos = dict(zip(ids, range(len(ids))))
+            self._pos.pop(None, None)  # type: ignore[call-overload]
         pos = self._pos.get(jid)
         if pos is None:
             return None
-        st = self.statics[pos]
+        c = self.cols
         done, attained, executed = self.counters[pos].tolist()
-        return _new_view(JobView, (st[0], st[1], st[2], done, attained, executed, st[3], st[4], st[5], st[6]))
+        return _new_view(JobView, (c[1][pos], c[2][pos], c[3][pos], done, attained, executed,
+                                   c[4][pos], c[5][pos], c[6][pos], c[7][pos]))
 
     def all_running(self) -> bool:
         """Every row is admitted and running or resizing."""
         return self.running
-
