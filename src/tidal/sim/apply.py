@@ -100,9 +100,11 @@ class PlanExecutor:
 
     def _apply(self, snap: Snapshot, plan: Plan, now: float) -> None:
         self._drop_and_admit(plan, now)
+        if not plan.batch:
+            look = self._starting(snap, plan)
+            if look is not None and self._start_only(plan, look, now):
+                return
         look = changing(snap, plan)
-        if not plan.batch and self._start_only(plan, look, now):
-            return
         deltas = diff_plan(snap, plan, look)
         rates = self._check(snap, plan, deltas, look) if self.validate else {}
         for jid, b in plan.batch.items():
@@ -115,6 +117,21 @@ class PlanExecutor:
                 self._preempt(self.jobs[jid], now)
         self._rebatch(plan, deltas, now)
         self._move(plan, [deltas[jid] for jid in sorted(deltas) if deltas[jid].want], now, rates)
+
+    def _starting(self, snap: Snapshot, plan: Plan) -> set[str] | None:
+        """What :func:`~tidal.scheduler.diff.changing` returns when every job
+        holding GPUs keeps them and every other job ``plan`` allocates or
+        places is a job of ``snap`` without GPUs, allocated and placed (most
+        rounds): those jobs. None if that is not so (``changing`` tells)."""
+        alloc, placement, held, sizes = plan.allocation, plan.placement, snap.held, snap.sizes
+        if not (held.items() <= placement.items() and sizes.items() <= alloc.items()):
+            return None
+        new = [jid for jid in self.cache.idle_ids if jid in alloc]  # the snapshot's jobs without GPUs
+        if len(alloc) != len(sizes) + len(new) or len(placement) != len(held) + len(new):
+            return None  # a job not in the snapshot, or placed and not allocated
+        if not all(map(placement.__contains__, new)):
+            return None
+        return set(new)
 
     def _start_only(self, plan: Plan, look: set[str], now: float) -> bool:
         """Apply ``plan`` if the only jobs whose GPUs change (``look``) are jobs
@@ -157,7 +174,8 @@ class PlanExecutor:
             if r <= 0:
                 return False
             want.append((job, gpus, r))
-        start, cache, running, run = self.overheads.start, self.cache, self.running, self.cache.run
+        start, running, hold, schedule = self.overheads.start, self.running, self.cache.hold, self._schedule_completion
+        add, tags = self.cache.rows.add, self.cache.tags
         for job, gpus, r in want:  # _move's second pass, for jobs without GPUs
             segs = start(now, r, resumed=job.start_time is not None)
             if job.start_time is None:
@@ -166,14 +184,15 @@ class PlanExecutor:
             n = len(gpus)
             job.gpus = gpus  # _hold, its checks done above
             job.alloc.append((now, n))
-            cache.hold(job)
+            hold(job)
             if n > job.max_gpus:
                 job.max_gpus = n
-            running[job.spec.job_id] = job
+            jid = job.spec.job_id
+            running[jid] = job
             job.segments = with_idle(segs, n, 0)
             job.last_t = now
-            self._schedule_completion(job)
-            run(job, False)
+            schedule(job)
+            add(job, tags[jid])  # ViewCache.run for a job that did not run
         return True
 
     def _drop_and_admit(self, plan: Plan, now: float) -> None:

@@ -187,8 +187,8 @@ class Simulator(PlanExecutor):
         until, owner, progress, jobs = self.until, self.owner, self.progress, self.jobs
         heap, pop, arrivals, n_arrivals = self._heap, heapq.heappop, self._arrivals, len(self._arrivals)
         active, arrive, on_progress = self.active, self.cache.arrive, self.on_progress
-        sched_times, request, complete = self._sched_times, self._request_round, self._complete
-        slot = self.slot
+        sched_times, complete = self._sched_times, self._complete
+        slot, timeline = self.slot, self.timeline
         while True:
             # the next event in (time, kind, sequence) order: the arrivals merged with the heap
             i = self._arrived
@@ -206,27 +206,33 @@ class Simulator(PlanExecutor):
                 progress.busy_gpu_s += len(owner) * dt
                 progress._t = t
             self.now = t
-            if kind == _COMPLETE:
-                job, version = payload
-                if job.version != version or job.state.terminal:
-                    continue
-                complete(job, t)
-                self._record_usage(t)
-                request(t)
-            elif kind == _ARRIVAL:
-                job = jobs[payload]
-                active[payload] = job
-                arrive(job)
-                self._settled = False
-                self._arrivals_left -= 1
+            if kind == _SCHED:
+                sched_times.discard(t)
+                self._round(t)
+            else:
+                if kind == _COMPLETE:
+                    job, version = payload
+                    if job.version != version or job.state.terminal:
+                        continue
+                    complete(job, t)
+                else:
+                    job = jobs[payload]
+                    active[payload] = job
+                    arrive(job)
+                    self._settled = False
+                    self._arrivals_left -= 1
                 rt = math.ceil(t / slot - 1e-9) * slot if slot > 0 else t  # _request_round, inlined
                 if rt not in sched_times:
                     sched_times.add(rt)
                     self._push(rt, _SCHED, None)
-            else:
-                sched_times.discard(t)
-                self._round(t)
-                self._record_usage(t)
+            if kind != _ARRIVAL:
+                used = len(owner)  # _record_usage, inlined
+                last = timeline[-1]
+                if last[1] != used:
+                    if last[0] == t:
+                        timeline[-1] = (t, used)
+                    else:
+                        timeline.append((t, used))
             if on_progress and self.finished != last_report:
                 last_report = self.finished
                 on_progress(self.finished + self.dropped, total)
@@ -250,14 +256,6 @@ class Simulator(PlanExecutor):
             useful_norm_s=self.progress.useful,
             rounds=self.rounds,
         )
-
-    def _record_usage(self, t: float) -> None:
-        used = len(self.owner)
-        if self.timeline[-1][1] != used:
-            if self.timeline[-1][0] == t:
-                self.timeline[-1] = (t, used)
-            else:
-                self.timeline.append((t, used))
 
     def _round(self, now: float) -> None:
         self.rounds += 1

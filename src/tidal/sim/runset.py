@@ -80,29 +80,36 @@ class RunSet:
         self.n = pos + 1
         self.k += 1
         self.jobs.append(job)
-        cols = self.cols
-        cols[0].append(job.spec.job_id)
-        for col in cols[1:]:
-            col.append(None)
-        self.bad += 1  # its empty fields count as not running until touch fills them
         job.row = pos
-        self.load(job, view_tags, pos)
+        c = self.cols
+        state, admitted = job.state, job.admitted
+        c[0].append(job.spec.job_id)
+        c[1].append(job.spec)
+        c[2].append(state)
+        c[3].append(job.gpus)
+        c[4].append(job.waiting_since)
+        c[5].append(admitted)
+        c[6].append(view_tags)
+        c[7].append(job.batch)
+        if not admitted or (state is not _RUNNING and state is not _RESIZING):
+            self.bad += 1
+        self._counters(job, pos)
 
     def remove(self, job: SimJob) -> None:
-        """Drop ``job``'s row; its fields are brought up to date first."""
+        """Drop ``job``'s row; its fields are brought up to date first. The
+        hole keeps its other view fields until it is closed (only the job
+        id column marks holes)."""
         pos = job.row
         if self.slow.pop(pos, None) is None:
             job.done, job.overhead_gpu_s, job.attained, job.gpu_seconds, job.executed, _ = self.S[pos].tolist()
             job.last_t = float(self.L[pos])
             self.M[pos] = 0.0
         job.row = -1
-        self.jobs[pos] = None
         cols = self.cols
         state = cols[2][pos]
         if not cols[5][pos] or (state is not _RUNNING and state is not _RESIZING):
             self.bad -= 1
-        for col in cols:
-            col[pos] = None
+        self.jobs[pos] = cols[0][pos] = None
         self.k -= 1
         n = self.n
         if pos == n - 1:  # trailing holes go at once
@@ -158,6 +165,11 @@ class RunSet:
         """Copy ``job``'s fields (counters, segments, view fields) to its row."""
         if pos is None:
             pos = job.row
+        self._counters(job, pos)
+        self.touch(job, view_tags, pos)
+
+    def _counters(self, job: SimJob, pos: int) -> None:
+        """Copy ``job``'s counters and, if steady, its gains per second to row ``pos``."""
         self.S[pos] = (job.done, job.overhead_gpu_s, job.attained, job.gpu_seconds, job.executed, 0.0)
         self.L[pos] = job.last_t
         segs = job.segments
@@ -165,11 +177,11 @@ class RunSet:
             _start, rate, idle = segs[0]
             n = float(len(job.gpus))
             self.M[pos] = (rate, idle, n, n, 1.0, rate / job.single_rate)
-            self.slow.pop(pos, None)
+            if self.slow:
+                self.slow.pop(pos, None)
         else:
             self.M[pos] = 0.0
             self.slow[pos] = job
-        self.touch(job, view_tags, pos)
 
     def touch(self, job: SimJob, view_tags: Any, pos: int | None = None) -> None:
         """Refresh the row's view fields that are not counters."""

@@ -57,6 +57,7 @@ class ViewCache:
         self._frozen: tuple[FrozenDict, FrozenDict] | None = None  # read-only copies of the two, while unchanged
         self._idle: dict[str, None] = {}  # active jobs holding no GPUs, in arrival order (see snapshot)
         self._returned: set[str] = set()  # jobs that gave back GPUs since the last snapshot
+        self.idle_ids: tuple[str, ...] = ()  # the jobs without GPUs in the last snapshot, in its order
         self._cluster = cluster
         self._num_gpus = cluster.num_gpus
         self._node_of = cluster._node_of  # GPU -> node (a tuple)
@@ -208,11 +209,12 @@ class ViewCache:
             self._idle = dict.fromkeys(compress(ids, map(not_, map(held.__contains__, ids))))
         self._returned.clear()
         idle = tuple(map(views.__getitem__, self._idle))
+        self.idle_ids = idle_ids = tuple(self._idle)  # of the last snapshot
         from_rows: dict[str, Any] = {}  # indexes of the running rows; with none, the snapshot derives them
         jobs: Sequence[JobView] = idle
         if self.rows.k:
             rows = self.rows.capture()
-            jobs = LazyJobs(ids, tuple(self._idle), idle, rows)
+            jobs = LazyJobs(ids, idle_ids, idle, rows)
             from_rows = {"view_of": _ById(jobs), "holders_running": rows.running}
         snap = Snapshot(now=now, cluster=cluster, jobs=jobs, profiles=profiles, overheads=overheads)
         snap.indexed(held=held, sizes=sizes, ids=ids, free=tuple(self.free),
