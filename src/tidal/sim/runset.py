@@ -248,15 +248,15 @@ class Rows:
 
     def columns(self) -> tuple[list[str], list[JobView]]:
         """The rows' job ids and a :class:`JobView` per row, in running order."""
-        cols = self.cols
+        jid, spec, state, gpus, since, admitted, tags, batch = self.cols
         done, attained, executed = self.counters.T.tolist()
+        # a view per slot (a hole's, from the fields its job left, is dropped below)
+        views = list(map(_new_view, repeat(JobView),
+                         zip(spec, state, gpus, done, attained, executed, since, admitted, tags, batch)))
         if self.holes:
-            keep = list(map(is_not, cols[0], repeat(None)))
-            cols = [list(compress(col, keep)) for col in cols]
-            done, attained, executed = (list(compress(c, keep)) for c in (done, attained, executed))
-        jid, spec, state, gpus, since, admitted, tags, batch = cols
-        return jid, list(map(_new_view, repeat(JobView),
-                             zip(spec, state, gpus, done, attained, executed, since, admitted, tags, batch)))
+            keep = list(map(is_not, jid, repeat(None)))
+            return list(compress(jid, keep)), list(compress(views, keep))
+        return jid, views
 
     def views(self) -> list[JobView]:
         """A :class:`JobView` per row, in running order."""
