@@ -239,3 +239,23 @@ def test_tiresias_when_everyone_fits_plans_as_the_full_pass(cluster: str) -> Non
             taken += everyone_fits(snap, plan, policy.thresholds, knob)
     # the large cluster takes the shortcut, the small one the full pass
     assert taken > 0 if cluster == "n32g8" else taken < 80
+
+
+@pytest.mark.parametrize("name", ["tiresias", "fifo", "gandiva", "themis"])
+def test_start_only_rounds_apply_as_the_general_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rounds whose plan only starts jobs without GPUs take a fast path
+    (PlanExecutor._starting, _start_only) and give what the general path
+    (changing, diff_plan, validate_plan, _move) gives, job by job."""
+    from tidal.sim.apply import PlanExecutor
+
+    rng = random.Random(21)
+    specs = [JobSpec(f"j{i}", rng.uniform(0, 20_000), "resnet50", 128, rng.uniform(1e3, 6e4),
+                     requested_gpus=rng.choice([1, 1, 2, 4, 8])) for i in range(150)]
+
+    def run() -> tuple:
+        result = Simulator(parse_cluster("n4g8"), get_policy(name), specs, slot=60.0).run()
+        return summary_without_wall(result), job_rows(result), result.timeline, result.useful_norm_s
+
+    fast = run()
+    monkeypatch.setattr(PlanExecutor, "_starting", lambda self, snap, plan: None)
+    assert run() == fast

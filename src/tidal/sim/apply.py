@@ -22,6 +22,7 @@ from tidal.sim.progress import Progress, SimJob, with_idle
 from tidal.sim.views import ViewCache
 
 _DROPPABLE = (JobState.SUBMITTED, JobState.PENDING, JobState.ADMITTED)
+_PENDING, _RUNNING = JobState.PENDING, JobState.RUNNING
 
 
 class PolicyError(RuntimeError):
@@ -99,6 +100,10 @@ class PlanExecutor:
 
     def _apply(self, snap: Snapshot, plan: Plan, now: float) -> None:
         self._drop_and_admit(plan, now)
+        if not plan.batch:
+            look = self._starting(snap, plan)
+            if look is not None and self._start_only(plan, look, now):
+                return
         look = changing(snap, plan)
         deltas = diff_plan(snap, plan, look)
         rates = self._check(snap, plan, deltas, look) if self.validate else {}
@@ -112,6 +117,83 @@ class PlanExecutor:
                 self._preempt(self.jobs[jid], now)
         self._rebatch(plan, deltas, now)
         self._move(plan, [deltas[jid] for jid in sorted(deltas) if deltas[jid].want], now, rates)
+
+    def _starting(self, snap: Snapshot, plan: Plan) -> set[str] | None:
+        """What :func:`~tidal.scheduler.diff.changing` returns when every job
+        holding GPUs keeps them and every other job ``plan`` allocates or
+        places is a job of ``snap`` without GPUs, allocated and placed (most
+        rounds): those jobs. None if that is not so (``changing`` tells)."""
+        alloc, placement, held, sizes = plan.allocation, plan.placement, snap.held, snap.sizes
+        if not (held.items() <= placement.items() and sizes.items() <= alloc.items()):
+            return None
+        new = [jid for jid in self.cache.idle_ids if jid in alloc]  # the snapshot's jobs without GPUs
+        if len(alloc) != len(sizes) + len(new) or len(placement) != len(held) + len(new):
+            return None  # a job not in the snapshot, or placed and not allocated
+        if not all(map(placement.__contains__, new)):
+            return None
+        return set(new)
+
+    def _start_only(self, plan: Plan, look: set[str], now: float) -> bool:
+        """Apply ``plan`` if the only jobs whose GPUs change (``look``) are jobs
+        without GPUs that start, on free GPUs, and every check of
+        :meth:`_check` passes (most rounds); return False, having changed
+        nothing, otherwise (the general path applies it, or names the error).
+        The effects are those of :meth:`_move` for such jobs, in the same order."""
+        alloc, placement, drop, active, owner = plan.allocation, plan.placement, plan.drop, self.active, self.owner
+        if not alloc:
+            return not look
+        if drop and not alloc.keys().isdisjoint(drop):
+            return False
+        total, admit = self.cluster.num_gpus, plan.admit
+        starts = []
+        taken = 0
+        for jid in sorted(look):
+            job = active.get(jid)
+            n = alloc.get(jid)
+            if job is None or job.gpus or n is None or n <= 0 or job.state is not _PENDING:
+                return False
+            gpus = placement.get(jid)
+            if gpus is None or len(gpus) != n or not (job.admitted or jid in admit):
+                return False
+            spec = job.spec
+            if spec.constrained or not spec.can_run_at(n):
+                return False
+            starts.append((job, gpus))
+            taken += n
+        if not starts:
+            return True
+        every = [g for _, gpus in starts for g in gpus]
+        if (len(set(every)) != taken or min(every) < 0 or max(every) >= total
+                or any(map(owner.__contains__, every))):
+            return False  # a GPU placed twice, outside the cluster, or held
+        want = []
+        rate = self._rate
+        for job, gpus in starts:
+            gpus = tuple(sorted(gpus))
+            r = rate(job, gpus)
+            if r <= 0:
+                return False
+            want.append((job, gpus, r))
+        start, running, hold, schedule = self.overheads.start, self.running, self.cache.hold, self._schedule_completion
+        add, tags = self.cache.rows.add, self.cache.tags
+        for job, gpus, r in want:  # _move's second pass, for jobs without GPUs
+            segs = start(now, r, resumed=job.start_time is not None)
+            if job.start_time is None:
+                job.start_time = now
+            job.state = _RUNNING
+            n = len(gpus)
+            job.gpus = gpus  # _hold, its checks done above
+            job.alloc.append((now, n))
+            hold(job)
+            if n > job.max_gpus:
+                job.max_gpus = n
+            jid = job.spec.job_id
+            running[jid] = job
+            job.segments = with_idle(segs, n, 0)
+            job.last_t = now
+            schedule(job)
+            add(job, tags[jid])  # ViewCache.run for a job that did not run
+        return True
 
     def _drop_and_admit(self, plan: Plan, now: float) -> None:
         for jid, reason in plan.drop.items():

@@ -18,13 +18,16 @@ placement, validation and diffing look only at the jobs that change.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Callable, Iterable, Iterator
 
-from tidal.core.job import JobSpec, JobState
+from tidal.core.job import JobSpec, JobState, check_transition
 from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ThroughputProfile, load_profiles
 from tidal.core.topology import Cluster
@@ -35,7 +38,24 @@ from tidal.sim.progress import Progress, SimJob, finish_time
 from tidal.sim.views import ViewCache
 
 _COMPLETE, _ARRIVAL, _SCHED = 0, 1, 2
+_COMPLETED = JobState.COMPLETED
+_ORDER = attrgetter("submit_time", "job_id")  # event order of the arrivals
 __all__ = ["PolicyError", "SimResult", "Simulator", "simulate"]
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Automatic garbage collection off for a while: the engine keeps hundreds
+    of thousands of objects alive (jobs, views, events) and makes almost no
+    reference cycles, so the collector's passes over them, a sixth of a Philly
+    run, find nothing. Cycles made meanwhile are collected once it is back on."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass
@@ -67,6 +87,12 @@ class Simulator(PlanExecutor):
         on_progress: Callable[[int, int], None] | None = None,
         validate: bool = True,
     ) -> None:
+        with gc_paused():
+            self._setup(cluster, policy, jobs, profiles, overheads, slot, until, on_progress, validate)
+
+    def _setup(self, cluster: Cluster, policy: Policy, jobs: Iterable[JobSpec], profiles: ThroughputProfile | None,
+               overheads: OverheadModel | None, slot: float, until: float | None,
+               on_progress: Callable[[int, int], None] | None, validate: bool) -> None:
         self.cluster = cluster
         self.policy = policy
         self.profiles = profiles or load_profiles()
@@ -75,14 +101,15 @@ class Simulator(PlanExecutor):
         self.until = until
         self.on_progress = on_progress
         self.validate = validate
-        specs = sorted(jobs, key=lambda s: (s.submit_time, s.job_id))
-        ids = [s.job_id for s in specs]
-        if len(set(ids)) != len(ids):
+        specs = sorted(jobs, key=_ORDER)
+        one = self.profiles.throughput
+        self.jobs: dict[str, SimJob] = {
+            s.job_id: SimJob(spec=s, last_t=s.submit_time, batch=s.batch_size,
+                             single_rate=one(s.model, s.batch_size, 1) or 1.0)
+            for s in specs
+        }
+        if len(self.jobs) != len(specs):
             raise ValueError("duplicate job ids in the trace")
-        self.jobs: dict[str, SimJob] = {s.job_id: SimJob(spec=s, last_t=s.submit_time) for s in specs}
-        for j in self.jobs.values():
-            j.single_rate = self.profiles.throughput(j.spec.model, j.spec.batch_size, 1) or 1.0
-            j.batch = j.spec.batch_size
         self._goodput = init_jobs(self)  # goodput jobs: re-rated every round (tidal.sim.goodput)
         self.active: dict[str, SimJob] = {}
         self.running: dict[str, SimJob] = {}
@@ -106,25 +133,21 @@ class Simulator(PlanExecutor):
     # -- event queue ---------------------------------------------------------
     def _schedule_completion(self, job: SimJob) -> None:
         job.version += 1
-        t = finish_time(job)
+        segs = job.segments
+        if len(segs) == 1:  # finish_time, for one segment
+            start, rate, _ = segs[0]
+            if rate <= 0:
+                return
+            t = max(start, job.last_t) + (job.spec.iterations - job.done) / rate
+        else:
+            t = finish_time(job)
         if t < math.inf:
-            self._push(max(t, self.now), _COMPLETE, (job.spec.job_id, job.version))
+            self._seq += 1
+            heapq.heappush(self._heap, (max(t, self.now), _COMPLETE, self._seq, (job, job.version)))
 
     def _push(self, t: float, kind: int, payload: Any) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (t, kind, self._seq, payload))
-
-    def _events(self) -> Iterator[tuple[float, int, int, Any]]:
-        """Events in (time, kind, sequence) order: the arrivals merged with the heap."""
-        heap, pop, arrivals = self._heap, heapq.heappop, self._arrivals
-        while self._arrived < len(arrivals):
-            arrival = arrivals[self._arrived]
-            while heap and heap[0] < arrival:
-                yield pop(heap)
-            self._arrived += 1  # taken, like an event popped from the heap
-            yield arrival
-        while heap:
-            yield pop(heap)
 
     def _request_round(self, t: float) -> None:
         if self.slot > 0:
@@ -134,48 +157,85 @@ class Simulator(PlanExecutor):
             self._push(t, _SCHED, None)
 
     def _complete(self, job: SimJob, t: float) -> None:
-        self.cache.stop_running(job)
+        cache = self.cache
+        jid = job.spec.job_id
+        cache.rows.remove(job)  # its fields are the truth from here on
         self.progress.advance(job, t)
         job.done = job.spec.iterations
-        self._release(job)
-        self._set_state(job, JobState.COMPLETED)
+        # _release, and the view cache forgetting the job (ViewCache.unhold, leave)
+        cache.unhold(job, leaving=True)
+        job.gpus = ()
+        job.alloc.append((self.now, 0))
+        job.segments = []
+        del self.running[jid]
+        check_transition(job.state, _COMPLETED)
+        job.state = _COMPLETED
         job.end_time = t
-        del self.active[job.spec.job_id]
-        self.cache.leave(job)
+        del self.active[jid]
+        cache.leave(job)
         self.finished += 1
 
     # -- the loop ----------------------------------------------------------------
     def run(self) -> SimResult:
+        with gc_paused():
+            return self._run()
+
+    def _run(self) -> SimResult:
         wall0 = time.perf_counter()
         total = len(self.jobs)
         last_report = -1
-        until, owner, account = self.until, self.owner, self.progress.account
-        for t, kind, _, payload in self._events():
+        until, owner, progress, jobs = self.until, self.owner, self.progress, self.jobs
+        heap, pop, arrivals, n_arrivals = self._heap, heapq.heappop, self._arrivals, len(self._arrivals)
+        active, arrive, on_progress = self.active, self.cache.arrive, self.on_progress
+        sched_times, complete = self._sched_times, self._complete
+        slot, timeline = self.slot, self.timeline
+        while True:
+            # the next event in (time, kind, sequence) order: the arrivals merged with the heap
+            i = self._arrived
+            if i < n_arrivals and not (heap and heap[0] < arrivals[i]):
+                self._arrived = i + 1  # taken, like an event popped from the heap
+                t, kind, _, payload = arrivals[i]
+            elif heap:
+                t, kind, _, payload = pop(heap)
+            else:
+                break
             if until is not None and t > until:
                 break
-            account(t, len(owner))
+            dt = t - progress._t  # Progress.account, inlined
+            if dt > 0:
+                progress.busy_gpu_s += len(owner) * dt
+                progress._t = t
             self.now = t
-            if kind == _COMPLETE:
-                jid, version = payload
-                job = self.jobs[jid]
-                if job.version != version or job.state.terminal:
-                    continue
-                self._complete(job, t)
-                self._record_usage(t)
-                self._request_round(t)
-            elif kind == _ARRIVAL:
-                self.active[payload] = self.jobs[payload]
-                self.cache.arrive(self.jobs[payload])
-                self._settled = False
-                self._arrivals_left -= 1
-                self._request_round(t)
-            else:
-                self._sched_times.discard(t)
+            if kind == _SCHED:
+                sched_times.discard(t)
                 self._round(t)
-                self._record_usage(t)
-            if self.on_progress and self.finished != last_report:
+            else:
+                if kind == _COMPLETE:
+                    job, version = payload
+                    if job.version != version or job.state.terminal:
+                        continue
+                    complete(job, t)
+                else:
+                    job = jobs[payload]
+                    active[payload] = job
+                    arrive(job)
+                    self._settled = False
+                    self._arrivals_left -= 1
+                rt = math.ceil(t / slot - 1e-9) * slot if slot > 0 else t  # _request_round, inlined
+                if rt not in sched_times:
+                    sched_times.add(rt)
+                    self._push(rt, _SCHED, None)
+            if kind != _ARRIVAL:
+                used = len(owner)  # _record_usage, inlined
+                last = timeline[-1]
+                if last[1] != used:
+                    if last[0] == t:
+                        timeline[-1] = (t, used)
+                    else:
+                        timeline.append((t, used))
+            if on_progress and self.finished != last_report:
                 last_report = self.finished
-                self.on_progress(self.finished + self.dropped, total)
+                on_progress(self.finished + self.dropped, total)
         result = self._result()
         result.wall_seconds = time.perf_counter() - wall0
         return result
@@ -185,26 +245,17 @@ class Simulator(PlanExecutor):
         self.cache.rows.advance(end, self.progress, self.cache.tags)
         self.cache.rows.flush_all()
         self.progress.account(end, len(self.owner))
-        starts = [j.spec.submit_time for j in self.jobs.values()]
         return SimResult(
             policy=self.policy.name,
             cluster=self.cluster,
             jobs=list(self.jobs.values()),
             timeline=self.timeline,
-            start=min(starts) if starts else 0.0,
+            start=self._arrivals[0][0] if self._arrivals else 0.0,  # the first submission (in order)
             end=end,
             busy_gpu_s=self.progress.busy_gpu_s,
             useful_norm_s=self.progress.useful,
             rounds=self.rounds,
         )
-
-    def _record_usage(self, t: float) -> None:
-        used = len(self.owner)
-        if self.timeline[-1][1] != used:
-            if self.timeline[-1][0] == t:
-                self.timeline[-1] = (t, used)
-            else:
-                self.timeline.append((t, used))
 
     def _round(self, now: float) -> None:
         self.rounds += 1

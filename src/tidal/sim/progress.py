@@ -19,7 +19,7 @@ from tidal.core.overhead import Segments
 from tidal.scheduler.api import EMPTY, JobView
 
 
-@dataclass
+@dataclass(slots=True)
 class SimJob:
     spec: JobSpec
     state: JobState = JobState.SUBMITTED
@@ -45,6 +45,7 @@ class SimJob:
     single_rate: float = 0.0  # iterations/s on one GPU, for cluster efficiency
     batch: int = 0  # current global batch
     alloc: list[tuple[float, int]] = field(default_factory=list)  # (time, GPUs) at each change
+    row: int = field(default=-1, compare=False, repr=False)  # its slot in the engine's running rows (tidal.sim.runset), -1: none
 
     def view(self) -> JobView:
         return JobView(
@@ -142,6 +143,9 @@ def finish_time(job: SimJob) -> float:
 def with_idle(segs: Segments, gpus: int, warm_idle: int) -> list[tuple[float, float, int]]:
     """Overhead segments with their idle GPUs: all of them while paused,
     ``warm_idle`` newcomers warming up in the first segment, else none."""
+    if len(segs) == 1:
+        start, rate = segs[0]
+        return [(start, rate, gpus if rate == 0 else warm_idle)]
     return [
         (start, rate, gpus if rate == 0 else (warm_idle if i == 0 else 0))
         for i, (start, rate) in enumerate(segs)

@@ -6,9 +6,10 @@ a waiting job's view is rebuilt only when one of its fields changes
 their :class:`~tidal.sim.runset.RunSet` rows, in one pass, only if the
 policy reads ``snap.jobs`` (:class:`LazyJobs`; a policy that looks only at
 the jobs without GPUs, through the indexes, never builds them). The
-snapshot's indexes (GPUs held per job, counts, arrival positions) are the
-engine's own dicts, handed over read-only and copied before the next change
-(copy-on-write), so a snapshot never changes after it is built.
+snapshot's indexes (GPUs held per job, counts, free GPUs) come from the
+engine's own: read-only copies, made again only once they changed, so a
+snapshot never changes after it is built; positions, which few rounds read,
+the snapshot derives from its job ids when asked.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from tidal.sim.progress import SimJob
 from tidal.sim.runset import Rows, RunSet
 
 _new_view = tuple.__new__
-_set, _pop = dict.__setitem__, dict.pop
 
 
 _NO_TAGS = FrozenDict()
@@ -52,26 +52,22 @@ class ViewCache:
         self.submitted: dict[str, None] = {}  # active jobs in state submitted, in arrival order
         self.owner: dict[int, str] = {}  # GPU -> job
         self.used: np.ndarray | None = None  # GPUs held, once a policy read a snapshot's used_mask (track_used)
-        self.held = FrozenDict()  # job -> GPUs
-        self.sizes = FrozenDict()  # job -> GPU count
-        self.seq = FrozenDict()  # active job -> its arrival number (increasing in snapshot order)
-        self._arrivals = 0
-        self._shared = False  # the three dicts above are in a snapshot
+        self.held: dict[str, tuple[int, ...]] = {}  # job -> GPUs
+        self.sizes: dict[str, int] = {}  # job -> GPU count
+        self._frozen: tuple[FrozenDict, FrozenDict] | None = None  # read-only copies of the two, while unchanged
         self._idle: dict[str, None] = {}  # active jobs holding no GPUs, in arrival order (see snapshot)
         self._returned: set[str] = set()  # jobs that gave back GPUs since the last snapshot
+        self.idle_ids: tuple[str, ...] = ()  # the jobs without GPUs in the last snapshot, in its order
         self._cluster = cluster
         self._num_gpus = cluster.num_gpus
-        self.free = [tuple(cluster.gpus_of_node(n)) for n in range(cluster.num_nodes)]
+        self._node_of = cluster._node_of  # GPU -> node (a tuple)
+        self._node_gpus = [tuple(cluster.gpus_of_node(n)) for n in range(cluster.num_nodes)]
+        self.free = list(self._node_gpus)
         self.by_free: list[list[int]] = [[] for _ in range(cluster.max_gpus_per_node + 1)]
         for n, gpus in enumerate(self.free):
             self.by_free[len(gpus)].append(n)
 
     # -- GPUs held -----------------------------------------------------------
-    def _own(self) -> None:
-        if self._shared:
-            self.held, self.sizes, self.seq = FrozenDict(self.held), FrozenDict(self.sizes), FrozenDict(self.seq)
-            self._shared = False
-
     def track_used(self) -> None:
         """From now on keep the mask of held GPUs that snapshots hand over as
         ``used_mask`` (built from the owners once)."""
@@ -82,53 +78,74 @@ class ViewCache:
 
     def hold(self, job: SimJob) -> None:
         """Record ``job.gpus`` as held by ``job``."""
-        if self._shared:
-            self._own()
+        self._frozen = None
         jid, gpus = job.spec.job_id, job.gpus
-        self.owner.update(zip(gpus, repeat(jid)))
         if self.used is not None:
             self.used[list(gpus)] = True
-        _set(self.held, jid, gpus)
-        _set(self.sizes, jid, len(gpus))
+        self.held[jid] = gpus
+        self.sizes[jid] = len(gpus)
         self._idle.pop(jid, None)
-        self._refree(job.gpus)
+        if len(gpus) == 1:  # one GPU: it leaves its node's free list
+            g = gpus[0]
+            self.owner[g] = jid
+            node = self._node_of[g]
+            f = self.free[node]
+            i = f.index(g)
+            self.free[node] = f[:i] + f[i + 1:]
+            self._rebucket(node, len(f), len(f) - 1)
+        else:
+            self.owner.update(zip(gpus, repeat(jid)))
+            self._refree(gpus)
 
-    def unhold(self, job: SimJob) -> None:
-        """Forget the GPUs ``job`` holds (before they change or are freed)."""
-        if not job.gpus:
+    def unhold(self, job: SimJob, leaving: bool = False) -> None:
+        """Forget the GPUs ``job`` holds (before they change or are freed);
+        ``leaving``: it completes (:meth:`leave` follows), so it joins no index
+        of the jobs without GPUs."""
+        gpus = job.gpus
+        if not gpus:
             return
-        if self._shared:
-            self._own()
+        self._frozen = None
         jid, owner = job.spec.job_id, self.owner
-        for g in job.gpus:
-            del owner[g]
         if self.used is not None:
-            self.used[list(job.gpus)] = False
-        _pop(self.held, jid, None)
-        _pop(self.sizes, jid, None)
-        self._idle[jid] = None  # out of arrival order if it stays idle (see snapshot)
-        self._returned.add(jid)
-        self._refree(job.gpus)
+            self.used[list(gpus)] = False
+        self.held.pop(jid, None)
+        self.sizes.pop(jid, None)
+        if not leaving:
+            self._idle[jid] = None  # out of arrival order if it stays idle (see snapshot)
+            self._returned.add(jid)
+        if len(gpus) == 1:  # one GPU: back in its node's free list, in order
+            g = gpus[0]
+            del owner[g]
+            node = self._node_of[g]
+            f = self.free[node]
+            i = bisect_left(f, g)
+            self.free[node] = f[:i] + (g,) + f[i:]
+            self._rebucket(node, len(f), len(f) + 1)
+        else:
+            for g in gpus:
+                del owner[g]
+            self._refree(gpus)
+
+    def _rebucket(self, node: int, old: int, new: int) -> None:
+        """``node`` had ``old`` free GPUs and has ``new``."""
+        by_free = self.by_free
+        bucket = by_free[old]
+        del bucket[bisect_left(bucket, node)]
+        insort(by_free[new], node)
 
     def _refree(self, gpus: tuple[int, ...]) -> None:
         """Update the free lists of the nodes of ``gpus``."""
-        c, held, free, by_free = self._cluster, self.owner.__contains__, self.free, self.by_free
-        for node in set(map(c.node_of, gpus)):
-            new = tuple(filterfalse(held, c.gpus_of_node(node)))
+        node_of, held, free, node_gpus = self._node_of, self.owner.__contains__, self.free, self._node_gpus
+        for node in set(map(node_of.__getitem__, gpus)):
+            new = tuple(filterfalse(held, node_gpus[node]))
             old, k = len(free[node]), len(new)
             if k != old:
-                nodes = by_free[old]
-                del nodes[bisect_left(nodes, node)]
-                insort(by_free[k], node)
+                self._rebucket(node, old, k)
             free[node] = new
 
     # -- job life ----------------------------------------------------------------
     def arrive(self, job: SimJob) -> None:
         jid = job.spec.job_id
-        if self._shared:
-            self._own()
-        self._arrivals += 1
-        _set(self.seq, jid, self._arrivals)
         self._idle[jid] = None
         self.tags[jid] = view_tags(job)
         self.views[jid] = self._view(job)
@@ -138,9 +155,6 @@ class ViewCache:
     def leave(self, job: SimJob) -> None:
         """``job`` completed or was dropped."""
         jid = job.spec.job_id
-        if self._shared:
-            self._own()
-        _pop(self.seq, jid)
         self._idle.pop(jid, None)
         del self.views[jid], self.tags[jid]
         self.dirty.discard(jid)
@@ -187,24 +201,26 @@ class ViewCache:
             if job is not None and not job.gpus:
                 views[jid] = self._view(job)
         self.dirty.clear()
-        self._shared = True
-        held = self.held
+        if self._frozen is None:  # fresh copies: compact, so the policy's own copies of them are fast
+            self._frozen = (FrozenDict(self.held), FrozenDict(self.sizes))
+        held, sizes = self._frozen
         ids = tuple(views)
         if self._returned and not self._returned.isdisjoint(self._idle):  # a preempted job: back in order
             self._idle = dict.fromkeys(compress(ids, map(not_, map(held.__contains__, ids))))
         self._returned.clear()
         idle = tuple(map(views.__getitem__, self._idle))
+        self.idle_ids = idle_ids = tuple(self._idle)  # of the last snapshot
         from_rows: dict[str, Any] = {}  # indexes of the running rows; with none, the snapshot derives them
         jobs: Sequence[JobView] = idle
         if self.rows.k:
             rows = self.rows.capture()
-            jobs = LazyJobs(ids, tuple(self._idle), idle, rows)
-            from_rows = {"view_of": _ById(jobs), "holders_running": rows.all_running()}
+            jobs = LazyJobs(ids, idle_ids, idle, rows)
+            from_rows = {"view_of": _ById(jobs), "holders_running": rows.running}
         snap = Snapshot(now=now, cluster=cluster, jobs=jobs, profiles=profiles, overheads=overheads)
-        snap.indexed(held=held, sizes=self.sizes, ids=ids, free=tuple(self.free),
+        snap.indexed(held=held, sizes=sizes, ids=ids, free=tuple(self.free),
                      by_free=tuple(map(tuple, self.by_free)),
                      submitted=tuple([views[jid] for jid in self.submitted]),
-                     idle=idle, positions=self.seq, **from_rows)
+                     idle=idle, **from_rows)
         if self.used is not None:
             snap.indexed(used_mask=self._used_mask())
         return snap
@@ -230,7 +246,7 @@ class LazyJobs(Sequence[JobView]):
     def _all(self) -> tuple[JobView, ...]:
         if self._built is None:
             d = self._by_id = dict(zip(self._idle_ids, self._idle))
-            d.update(zip(self.rows.ids, self.rows.views()))
+            d.update(zip(*self.rows.columns()))
             self._built = tuple(map(d.__getitem__, self._ids))
         return self._built
 
