@@ -9,6 +9,7 @@ directories."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,11 +26,16 @@ LO, HI = 231000, 231999
 
 def test_jobs_of_two_tenants_run_as_uids_of_their_own_and_complete(open_tmp: Path) -> None:
     scenario = Path(__file__).with_name("runas_scenario.py")
+    # none of this test run's TIDAL_* settings (an in-process `tidal up` of an earlier test sets $TIDAL_HOME
+    # to a root-only directory, which the jobs' uids then could not use: their masters exited 1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
     p = subprocess.run([*namespace_prefix(), sys.executable, str(scenario), str(open_tmp), f"{LO}-{HI}", str(HI)],
-                       capture_output=True, text=True, timeout=280)
+                       capture_output=True, text=True, timeout=280, env=env)
     assert p.returncode == 0, p.stderr[-4000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["states"] == {"alice": "completed", "bob": "completed"}, (r["reasons"], r.get("log_tails"), r, p.stderr[-3000:])
+    if r["states"] != {"alice": "completed", "bob": "completed"}:  # the whole story, untruncated
+        tails = "\n".join(f"--- {k}:\n{v}" for k, v in (r.get("log_tails") or {}).items())
+        pytest.fail(f"states {r['states']}, reasons {r['reasons']}\n{tails}\n{p.stderr[-3000:]}", pytrace=False)
     by_job = {n: set(r["uids"].get(r["ids"][n], [])) for n in ("alice", "bob")}
     assert all(len(u) == 1 for u in by_job.values()), r  # every process of a job: one uid
     ua, ub = by_job["alice"].pop(), by_job["bob"].pop()
