@@ -24,6 +24,17 @@ def _cluster(tmp_path, labels):
     return store, client
 
 
+def _typed(tmp_path, nodes):
+    """A store with agents (name, GPUs, GPU type) registered through the API."""
+    store = Store(f"sqlite:///{tmp_path / 't.db'}")
+    client = TestClient(create_app(store, admin_token="tok", home=tmp_path, start_loop=False))
+    for name, gpus, gtype in nodes:
+        r = client.post("/internal/agents/register", headers=H, json={
+            "name": name, "num_gpus": gpus, "virtual": True, "labels": {"gpu-type": gtype}})
+        assert r.status_code == 200, r.text
+    return store
+
+
 def test_switch_labels_group_nodes_under_their_switch(tmp_path):
     store, client = _cluster(tmp_path, [{"switch": "a"}, {"switch": "b"}, {"switch": "a"}, {"switch": "b"}])
     with store.session() as s:
@@ -48,12 +59,7 @@ def test_unequal_switches_are_kept_as_they_are(tmp_path):
 def test_nodes_of_different_sizes_keep_every_gpu(tmp_path):
     """Agents of 4 and 2 GPUs: the policy sees 6 GPUs (not 2 per node), and
     a 2-GPU job fits beside a 4-GPU one."""
-    store = Store(f"sqlite:///{tmp_path / 't.db'}")
-    client = TestClient(create_app(store, admin_token="tok", home=tmp_path, start_loop=False))
-    for name, gpus, gtype in (("big", 4, "A100"), ("small", 2, "T4")):
-        r = client.post("/internal/agents/register", headers=H, json={
-            "name": name, "num_gpus": gpus, "virtual": True, "labels": {"gpu-type": gtype}})
-        assert r.status_code == 200, r.text
+    store = _typed(tmp_path, (("big", 4, "A100"), ("small", 2, "T4")))
     with store.session() as s:
         snap, gmap, _ = build_snapshot(s, 0.0, OverheadModel())
     c = snap.cluster
@@ -82,12 +88,7 @@ def test_a_node_that_is_down_is_away_and_its_type_keeps_a_job_waiting(tmp_path):
     from tidal.scheduler.api import JobView, Plan
     from tidal.scheduler.constraints import enforce_types
 
-    store = Store(f"sqlite:///{tmp_path / 't.db'}")
-    client = TestClient(create_app(store, admin_token="tok", home=tmp_path, start_loop=False))
-    for name, gpus, gtype in (("a100", 4, "A100"), ("t4", 2, "T4")):
-        r = client.post("/internal/agents/register", headers=H, json={
-            "name": name, "num_gpus": gpus, "virtual": True, "labels": {"gpu-type": gtype}})
-        assert r.status_code == 200, r.text
+    store = _typed(tmp_path, (("a100", 4, "A100"), ("t4", 2, "T4")))
     with store.session() as s:
         s.execute(update(Node).where(Node.name == "a100").values(state="down"))
         s.commit()
