@@ -506,6 +506,24 @@ def test_every_worker_failing_with_an_error_fails_the_job_with_its_last_log_line
     assert gpus(store, a) == []
 
 
+def test_a_master_that_exits_with_an_error_fails_the_job_with_its_last_log_line(env, tmp_path):
+    store, policy, masters, coord = env
+    a = run(store, policy, coord, submit(store, "a"), (0, 1)) or "a"
+    master = next(p.name for p in procs(store, a, "master"))
+    logs = tmp_path / "home" / "logs" / a
+    logs.mkdir(parents=True)
+    (logs / f"{master}.log").write_text("Traceback (most recent call last):\n  File \"jobproc.py\"\n"
+                                        "ValueError: $TIDAL_JOB_TOKEN_FILE='/x/token': Permission denied\n")
+    agent(store, a, "failed", kind="master", exit_code=1)
+    coord.round()
+    agent(store, a, "failed", exit_code=-15)
+    coord.round()
+    j = job(store, a)
+    assert (j.state, j.exit_info, gpus(store, a)) == (
+        "failed", f"master exit code 1; {master}: ValueError: $TIDAL_JOB_TOKEN_FILE='/x/token': Permission denied",
+        []), j.exit_info
+
+
 def test_attained_service_counts_gpu_seconds_of_running_jobs(env):
     """Attained service (Tiresias' 2D-LAS input) = GPUs held x seconds
     running; a waiting job attains nothing."""

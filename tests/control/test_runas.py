@@ -207,3 +207,71 @@ def test_the_cli_prints_a_bad_run_as_in_one_line_without_a_traceback(monkeypatch
     monkeypatch.setenv(settings.HOME.name, str(tmp_path))
     res = CliRunner().invoke(app, ["agent", "--virtual-gpus", "1", "--run-as", "300000-200000"])
     assert res.exit_code == 2 and "the range is empty" in res.output and "Traceback" not in res.output
+
+
+def _passes(uid: int, path: Path) -> bool:
+    """Whether ``uid`` (no groups) can enter ``path``."""
+    import subprocess
+
+    return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sh", "-c",
+                           f'cd "{path}"'], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting processes as other users needs root")
+def test_under_umask_077_the_agent_lets_job_users_pass_its_own_directories_and_names_any_other(
+        open_tmp, tmp_path, monkeypatch):
+    from tidal.agent.runas import Unreachable
+
+    uid = int(RANGE.split("-")[0]) + 7
+    home = open_tmp / "home"
+    monkeypatch.setenv(settings.HOME.name, str(home))
+    old = os.umask(0o077)  # a hardened host's, or a process that set it (a server in this process)
+    try:
+        home.mkdir()
+        Agent("http://127.0.0.1:9", "t", "n0", 1, virtual=True, workdir=home / "agents" / "n0", launcher=RunAs(RANGE))
+        # pytest's own directories (0700, root's, neither the agent's work directory nor the home): named
+        closed = tmp_path.parent.parent  # /tmp/pytest-of-root
+        assert not closed.stat().st_mode & stat.S_IXOTH
+        work = tmp_path / "agent"
+        with pytest.raises(Unreachable) as e:
+            Agent("http://127.0.0.1:9", "t", "n1", 1, virtual=True, workdir=work, launcher=RunAs(RANGE))
+        shut = [closed, tmp_path.parent, tmp_path]  # each 0700, from the top
+        assert f"{', '.join(f'{d} (mode 700)' for d in shut)} let no other user pass; allow them " \
+               f"(chmod o+x {' '.join(map(str, shut))})" in str(e.value), e.value
+    finally:
+        os.umask(old)
+    chain = [home, home / "agents", home / "agents" / "n0"]
+    assert [oct(d.stat().st_mode & 0o777) for d in chain] == ["0o701"] * 3  # others pass, never list
+    jobs = home / "agents" / "n0" / "jobs"
+    jobs.mkdir(exist_ok=True)
+    assert _passes(uid, jobs)
+    assert not _passes(uid, home / "agents" / "n0" / "logs")  # its own private ones stay closed
+    assert oct(work.stat().st_mode & 0o777) == "0o700"  # nothing changed before the error
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting processes as other users needs root")
+def test_the_cli_refuses_a_run_as_agent_whose_jobs_could_not_reach_their_directories(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from tidal.cli.main import app
+
+    monkeypatch.setenv(settings.HOME.name, str(tmp_path / "home"))  # under pytest's 0700 directories
+    res = CliRunner().invoke(app, ["agent", "--virtual-gpus", "1", "--run-as", RANGE, "--server",
+                                   "http://127.0.0.1:9", "--token", "t"])
+    assert res.exit_code == 2 and "job users cannot reach" in res.output and "Traceback" not in res.output, \
+        res.output
+    assert len(res.output.strip().splitlines()) <= 2  # one line (rich may wrap it)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting processes as other users needs root")
+def test_under_umask_077_a_checkpoint_directory_the_agent_makes_is_reachable_by_its_job(open_tmp):
+    nobody = pwd.getpwnam("nobody")
+    ck = open_tmp / "checkpoints" / "team" / "job-a"
+    old = os.umask(0o077)
+    try:
+        RunAs("nobody").private_dir(ck)
+    finally:
+        os.umask(old)
+    assert (ck.stat().st_uid, stat.S_IMODE(ck.stat().st_mode)) == (nobody.pw_uid, 0o700)
+    assert _passes(nobody.pw_uid, ck)  # through the two directories made for it (0701: pass, not list)
+    assert [stat.S_IMODE(d.stat().st_mode) for d in (ck.parent, ck.parent.parent)] == [0o701, 0o701]

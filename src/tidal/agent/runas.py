@@ -188,7 +188,12 @@ class RunAs:
         owns already; any other (``/etc``, another user's, a symbolic link)
         is left as it is, and the job finds out whether it may write there."""
         ident = ident or Identity(self.uid, self.gid, self.user)
+        made_above = [d for d in (path.parent, *path.parent.parents) if not os.path.lexists(d)]
         path.parent.mkdir(parents=True, exist_ok=True)
+        try:  # the user passes the directories above it that are the agent's (made now, or in the home)
+            open_path(path.parent, own=(settings.home(), *made_above))
+        except Unreachable as e:
+            log.warning("checkpoint directory %s: %s", path, e)
         try:
             path.mkdir()
             made = True
@@ -245,6 +250,47 @@ def write_secret(dfd: int, name: str, text: str, ident: Identity) -> None:
     os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
 
 
+class Unreachable(ValueError):
+    """Job users could not pass a directory above their own (``--run-as``)."""
+
+
+def open_path(path: Path, own: Iterable[Path]) -> list[Path]:
+    """Let job users pass every directory from ``path`` up to ``/``, so each
+    reaches its own directory, credential and master file below it.
+
+    A directory without others' search permission that this user owns and
+    that lies in one of ``own`` (the agent's work directory, the Tidal home:
+    made under a umask of 077, say) gets it, and only it: others may pass,
+    never list (0700 becomes 0701). Any other such directory
+    raises :class:`Unreachable` naming it, before a job fails on it. The
+    directories opened."""
+    mine = [Path(os.path.abspath(o)) for o in own]
+    start = Path(os.path.abspath(path))
+    opened: list[tuple[Path, int]] = []
+    closed: list[tuple[Path, int]] = []
+    for d in (start, *start.parents):
+        try:
+            st = os.stat(d)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_mode & stat.S_IXOTH:
+            continue
+        ours = st.st_uid == os.geteuid() and any(d == o or o in d.parents for o in mine)
+        (opened if ours else closed).append((d, stat.S_IMODE(st.st_mode)))
+    if closed:
+        closed.reverse()  # from the top
+        names = ", ".join(f"{d} (mode {m:o})" for d, m in closed)
+        raise Unreachable(f"--run-as: job users cannot reach {path}: {names} "
+                          f"{'lets' if len(closed) == 1 else 'let'} no other user pass; allow "
+                          f"{'it' if len(closed) == 1 else 'them'} (chmod o+x {' '.join(str(d) for d, _ in closed)}) "
+                          f"or give the agent a work directory they can reach (${settings.HOME.name})")
+    for d, mode in opened:  # only once every directory is known to be passable
+        os.chmod(d, mode | stat.S_IXOTH)
+    if opened:
+        log.info("--run-as: job users may now pass %s (search only)", ", ".join(str(d) for d, _ in opened))
+    return [d for d, _ in opened]
+
+
 class JobDirs:
     """``root/JOB/``: each job's private directory on this host (see the
     module docstring). ``root`` is the agent's (0711: job users pass through
@@ -256,11 +302,7 @@ class JobDirs:
         self.root = Path(root)
         self.runas: RunAs | None = launcher if isinstance(launcher, RunAs) else None
         if self.runas is not None:
-            closed = [d for d in (self.root.parent, *self.root.parent.parents)
-                      if d.is_dir() and not os.stat(d).st_mode & stat.S_IXOTH]
-            if closed:  # the jobs could not reach their directory, credential or master file
-                log.warning("--run-as: job users cannot pass %s (mode %o): give the agent a work directory "
-                            "they can reach", closed[-1], stat.S_IMODE(os.stat(closed[-1]).st_mode))
+            open_path(self.root.parent, own=(self.root.parent, settings.home()))
 
     def _root(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -212,6 +212,7 @@ def agent(
     import logging
 
     from tidal.agent import Agent, detect_gpus
+    from tidal.agent.runas import Unreachable
     from tidal.control.client import find_server, find_token
 
     logging.getLogger("tidal").setLevel(logging.INFO)
@@ -230,8 +231,12 @@ def agent(
         except ValueError as e:
             err.print("[red]error:[/] " + escape(str(e)))
             raise typer.Exit(2)
-    a = Agent(find_server(server_url), find_token(token), name or socket.gethostname(), n,
-              virtual=virtual_gpus is not None, interval_s=interval, address=advertise_addr, labels=labels, **extra)
+    try:
+        a = Agent(find_server(server_url), find_token(token), name or socket.gethostname(), n,
+                  virtual=virtual_gpus is not None, interval_s=interval, address=advertise_addr, labels=labels, **extra)
+    except Unreachable as e:  # --run-as: the jobs could not reach their directories
+        err.print("[red]error:[/] " + escape(str(e)))
+        raise typer.Exit(2)
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: a.stop())

@@ -386,8 +386,18 @@ def _ended(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
                           .order_by(Process.id.desc()).limit(1))
         j.exit_info = j.exit_info or (f"master lost with node {master.node}"
                                       if master is not None and obs.master == "lost"
-                                      else f"master exit code {obs.master_exit_code}")
+                                      else _master_exit_reason(cx, j, master, obs.master_exit_code))
     cx.store.log(s, "job.completed" if ok else "job.failed", j.id, exit_code=obs.master_exit_code)
+
+
+def _master_exit_reason(cx: Context, j: Job, master: Process | None, code: int | None) -> str:
+    """``master exit code N``, and the last line of its log when there is
+    one (a Python error's message, e.g. a credential file it cannot read)."""
+    why = f"master exit code {code}"
+    if master is None or code in (0, None):
+        return why
+    line = last_error(cx.home / "logs" / j.id, [master.name])
+    return f"{why}; {line}" if line.startswith(f"{master.name}: ") else why
 
 
 def _incarnation_started(j: Job, now: float) -> None:

@@ -197,6 +197,7 @@ class EmbeddedServer:
         self.app: Any = None
         self._uvicorn: Any = None
         self._thread: threading.Thread | None = None
+        self._umask: int | None = None  # this process's before start (restored by stop)
 
     @property
     def coordinator(self) -> Any:
@@ -219,7 +220,9 @@ class EmbeddedServer:
         from tidal.control.server import create_app, write_private, secret_path
 
         c = self.cluster
-        os.umask(0o077)  # as `tidal server`: the store, logs and checkpoints are this user's only
+        # as `tidal server`: the store, logs and checkpoints are this user's only (until stop: this process
+        # may go on after its cluster, e.g. a test run, and files it makes then are not the server's)
+        self._umask = os.umask(0o077)
         store = Store(c.db_url or f"sqlite:///{c.home / 'tidal.db'}")
         credentials = Credentials.from_file(secret_path(c.home))
         for name, text in (("admin.token", c.admin_token), ("agent.token", credentials.agent_token())):
@@ -242,6 +245,9 @@ class EmbeddedServer:
             self._uvicorn.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout_s)
+        if self._umask is not None:
+            os.umask(self._umask)
+            self._umask = None
 
 
 
