@@ -235,8 +235,9 @@ def test_under_umask_077_the_agent_lets_job_users_pass_its_own_directories_and_n
         work = tmp_path / "agent"
         with pytest.raises(Unreachable) as e:
             Agent("http://127.0.0.1:9", "t", "n1", 1, virtual=True, workdir=work, launcher=RunAs(RANGE))
-        shut = [closed, tmp_path.parent, tmp_path]  # each 0700, from the top
-        assert f"{', '.join(f'{d} (mode 700)' for d in shut)} let no other user pass; allow them " \
+        shut = [d for d in reversed((tmp_path, *tmp_path.parents)) if not d.stat().st_mode & stat.S_IXOTH]
+        assert closed in shut and tmp_path in shut  # each 0700, from the top
+        assert f"{', '.join(f'{d} (mode {d.stat().st_mode & 0o777:o})' for d in shut)} let no other user pass; allow them " \
                f"(chmod o+x {' '.join(map(str, shut))})" in str(e.value), e.value
     finally:
         os.umask(old)
