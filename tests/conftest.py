@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -13,6 +14,12 @@ from tidal.core.profile import load_profiles
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
+
+# The tests press Ctrl-C as a terminal does (SIGINT to a process group). A test run started in the
+# background of a non-interactive shell (`cmd &` in a script) inherits SIGINT ignored, and every process it
+# starts would too (an ignored signal stays ignored across exec): such a run gets the terminal's default back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
