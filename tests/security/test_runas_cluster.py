@@ -26,8 +26,7 @@ LO, HI = 231000, 231999
 
 def test_jobs_of_two_tenants_run_as_uids_of_their_own_and_complete(open_tmp: Path) -> None:
     scenario = Path(__file__).with_name("runas_scenario.py")
-    # none of this test run's TIDAL_* settings (an in-process `tidal up` of an earlier test sets $TIDAL_HOME
-    # to a root-only directory, which the jobs' uids then could not use: their masters exited 1)
+    # none of this test run's TIDAL_* settings: the scenario's cluster is its own
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
     p = subprocess.run([*namespace_prefix(), sys.executable, str(scenario), str(open_tmp), f"{LO}-{HI}", str(HI)],
                        capture_output=True, text=True, timeout=280, env=env)
