@@ -351,8 +351,9 @@ def _out_of_memory(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> 
     stop_all(s, j, now)
 
 
-def last_error(logs: Path, names: Sequence[str]) -> str:
-    """``name: last line`` of the first of these workers' logs that has one."""
+def last_line(logs: Path, names: Sequence[str]) -> str | None:
+    """``name: last line`` of the first of these processes' logs that has
+    one; None if none has."""
     for name in names:
         try:
             lines = [ln.strip() for ln in (logs / f"{name}.log").read_text(errors="replace").splitlines()]
@@ -361,7 +362,12 @@ def last_error(logs: Path, names: Sequence[str]) -> str:
         lines = [ln for ln in lines if ln]
         if lines:
             return f"{name}: {lines[-1][:400]}"
-    return "see the workers' logs (tidal logs JOB --worker w0)"
+    return None
+
+
+def last_error(logs: Path, names: Sequence[str]) -> str:
+    """:func:`last_line` of these workers' logs, or where to look."""
+    return last_line(logs, names) or "see the workers' logs (tidal logs JOB --worker w0)"
 
 
 def _master_exit(cx: Context, s: Session, j: Job, obs: JobObs, now: float) -> None:
@@ -396,8 +402,8 @@ def _master_exit_reason(cx: Context, j: Job, master: Process | None, code: int |
     why = f"master exit code {code}"
     if master is None or code in (0, None):
         return why
-    line = last_error(cx.home / "logs" / j.id, [master.name])
-    return f"{why}; {line}" if line.startswith(f"{master.name}: ") else why
+    line = last_line(cx.home / "logs" / j.id, [master.name])
+    return f"{why}; {line}" if line else why
 
 
 def _incarnation_started(j: Job, now: float) -> None:
