@@ -8,6 +8,7 @@ JSON.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import timedelta
 
@@ -23,6 +24,8 @@ def main(rank: int, world: int, addr: str, port: int) -> None:
     print(json.dumps({"rank": rank, "sum": t.tolist()}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # gloo's threads can outlive the interpreter and abort a normal exit (SIGABRT)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,31 @@ def grow_while_reading(script: Path, job: str, home: Path, before_grow: Callable
     return proc, lines, joined
 
 
+def exit_quietly(worker: Callable[..., None], *args: Any) -> None:
+    """Run ``worker(*args)`` in a spawned rank and leave with ``os._exit``:
+    gloo's threads can outlive the interpreter and abort it at a normal exit
+    (SIGABRT, "terminate called without an active exception", a few runs in a
+    hundred on a busy machine), which would fail a rank that did everything
+    right. The runtime's workers leave the same way (``worker._quiet_exit``)."""
+    import traceback
+
+    code = 0
+    try:
+        worker(*args)
+    except BaseException:  # noqa: BLE001 - reported, and the exit code says so
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exit_quietly_at(index: int, worker: Callable[..., None], *args: Any) -> None:
+    """:func:`exit_quietly` for ``torch.multiprocessing.start_processes``,
+    which passes the process index first."""
+    exit_quietly(worker, index, *args)
+
+
 def run_ranks(worker: Callable[..., None], ranks: int = 2, timeout: float = 80) -> dict[Any, Any]:
     """``worker(rank, port, out)`` in ``ranks`` spawned processes (a gloo
     group on a free loopback port); what they put in the shared dict ``out``.
@@ -124,7 +149,7 @@ def run_ranks(worker: Callable[..., None], ranks: int = 2, timeout: float = 80) 
     ctx = mp.get_context("spawn")
     with ctx.Manager() as mgr:
         out = mgr.dict()
-        procs = [ctx.Process(target=worker, args=(r, port, out)) for r in range(ranks)]
+        procs = [ctx.Process(target=exit_quietly, args=(worker, r, port, out)) for r in range(ranks)]
         for p in procs:
             p.start()
         for p in procs:

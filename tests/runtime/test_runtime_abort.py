@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from master_helpers import RecordingSpawner
+from runtime_helpers import exit_quietly
 from tidal.runtime import abortable
 from tidal.runtime.health import HealthMonitor
 from tidal.runtime.master import JobMaster
@@ -194,7 +195,7 @@ def test_a_worker_told_to_abort_leaves_an_all_reduce_its_stopped_peer_blocks() -
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
+        procs = [ctx.Process(target=exit_quietly, args=(_worker, r, port, out)) for r in range(2)]
         for p in procs:
             p.start()
         try:

@@ -29,7 +29,7 @@ from tidal.runtime.client import MasterClient
 from tidal.runtime.state import ElasticState
 
 PAIR = """
-import sys, datetime, torch, torch.distributed as dist
+import os, sys, datetime, torch, torch.distributed as dist
 from tidal.runtime import checksum
 from tidal.runtime.rank0 import Diverged
 from tidal.runtime.state import ElasticState
@@ -55,7 +55,12 @@ for what in ("none", "param", "lr", "extra"):
         print(what, "equal")
     except Diverged as e:
         print(what, "DIVERGED", e)
-dist.destroy_process_group()  # gloo's threads outliving the interpreter abort the process at exit (SIGABRT)
+# gloo's threads can outlive the interpreter and abort it at exit (SIGABRT, "terminate called without an
+# active exception"), even after destroy_process_group; the runtime's workers end with os._exit for this
+# reason (worker._quiet_exit), and so does this pair, once its lines are out.
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
 """
 
 

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime_helpers import check_exactly_once, finish, launch, master_url, read_steps
+from runtime_helpers import check_exactly_once, exit_quietly_at, finish, launch, master_url, read_steps
 from test_runtime_elastic import TOL, max_rel_diff, reference_run
 from tidal.runtime.client import MasterClient
 from tidal.runtime.data import split_weighted, step_slice
@@ -363,8 +363,8 @@ def test_point_to_point_replication_delivers_the_exact_state(tmp_path: Path, cap
     values) from two sources at once, unpaced and paced in 4 MiB chunks (the 4.8 MB tensor takes two)."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_transfer_worker, args=(5, str(tmp_path / "store"), cap), nprocs=5, join=True,
-                       start_method="spawn")
+    mp.start_processes(exit_quietly_at, args=(_transfer_worker, 5, str(tmp_path / "store"), cap), nprocs=5,
+                       join=True, start_method="spawn")
 
 
 def test_a_suspension_interrupted_by_a_failure_suspends_the_survivors() -> None:
