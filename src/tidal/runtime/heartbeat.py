@@ -272,6 +272,12 @@ class Heartbeat:
         last = 0.0
         seen_raw = b""
         while not self._stop.is_set():
+            # rank 0 sits out the rest of its interval before it waits for a step: the steps
+            # made meanwhile find the event unwatched (no thread to wake) and the exchange
+            # still comes at the first step after the interval, as if it waited first
+            rest = self.interval_s - (time.perf_counter() - last) if last else 0.0
+            if rest > 0 and self._stop.wait(rest):
+                break
             self._wake.wait(timeout=0.5)
             self._wake.clear()
             if self._stop.is_set():
@@ -282,9 +288,6 @@ class Heartbeat:
                 self._prefetch(ag)
             if seat.rank != 0 or seat.gen is None:
                 continue
-            wait = self.interval_s - (time.perf_counter() - last)
-            if wait > 0:
-                time.sleep(wait)
             try:
                 raw = self._exchange(seat.gen)
             except Exception as e:  # noqa: BLE001
