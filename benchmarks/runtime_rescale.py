@@ -150,6 +150,19 @@ class Turns:
                 pass
             time.sleep(0.005)
 
+    def finish(self) -> None:
+        """After the last step: wait until the driver writes ``end``, so that
+        neither job's exit (its teardown burns CPU) overlaps the other's
+        last measured phase."""
+        if self.path is not None:
+            while True:
+                try:
+                    if self.path.read_text() == "end":
+                        return
+                except OSError:
+                    pass
+                time.sleep(0.005)
+
 
 # ---------------------------------------------------------------------------- worker roles
 def _note_registration(job: Any, marks: dict[str, float]) -> None:
@@ -192,6 +205,7 @@ def role_elastic(a: argparse.Namespace) -> None:
             opt.zero_grad()
             log.write(step=job.step_count, world=job.world_size, rank=job.rank, gen=job.gen.gen if job.gen else 0,
                       t_start=t_start, t_end=time.time(), cpu=time.process_time())
+    turns.finish()
     (Path(a.out) / f"elastic-summary-{job.worker_id}.json").write_text(json.dumps(job.summary(), default=str))
     job.close()
 
@@ -226,6 +240,7 @@ def role_ddp(a: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad()
         log.write(step=step + 1, world=world, rank=rank, t_start=t_start, t_end=time.time(), cpu=time.process_time())
+    turns.finish()
     if a.save and rank == 0:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": start_step + a.steps}, a.save)
     del ddp  # drop the DDP wrapper before tearing the group down (gloo teardown pitfall)
@@ -456,6 +471,9 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
                     time.sleep(0.02)
             if k == 0:  # the launcher warms its spares once the job is steady: part of the start, not of a step
                 _await_spares(el[2], el[0])
+        tmp = turn.with_suffix(".tmp")
+        tmp.write_text("end")
+        os.replace(tmp, turn)
         ddp.wait(timeout=120)
         el[0].join(timeout=120)
         if el[1].get("rc") != 0 or ddp.returncode != 0:
