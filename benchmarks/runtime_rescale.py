@@ -139,9 +139,18 @@ class Turns:
         self.path, self.kind, self.phase = (Path(path) if path else None), kind, phase
 
     def wait(self, step: int) -> None:
-        if self.path is None or step % self.phase:
-            return
-        want = f"{self.kind} {step // self.phase}"
+        if self.path is not None and step % self.phase == 0:
+            self._until(f"{self.kind} {step // self.phase}")
+
+    def finish(self) -> None:
+        """After the last step: wait until the driver writes ``end``, so that
+        neither job's exit (its teardown burns CPU) overlaps the other's
+        last measured phase."""
+        if self.path is not None:
+            self._until("end")
+
+    def _until(self, want: str) -> None:
+        assert self.path is not None
         while True:
             try:
                 if self.path.read_text() == want:
@@ -150,18 +159,12 @@ class Turns:
                 pass
             time.sleep(0.005)
 
-    def finish(self) -> None:
-        """After the last step: wait until the driver writes ``end``, so that
-        neither job's exit (its teardown burns CPU) overlaps the other's
-        last measured phase."""
-        if self.path is not None:
-            while True:
-                try:
-                    if self.path.read_text() == "end":
-                        return
-                except OSError:
-                    pass
-                time.sleep(0.005)
+    @staticmethod
+    def hand(path: Path, text: str) -> None:
+        """Driver: write the turn file at once (readers never see it half-written)."""
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------- worker roles
@@ -461,9 +464,7 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
         logs = {"el": (d / "elastic-w0.jsonl", 0), "ddp": (d / "ddp-steady-0.jsonl", 1)}
         for k in range(n):
             for kind in (("el", "ddp") if k % 2 == 0 else ("ddp", "el")):
-                tmp = turn.with_suffix(".tmp")
-                tmp.write_text(f"{kind} {k}")
-                os.replace(tmp, turn)
+                Turns.hand(turn, f"{kind} {k}")
                 deadline = time.monotonic() + 300
                 while _last_index(*logs[kind]) < (k + 1) * ph - 1:
                     if time.monotonic() > deadline or ddp.poll() not in (None, 0) or not el[0].is_alive():
@@ -471,9 +472,7 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
                     time.sleep(0.02)
             if k == 0:  # the launcher warms its spares once the job is steady: part of the start, not of a step
                 _await_spares(el[2], el[0])
-        tmp = turn.with_suffix(".tmp")
-        tmp.write_text("end")
-        os.replace(tmp, turn)
+        Turns.hand(turn, "end")
         ddp.wait(timeout=120)
         el[0].join(timeout=120)
         if el[1].get("rc") != 0 or ddp.returncode != 0:
