@@ -342,6 +342,36 @@ def migrate(url: str) -> None:
         eng.dispose()
 
 
+def _interrupt_behind(e: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt (or other non-``Exception``) that ``e`` was
+    raised while handling, if any: SQLAlchemy's own rollback inside a flush
+    can fail after an interrupt and raise PendingRollbackError instead."""
+    seen: set[int] = set()
+    cur: BaseException | None = e.__context__
+    while cur is not None and id(cur) not in seen:
+        if not isinstance(cur, Exception):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__context__
+    return None
+
+
+def _roll_back_after_interrupt(s: Session) -> None:
+    """Roll ``s`` back after a KeyboardInterrupt (or another BaseException)
+    that may have landed inside SQLAlchemy's own handling of a statement; the
+    rollback can then fail ("Can't reconnect until invalid transaction is
+    rolled back"), and that error must not replace the interrupt. The
+    connection is invalidated, so the pool opens a fresh one next time."""
+    try:
+        s.rollback()
+    except Exception as e:  # noqa: BLE001 - the interrupt is what propagates
+        _log.debug("rollback after an interrupt failed (%s); the connection is dropped", e)
+        try:
+            s.invalidate()
+        except Exception:  # noqa: BLE001
+            pass
+
+
 class Store:
     """Transactions and the few multi-row operations that must be atomic."""
 
@@ -362,8 +392,15 @@ class Store:
             try:
                 yield s
                 s.commit()
-            except BaseException:
-                s.rollback()
+            except Exception as e:
+                interrupt = _interrupt_behind(e)
+                if interrupt is None:
+                    s.rollback()
+                    raise
+                _roll_back_after_interrupt(s)
+                raise interrupt from None
+            except BaseException:  # Ctrl-C (or a cancel) mid-statement: the caller must see the interrupt
+                _roll_back_after_interrupt(s)
                 raise
 
     # -- users -----------------------------------------------------------------
