@@ -372,12 +372,12 @@ def up(
     c = LocalCluster(h, layout=layout, policy=policy, port=port, tick_s=1.0, in_process=True)
     import signal
 
-    def _term(*_args: Any) -> None:  # `kill` stops the cluster like Ctrl-C
-        raise KeyboardInterrupt
+    from tidal.control import interrupts
 
-    signal.signal(signal.SIGTERM, _term)
-    # Ctrl-C even when started from a shell's background, which starts it with SIGINT ignored
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # `kill` stops the cluster like Ctrl-C; Ctrl-C even when started from a shell's background, which
+    # starts it with SIGINT ignored; either waits for a store transaction of this thread to end
+    signal.signal(signal.SIGTERM, interrupts.handler)
+    signal.signal(signal.SIGINT, interrupts.handler)
     try:
         _run_until_stopped(c, policy)
     finally:

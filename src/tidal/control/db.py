@@ -52,6 +52,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from tidal import settings
 from tidal.net import LOOPBACK
+from tidal.control.interrupts import Shielded
 
 _log = logging.getLogger(__name__)
 
@@ -387,8 +388,10 @@ class Store:
     def session(self, write: bool = True) -> Iterator[Session]:
         """One transaction, committed at the end (rolled back on an error).
         ``write=False``: a session that only reads; on SQLite it takes no
-        write lock (a write in it may then fail with "database is locked")."""
-        with (self._sessions if write else self._reads)() as s:
+        write lock (a write in it may then fail with "database is locked").
+        A Ctrl-C in the main thread waits for the session's end where
+        :mod:`tidal.control.interrupts`' handler is installed."""
+        with Shielded(), (self._sessions if write else self._reads)() as s:
             try:
                 yield s
                 s.commit()
