@@ -43,6 +43,12 @@ warmed its spares (a one-time start-up cost, as DDP's own start is). ``overhead_
 ``--repeats`` phase pairs of elastic/DDP - 1, with min, max and quartiles;
 ``cpu_overhead_pct`` the same for the CPU time per step of rank 0's process.
 
+``--alone N``: besides, N pairs of runs in which each job is alone on the
+machine (the elastic one, then the DDP one, ``--alone-steps`` steps each):
+``alone_cpu_overhead_pct`` compares rank 0's CPU per step of the two, for
+the whole process and (``alone_thread_cpu_overhead_pct``) for the training
+thread only, without the other job's processes beside it.
+
 ``--noise-scale``: the elastic job also measures the gradient noise scale
 (``make_policy("strong", 256, noise_scale=True)``, :mod:`tidal.runtime.noise`):
 one squared norm per bucket before its all-reduce, one after, four more
@@ -207,7 +213,7 @@ def role_elastic(a: argparse.Namespace) -> None:
             opt.step()
             opt.zero_grad()
             log.write(step=job.step_count, world=job.world_size, rank=job.rank, gen=job.gen.gen if job.gen else 0,
-                      t_start=t_start, t_end=time.time(), cpu=time.process_time())
+                      t_start=t_start, t_end=time.time(), cpu=time.process_time(), thread_cpu=time.thread_time())
     turns.finish()
     (Path(a.out) / f"elastic-summary-{job.worker_id}.json").write_text(json.dumps(job.summary(), default=str))
     job.close()
@@ -242,7 +248,8 @@ def role_ddp(a: argparse.Namespace) -> None:
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
         opt.zero_grad()
-        log.write(step=step + 1, world=world, rank=rank, t_start=t_start, t_end=time.time(), cpu=time.process_time())
+        log.write(step=step + 1, world=world, rank=rank, t_start=t_start, t_end=time.time(), cpu=time.process_time(),
+                  thread_cpu=time.thread_time())
     turns.finish()
     if a.save and rank == 0:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": start_step + a.steps}, a.save)
@@ -506,6 +513,56 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _cpu_after(recs: list[dict[str, Any]], since: float) -> tuple[float, float]:
+    """Process and training-thread CPU per step over the steps that began
+    after ``since`` (wall time)."""
+    ph = [r for r in recs if r["t_start"] > since]
+    if len(ph) < 50:
+        raise RuntimeError(f"only {len(ph)} steps after the warm-up; raise --alone-steps")
+    n = len(ph) - 1
+    return (ph[-1]["cpu"] - ph[0]["cpu"]) / n, (ph[-1]["thread_cpu"] - ph[0]["thread_cpu"]) / n
+
+
+def measure_alone(base: Path, a: argparse.Namespace) -> dict[str, Any]:
+    """CPU per step of rank 0 with each job alone: ``a.alone`` pairs, the
+    elastic job (``tidal run``, 2 workers) and then the DDP one (torchrun),
+    ``a.alone_steps`` steps each, never both alive. The elastic run counts
+    from 1 s after its warm spares are ready, the DDP run from the same step.
+    Beside the process's CPU (every thread: gloo's, the heartbeat's), the
+    training thread's alone (``time.thread_time``)."""
+    el_s, dd_s = [], []
+    for k in range(a.alone):
+        d = base / f"alone-{k}"
+        d.mkdir()
+        t, res, lines, _c = _start_elastic(d, 2, a.alone_steps)
+        _await_spares(lines, t)
+        ready = time.time() + 1.0
+        t.join(timeout=900)
+        if res.get("rc") != 0:
+            raise RuntimeError("the elastic run failed:\n" + "\n".join(lines))
+        er = read_log(d / "elastic-w0.jsonl")
+        first = next(r["step"] for r in er if r["t_start"] > ready)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+               "--role", "ddp", "--out", str(d), "--tag", "alone", "--steps", str(a.alone_steps),
+               "--total-steps", str(a.alone_steps)]
+        if subprocess.run(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          timeout=900).returncode != 0:
+            raise RuntimeError("the DDP run failed")
+        dr = read_log(d / "ddp-alone-0.jsonl")
+        el_s.append(_cpu_after(er, ready))
+        dd_s.append(_cpu_after(dr, next(r["t_start"] for r in dr if r["step"] >= first) - 1e-6))
+    proc = [100.0 * (e[0] / q[0] - 1.0) for e, q in zip(el_s, dd_s)]
+    thread = [100.0 * (e[1] / q[1] - 1.0) for e, q in zip(el_s, dd_s)]
+    return {
+        "alone_cpu_step_ms": 1e3 * statistics.median(e[0] for e in el_s),
+        "alone_ddp_cpu_step_ms": 1e3 * statistics.median(q[0] for q in dd_s),
+        "alone_cpu_overhead_pct": statistics.median(proc),
+        "alone_cpu_overhead_pct_runs": [round(x, 2) for x in proc],
+        "alone_thread_cpu_overhead_pct": statistics.median(thread),
+        "alone_thread_cpu_overhead_pct_runs": [round(x, 2) for x in thread],
+    }
+
+
 def measure(a: argparse.Namespace) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="tidal-bench-"))
     res: dict[str, Any] = {}
@@ -516,6 +573,8 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         res["scalein_pause_over_step"] = res["scalein_pause_s"] / res["step_time_3_s"]
     if a.repeats > 0:
         res |= measure_steady(base, a)
+    if a.alone > 0:
+        res |= measure_alone(base, a)
     res["config"] = {"model": f"MLP {DIM}-{HIDDEN}-{HIDDEN}-{CLASSES} fp32", "global_batch": BATCH,
                      "phase_steps": a.phase_steps, "repeats": a.repeats, "cores": os.cpu_count(),
                      "backend": "gloo", "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -539,6 +598,9 @@ def main() -> None:
     ap.add_argument("--phase-steps", type=int, default=40, help="steps per phase of the overhead measurement")
     ap.add_argument("--turn", default=None, help="(worker roles) the turn file of the overhead measurement")
     ap.add_argument("--skip-rescale", action="store_true", help="only the steady-state overhead")
+    ap.add_argument("--alone", type=int, default=0,
+                    help="also this many elastic/DDP pairs run one after the other, never together (CPU per step)")
+    ap.add_argument("--alone-steps", type=int, default=600, help="steps per run of --alone")
     ap.add_argument("--noise-scale", action="store_true",
                     help="the elastic job measures the gradient noise scale (tidal.runtime.noise)")
     a = ap.parse_args()
