@@ -99,3 +99,26 @@ def test_shield_holds_the_interrupt_until_the_session_ends(tmp_path):
             time.sleep(5)
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_interrupt_behind_a_failed_rollback_surfaces_as_itself(tmp_path):
+    """Python's default handler (commands other than `up`): when SQLAlchemy's
+    own rollback fails after an interrupt, its error (here a stand-in) must
+    not replace the interrupt, and the store works afterwards."""
+    from tidal.control.db import Job, Store
+
+    store = Store(f"sqlite:///{tmp_path / 's.db'}")
+    with pytest.raises(KeyboardInterrupt):
+        with store.session() as s:
+            s.add(Job(id="lost", user="u", name="n", state="pending", spec={}, submit_time=0.0, tags={}))
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                raise RuntimeError("Can't reconnect until invalid transaction is rolled back") from None
+    with pytest.raises(RuntimeError):  # an error with no interrupt behind it stays itself
+        with store.session():
+            raise RuntimeError("plain")
+    with store.session() as s:
+        s.add(Job(id="kept", user="u", name="n", state="pending", spec={}, submit_time=0.0, tags={}))
+    with store.session(write=False) as s:
+        assert [j.id for j in s.query(Job)] == ["kept"]  # the interrupted write was rolled back

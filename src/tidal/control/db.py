@@ -344,11 +344,12 @@ def migrate(url: str) -> None:
 
 
 def _interrupt_behind(e: BaseException) -> BaseException | None:
-    """The KeyboardInterrupt (or other non-``Exception``) that ``e`` was
-    raised while handling, if any: SQLAlchemy's own rollback inside a flush
-    can fail after an interrupt and raise PendingRollbackError instead."""
+    """``e`` if it is a KeyboardInterrupt (or another non-``Exception``),
+    else the one ``e`` was raised while handling, if any: SQLAlchemy's own
+    rollback inside a flush can fail after an interrupt and raise
+    PendingRollbackError instead."""
     seen: set[int] = set()
-    cur: BaseException | None = e.__context__
+    cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
         if not isinstance(cur, Exception):
             return cur
@@ -395,16 +396,17 @@ class Store:
             try:
                 yield s
                 s.commit()
-            except Exception as e:
+            except BaseException as e:
+                # Ctrl-C (or a cancel) mid-statement, possibly hidden behind SQLAlchemy's failed rollback:
+                # the caller must see the interrupt
                 interrupt = _interrupt_behind(e)
                 if interrupt is None:
                     s.rollback()
                     raise
                 _roll_back_after_interrupt(s)
+                if interrupt is e:
+                    raise
                 raise interrupt from None
-            except BaseException:  # Ctrl-C (or a cancel) mid-statement: the caller must see the interrupt
-                _roll_back_after_interrupt(s)
-                raise
 
     # -- users -----------------------------------------------------------------
     def add_user(self, name: str, admin: bool = False, token: str | None = None) -> str:
