@@ -49,6 +49,12 @@ machine (the elastic one, then the DDP one, ``--alone-steps`` steps each):
 the whole process and (``alone_thread_cpu_overhead_pct``) for the training
 thread only, without the other job's processes beside it.
 
+``--per-thread``: the overhead measurement also reports rank 0's CPU per
+step by thread (``per_thread_ms``, from ``/proc/self/task/*/schedstat``; a
+Python thread by its ``threading`` name, torch's and gloo's by their OS
+name), the median over the measured phases, for both jobs. Each step then
+reads those files once, in both jobs alike.
+
 ``--noise-scale``: the elastic job also measures the gradient noise scale
 (``make_policy("strong", 256, noise_scale=True)``, :mod:`tidal.runtime.noise`):
 one squared norm per bucket before its all-reduce, one after, four more
@@ -136,6 +142,22 @@ def spawned_at() -> float:
         return float("nan")
 
 
+def per_thread_ns() -> dict[str, int]:
+    """This process's CPU time per thread name (ns, summed over the threads
+    of one name), from ``/proc/self/task/*/schedstat``; a Python thread by
+    its ``threading`` name, the others (torch's, gloo's) by their OS name."""
+    out: dict[str, int] = {}
+    py = {t.native_id: t.name for t in threading.enumerate()}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = py.get(int(task.name)) or (task / "comm").read_text().strip()
+            ns = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+        out[name] = out.get(name, 0) + ns
+    return out
+
+
 class Turns:
     """Phase turn-taking between two jobs on one machine (``--turn FILE``):
     before step ``s`` with ``s % phase == 0`` a rank waits until FILE reads
@@ -213,7 +235,8 @@ def role_elastic(a: argparse.Namespace) -> None:
             opt.step()
             opt.zero_grad()
             log.write(step=job.step_count, world=job.world_size, rank=job.rank, gen=job.gen.gen if job.gen else 0,
-                      t_start=t_start, t_end=time.time(), cpu=time.process_time(), thread_cpu=time.thread_time())
+                      t_start=t_start, t_end=time.time(), cpu=time.process_time(), thread_cpu=time.thread_time(),
+                      **({"threads": per_thread_ns()} if a.per_thread else {}))
     turns.finish()
     (Path(a.out) / f"elastic-summary-{job.worker_id}.json").write_text(json.dumps(job.summary(), default=str))
     job.close()
@@ -249,7 +272,7 @@ def role_ddp(a: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad()
         log.write(step=step + 1, world=world, rank=rank, t_start=t_start, t_end=time.time(), cpu=time.process_time(),
-                  thread_cpu=time.thread_time())
+                  thread_cpu=time.thread_time(), **({"threads": per_thread_ns()} if a.per_thread else {}))
     turns.finish()
     if a.save and rank == 0:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": start_step + a.steps}, a.save)
@@ -460,14 +483,15 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
     turn, ph, n = d / "turn", a.phase_steps, a.repeats + 1
     turn.write_text("")
     total = ph * n
+    per = ["--per-thread"] if a.per_thread else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
            "--role", "ddp", "--out", str(d), "--tag", "steady", "--steps", str(total), "--total-steps", str(total),
-           "--turn", str(turn), "--phase-steps", str(ph)]
+           "--turn", str(turn), "--phase-steps", str(ph), *per]
     ddp = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     el = None
     try:
         el = _start_elastic(d, 2, total, ["--turn", str(turn), "--phase-steps", str(ph),
-                                          *(["--noise-scale"] if a.noise_scale else [])])
+                                          *(["--noise-scale"] if a.noise_scale else []), *per])
         logs = {"el": (d / "elastic-w0.jsonl", 0), "ddp": (d / "ddp-steady-0.jsonl", 1)}
         for k in range(n):
             for kind in (("el", "ddp") if k % 2 == 0 else ("ddp", "el")):
@@ -510,7 +534,21 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
         "coord_rtt_ms_p50": summ["coord_rtt_ms_p50"],
         "coord_rtt_ms_p99": summ["coord_rtt_ms_p99"],
         **({"noise_scale": summ["goodput"]["noise_scale"]} if "goodput" in summ else {}),
+        **({"per_thread_ms": {"el": _per_thread(er, 0, ph, n), "ddp": _per_thread(dr, 1, ph, n)}}
+           if a.per_thread else {}),
     }
+
+
+def _per_thread(recs: list[dict[str, Any]], offset: int, ph: int, n: int) -> dict[str, float]:
+    """Rank 0's CPU per step by thread name (ms), the median over the
+    measured phases (from the first to the last step end of each)."""
+    by = {r["step"] - offset: r for r in recs}
+    rows: dict[str, list[float]] = {}
+    for k in range(1, n):
+        a, b = by[k * ph]["threads"], by[(k + 1) * ph - 1]["threads"]
+        for name in b:
+            rows.setdefault(name, []).append((b[name] - a.get(name, 0)) / 1e6 / (ph - 1))
+    return {name: round(statistics.median(v), 3) for name, v in sorted(rows.items())}
 
 
 def _cpu_after(recs: list[dict[str, Any]], since: float) -> tuple[float, float]:
@@ -601,6 +639,8 @@ def main() -> None:
     ap.add_argument("--alone", type=int, default=0,
                     help="also this many elastic/DDP pairs run one after the other, never together (CPU per step)")
     ap.add_argument("--alone-steps", type=int, default=600, help="steps per run of --alone")
+    ap.add_argument("--per-thread", action="store_true",
+                    help="the overhead measurement also reports rank 0's CPU per step by thread name")
     ap.add_argument("--noise-scale", action="store_true",
                     help="the elastic job measures the gradient noise scale (tidal.runtime.noise)")
     a = ap.parse_args()
