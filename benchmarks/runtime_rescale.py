@@ -49,6 +49,11 @@ machine (the elastic one, then the DDP one, ``--alone-steps`` steps each):
 the whole process and (``alone_thread_cpu_overhead_pct``) for the training
 thread only, without the other job's processes beside it.
 
+``--aa N``: besides, N runs of the overhead measurement with DDP against
+DDP (two torchrun jobs taking turns as above): ``aa_cpu_overhead_pct_medians``
+and ``aa_overhead_pct_medians`` list each run's median, the spread the
+measurement has with no runtime difference at all.
+
 ``--per-thread``: the overhead measurement also reports rank 0's CPU per
 step by thread (``per_thread_ms``, from ``/proc/self/task/*/schedstat``; a
 Python thread by its ``threading`` name, torch's and gloo's by their OS
@@ -77,7 +82,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 if str(SRC) not in sys.path:
@@ -264,7 +269,7 @@ def role_ddp(a: argparse.Namespace) -> None:
     batches = [perm[sl.lo : sl.hi].tolist() for sl in
                (step_slice(s * BATCH, len(data), BATCH, rank, world) for s in range(start_step, start_step + a.steps))]
     log = StepLog(Path(a.out) / f"ddp-{a.tag}-{rank}.jsonl")
-    turns = Turns(a.turn, "ddp", a.phase_steps)
+    turns = Turns(a.turn, a.turn_kind or "ddp", a.phase_steps)
     for step, (x, y) in enumerate(DataLoader(data, batch_sampler=batches), start=start_step):
         turns.wait(step)
         t_start = time.time()  # the batch is in hand
@@ -493,17 +498,8 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
         el = _start_elastic(d, 2, total, ["--turn", str(turn), "--phase-steps", str(ph),
                                           *(["--noise-scale"] if a.noise_scale else []), *per])
         logs = {"el": (d / "elastic-w0.jsonl", 0), "ddp": (d / "ddp-steady-0.jsonl", 1)}
-        for k in range(n):
-            for kind in (("el", "ddp") if k % 2 == 0 else ("ddp", "el")):
-                Turns.hand(turn, f"{kind} {k}")
-                deadline = time.monotonic() + 300
-                while _last_index(*logs[kind]) < (k + 1) * ph - 1:
-                    if time.monotonic() > deadline or ddp.poll() not in (None, 0) or not el[0].is_alive():
-                        raise RuntimeError(f"phase {k} of {kind} did not finish:\n" + "\n".join(el[2]))
-                    time.sleep(0.02)
-            if k == 0:  # the launcher warms its spares once the job is steady: part of the start, not of a step
-                _await_spares(el[2], el[0])
-        Turns.hand(turn, "end")
+        _take_turns(turn, logs, n, ph, lambda: ddp.poll() in (None, 0) and el[0].is_alive(),
+                    lambda: "\n".join(el[2]), lambda: _await_spares(el[2], el[0]))
         ddp.wait(timeout=120)
         el[0].join(timeout=120)
         if el[1].get("rc") != 0 or ddp.returncode != 0:
@@ -549,6 +545,60 @@ def _per_thread(recs: list[dict[str, Any]], offset: int, ph: int, n: int) -> dic
         for name in b:
             rows.setdefault(name, []).append((b[name] - a.get(name, 0)) / 1e6 / (ph - 1))
     return {name: round(statistics.median(v), 3) for name, v in sorted(rows.items())}
+
+
+def _take_turns(turn: Path, logs: dict[str, tuple[Path, int]], n: int, ph: int, alive: Callable[[], bool],
+                why: Callable[[], str], after_first: Callable[[], None]) -> None:
+    """Hand ``n`` phases of ``ph`` steps to the jobs ``"el"`` and ``"ddp"``
+    in ABBA order, each until its step log (path, step offset) shows the
+    phase done; then ``end``. ``after_first``: runs after phase 0 of both."""
+    for k in range(n):
+        for kind in (("el", "ddp") if k % 2 == 0 else ("ddp", "el")):
+            Turns.hand(turn, f"{kind} {k}")
+            deadline = time.monotonic() + 300
+            while _last_index(*logs[kind]) < (k + 1) * ph - 1:
+                if time.monotonic() > deadline or not alive():
+                    raise RuntimeError(f"phase {k} of {kind} did not finish:\n" + why())
+                time.sleep(0.02)
+        if k == 0:  # (the launcher warms its spares once the job is steady: part of the start, not of a step)
+            after_first()
+    Turns.hand(turn, "end")
+
+
+def measure_aa(base: Path, a: argparse.Namespace) -> dict[str, Any]:
+    """The overhead measurement of DDP against DDP (two torchrun jobs taking
+    turns exactly as the elastic and DDP jobs do), ``a.aa`` times: the spread
+    of its medians is the measurement's own, with no runtime difference."""
+    wall, cpu = [], []
+    for i in range(a.aa):
+        d = base / f"aa{i}"
+        d.mkdir()
+        turn, ph, n = d / "turn", a.phase_steps, a.repeats + 1
+        turn.write_text("")
+        jobs = {}
+        for kind, tag in (("el", "a"), ("ddp", "b")):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+                   "--role", "ddp", "--out", str(d), "--tag", tag, "--steps", str(ph * n), "--total-steps",
+                   str(ph * n), "--turn", str(turn), "--phase-steps", str(ph), "--turn-kind", kind]
+            jobs[kind] = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            logs = {"el": (d / "ddp-a-0.jsonl", 1), "ddp": (d / "ddp-b-0.jsonl", 1)}
+            _take_turns(turn, logs, n, ph, lambda: all(j.poll() in (None, 0) for j in jobs.values()),
+                        lambda: "a DDP job failed", lambda: None)
+            for j in jobs.values():
+                if j.wait(timeout=120) != 0:
+                    raise RuntimeError("a DDP job failed")
+        finally:
+            for j in jobs.values():
+                if j.poll() is None:
+                    j.kill()
+        ra, rb = read_log(logs["el"][0]), read_log(logs["ddp"][0])
+        sa = [_phase_stats(ra, 1, k * ph, (k + 1) * ph) for k in range(1, n)]
+        sb = [_phase_stats(rb, 1, k * ph, (k + 1) * ph) for k in range(1, n)]
+        wall.append(statistics.median(100.0 * (x[0] / y[0] - 1.0) for x, y in zip(sa, sb)))
+        cpu.append(statistics.median(100.0 * (x[1] / y[1] - 1.0) for x, y in zip(sa, sb)))
+    return {"aa_overhead_pct_medians": [round(x, 2) for x in wall],
+            "aa_cpu_overhead_pct_medians": [round(x, 2) for x in cpu]}
 
 
 def _cpu_after(recs: list[dict[str, Any]], since: float) -> tuple[float, float]:
@@ -613,6 +663,8 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         res |= measure_steady(base, a)
     if a.alone > 0:
         res |= measure_alone(base, a)
+    if a.aa > 0:
+        res |= measure_aa(base, a)
     res["config"] = {"model": f"MLP {DIM}-{HIDDEN}-{HIDDEN}-{CLASSES} fp32", "global_batch": BATCH,
                      "phase_steps": a.phase_steps, "repeats": a.repeats, "cores": os.cpu_count(),
                      "backend": "gloo", "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -639,6 +691,9 @@ def main() -> None:
     ap.add_argument("--alone", type=int, default=0,
                     help="also this many elastic/DDP pairs run one after the other, never together (CPU per step)")
     ap.add_argument("--alone-steps", type=int, default=600, help="steps per run of --alone")
+    ap.add_argument("--aa", type=int, default=0,
+                    help="also this many runs of the overhead measurement with DDP against DDP (its own spread)")
+    ap.add_argument("--turn-kind", default=None, help="(ddp role) the name it waits for in the turn file")
     ap.add_argument("--per-thread", action="store_true",
                     help="the overhead measurement also reports rank 0's CPU per step by thread name")
     ap.add_argument("--noise-scale", action="store_true",
