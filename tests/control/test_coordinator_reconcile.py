@@ -531,10 +531,12 @@ def test_attained_service_counts_gpu_seconds_of_running_jobs(env):
     a = run(store, policy, coord, submit(store, "a"), (0, 1)) or "a"
     b = submit(store, "b")  # nowhere to run: no placement
     before = job(store, a).attained, job(store, a).executed
-    coord._last_account -= 10.0  # ten seconds pass between rounds
+    start = coord._last_account = coord._last_account - 10.0  # ten seconds pass between rounds
     coord.round()
+    dt = coord._last_account - start  # by the round's own clock: the ten seconds and the test's own time
     ja = job(store, a)
-    assert 20.0 <= ja.attained - before[0] < 20.5 and 10.0 <= ja.executed - before[1] < 10.3
+    assert 10.0 <= dt < 60.0
+    assert ja.attained - before[0] == pytest.approx(2 * dt) and ja.executed - before[1] == pytest.approx(dt)
     assert job(store, b).attained == 0.0
 
 
