@@ -75,6 +75,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -652,7 +653,19 @@ def measure_alone(base: Path, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure(a: argparse.Namespace) -> dict[str, Any]:
+    """Every measurement asked for, in a scratch folder removed once they
+    all succeeded (kept after a failure, for its logs; its path is printed)."""
     base = Path(tempfile.mkdtemp(prefix="tidal-bench-"))
+    try:
+        res = _measure_in(base, a)
+    except BaseException:
+        print(f"runtime_rescale: the runs' logs are kept in {base}", file=sys.stderr)
+        raise
+    shutil.rmtree(base, ignore_errors=True)
+    return res
+
+
+def _measure_in(base: Path, a: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {}
     if not a.skip_rescale:
         res |= measure_rescale(base, a)
