@@ -509,10 +509,7 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
         if ddp.poll() is None:
             ddp.kill()
     er, dr = read_log(logs["el"][0]), read_log(logs["ddp"][0])
-    el_s = [_phase_stats(er, 0, k * ph, (k + 1) * ph) for k in range(1, n)]
-    dd_s = [_phase_stats(dr, 1, k * ph, (k + 1) * ph) for k in range(1, n)]
-    pairs = [100.0 * (e[0] / q[0] - 1.0) for e, q in zip(el_s, dd_s)]
-    cpu_pairs = [100.0 * (e[1] / q[1] - 1.0) for e, q in zip(el_s, dd_s)]
+    el_s, dd_s, pairs, cpu_pairs = _paired(er, 0, dr, 1, ph, n)
     summ = json.loads((d / "elastic-summary-w0.json").read_text())
     if summ["heartbeats"] == 0:
         summ = json.loads((d / "elastic-summary-w1.json").read_text())
@@ -534,6 +531,17 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
         **({"per_thread_ms": {"el": _per_thread(er, 0, ph, n), "ddp": _per_thread(dr, 1, ph, n)}}
            if a.per_thread else {}),
     }
+
+
+def _paired(ra: list[dict[str, Any]], off_a: int, rb: list[dict[str, Any]], off_b: int, ph: int,
+            n: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]], list[float], list[float]]:
+    """Per measured phase (1 .. n-1), each job's (wall, CPU) per step
+    (:func:`_phase_stats`), and the paired wall and CPU values of the first
+    against the second (%)."""
+    sa = [_phase_stats(ra, off_a, k * ph, (k + 1) * ph) for k in range(1, n)]
+    sb = [_phase_stats(rb, off_b, k * ph, (k + 1) * ph) for k in range(1, n)]
+    return (sa, sb, [100.0 * (x[0] / y[0] - 1.0) for x, y in zip(sa, sb)],
+            [100.0 * (x[1] / y[1] - 1.0) for x, y in zip(sa, sb)])
 
 
 def _per_thread(recs: list[dict[str, Any]], offset: int, ph: int, n: int) -> dict[str, float]:
@@ -593,11 +601,9 @@ def measure_aa(base: Path, a: argparse.Namespace) -> dict[str, Any]:
             for j in jobs.values():
                 if j.poll() is None:
                     j.kill()
-        ra, rb = read_log(logs["el"][0]), read_log(logs["ddp"][0])
-        sa = [_phase_stats(ra, 1, k * ph, (k + 1) * ph) for k in range(1, n)]
-        sb = [_phase_stats(rb, 1, k * ph, (k + 1) * ph) for k in range(1, n)]
-        wall.append(statistics.median(100.0 * (x[0] / y[0] - 1.0) for x, y in zip(sa, sb)))
-        cpu.append(statistics.median(100.0 * (x[1] / y[1] - 1.0) for x, y in zip(sa, sb)))
+        _, _, w, c = _paired(read_log(logs["el"][0]), 1, read_log(logs["ddp"][0]), 1, ph, n)
+        wall.append(statistics.median(w))
+        cpu.append(statistics.median(c))
     return {"aa_overhead_pct_medians": [round(x, 2) for x in wall],
             "aa_cpu_overhead_pct_medians": [round(x, 2) for x in cpu]}
 
