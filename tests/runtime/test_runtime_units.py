@@ -16,8 +16,8 @@ from tidal import settings as tidal_settings
 from tidal.runtime.checkpoint import Checkpointer
 from tidal.runtime.data import ShardManager, epoch_permutation, split_sizes, step_slice
 from tidal.runtime.persistence import FileBackend, SQLiteBackend, open_backend
-from tidal.runtime.heartbeat import Outbox
-from tidal.runtime.membership import Agreement, Seat, SwitchAgreement
+from tidal.runtime.heartbeat import Heartbeat, Outbox
+from tidal.runtime.membership import Agreement, Membership, Seat, SwitchAgreement
 from tidal.runtime.messages import Generation, SwitchPlan
 from tidal.runtime.scaling import HybridScaling, StrongScaling, WeakScaling, make_policy
 from tidal.runtime.state import ElasticState, TrainState
@@ -184,6 +184,49 @@ def test_outbox_posts_in_order_and_keeps_a_switch_report_until_posted() -> None:
     box.switched({"gen": 5})
     box.flush_switched(c)  # type: ignore[arg-type]
     assert c.posts[-1] == ("/switched", {"gen": 5})
+
+
+class _CountingMembership(Membership):
+    """A local-mode membership whose seat is a non-zero rank's and counts how
+    often the heartbeat thread looks at it (once per wake-up)."""
+
+    looks = 0
+
+    @property
+    def seat(self) -> Seat:
+        self.looks += 1
+        return self._seat
+
+    @seat.setter
+    def seat(self, value: Seat) -> None:
+        self._seat = value
+
+
+def test_step_ends_wake_the_heartbeat_once_per_interval_and_a_prefetch_at_once() -> None:
+    """Step ends wake the heartbeat thread only once its interval is over (not
+    at every step: a thread hand-off per step costs every rank CPU), and a
+    non-zero rank's plan prefetch wakes it at once."""
+    import time
+
+    m = _CountingMembership("w1", None)
+    m.seat = Seat(None, 1, 2)
+    hb = Heartbeat(m, 0.25, lambda g: {})
+    hb.start()
+    try:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 1.0:  # 200 step ends of 5 ms in 1 s
+            hb.wake()
+            time.sleep(0.005)
+        woken = m.looks
+        assert 2 <= woken <= 1.0 / 0.25 + 3, woken  # the interval's, and the 0.5 s timeouts at most
+        before = m.looks
+        hb.wake_now()
+        deadline = time.perf_counter() + 0.2
+        while m.looks == before and time.perf_counter() < deadline:
+            time.sleep(0.005)
+        assert m.looks > before
+    finally:
+        hb.stop()
 
 
 def test_checkpointer_arguments_then_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

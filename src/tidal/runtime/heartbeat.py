@@ -158,6 +158,7 @@ class Heartbeat:
         self.beats = 0
         self.rtts_ms: deque[float] = deque(maxlen=100_000)
         self._wake = threading.Event()
+        self._due = 0.0  # perf_counter time from which a step end wakes the heartbeat thread
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -180,6 +181,13 @@ class Heartbeat:
         t.start()
 
     def wake(self) -> None:
+        """Training thread, at each step end: wake the heartbeat thread if
+        its interval is over (a thread hand-off per exchange, not per step)."""
+        if time.perf_counter() >= self._due:
+            self._wake.set()
+
+    def wake_now(self) -> None:
+        """Wake the heartbeat thread now (a non-zero rank prefetches the agreed plan)."""
         self._wake.set()
 
     def report_switched(self, body: dict[str, Any]) -> None:
@@ -269,15 +277,11 @@ class Heartbeat:
         """Rank 0 writes progress and reads the published plan (two C++ store
         round trips, GIL released), so the training thread never waits for
         the master; the other ranks prefetch the agreed plan."""
-        last = 0.0
         seen_raw = b""
         while not self._stop.is_set():
-            # rank 0 sits out the rest of its interval before it waits for a step: the steps
-            # made meanwhile find the event unwatched (no thread to wake) and the exchange
-            # still comes at the first step after the interval, as if it waited first
-            rest = self.interval_s - (time.perf_counter() - last) if last else 0.0
-            if rest > 0 and self._stop.wait(rest):
-                break
+            # the training thread wakes this thread at the first step end after ``_due``
+            # (a report or a plan to prefetch wakes it at once): one exchange per
+            # interval at most, and the steps in between wake nobody
             self._wake.wait(timeout=0.5)
             self._wake.clear()
             if self._stop.is_set():
@@ -286,6 +290,7 @@ class Heartbeat:
             ag = self.membership.agreement.agreed
             if ag is not None and ag.plan is None:
                 self._prefetch(ag)
+            self._due = time.perf_counter() + self.interval_s
             if seat.rank != 0 or seat.gen is None:
                 continue
             try:
@@ -299,7 +304,6 @@ class Heartbeat:
                 self.relocate()
                 time.sleep(0.2)
                 continue
-            last = time.perf_counter()
             if raw and raw != seen_raw:
                 seen_raw = b"" if self._read_plan(raw, seat.gen) else raw
 

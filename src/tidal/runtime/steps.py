@@ -208,7 +208,7 @@ class StepRunner:
         if ag is not None and seat.rank == 0:
             self.heartbeat.report_agreed(ag.gen, ag.switch_step)
         elif ag is not None:
-            self.heartbeat.wake()  # the other ranks prefetch the plan
+            self.heartbeat.wake_now()  # the other ranks prefetch the plan
         self.heartbeat.phase = ("idle", step)
         st = self.train.elastic
         if self._track and st is not None and self._check_due(step):
