@@ -303,6 +303,16 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _rank0_log(d: Path) -> list[dict[str, Any]]:
+    """The step log of the elastic job's rank 0 (w0 or w1, as they registered),
+    compared with DDP's rank 0: rank 0 alone runs the heartbeat's exchanges."""
+    for w in ("w0", "w1"):
+        recs = read_log(d / f"elastic-{w}.jsonl")
+        if recs and recs[0]["rank"] == 0:
+            return recs
+    raise RuntimeError(f"no elastic step log of rank 0 in {d}")
+
+
 def median_step(recs: list[dict[str, Any]], warmup: int, key: str = "t_end") -> float:
     ends = [r[key] for r in recs]
     gaps = [b - a for a, b in zip(ends[warmup:], ends[warmup + 1 :])]
@@ -508,7 +518,7 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
     finally:
         if ddp.poll() is None:
             ddp.kill()
-    er, dr = read_log(logs["el"][0]), read_log(logs["ddp"][0])
+    er, dr = _rank0_log(d), read_log(logs["ddp"][0])
     el_s, dd_s, pairs, cpu_pairs = _paired(er, 0, dr, 1, ph, n)
     summ = json.loads((d / "elastic-summary-w0.json").read_text())
     if summ["heartbeats"] == 0:
@@ -635,7 +645,7 @@ def measure_alone(base: Path, a: argparse.Namespace) -> dict[str, Any]:
         t.join(timeout=900)
         if res.get("rc") != 0:
             raise RuntimeError("the elastic run failed:\n" + "\n".join(lines))
-        er = read_log(d / "elastic-w0.jsonl")
+        er = _rank0_log(d)
         first = next(r["step"] for r in er if r["t_start"] > ready)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
                "--role", "ddp", "--out", str(d), "--tag", "alone", "--steps", str(a.alone_steps),
