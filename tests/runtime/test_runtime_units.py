@@ -5,6 +5,7 @@ undo of a dropped step)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -206,8 +207,6 @@ def test_step_ends_wake_the_heartbeat_once_per_interval_and_a_prefetch_at_once()
     """Step ends wake the heartbeat thread only once its interval is over (not
     at every step: a thread hand-off per step costs every rank CPU), and a
     non-zero rank's plan prefetch wakes it at once."""
-    import time
-
     m = _CountingMembership("w1", None)
     m.seat = Seat(None, 1, 2)
     hb = Heartbeat(m, 0.25, lambda g: {})
@@ -218,10 +217,10 @@ def test_step_ends_wake_the_heartbeat_once_per_interval_and_a_prefetch_at_once()
             hb.wake()
             time.sleep(0.005)
         woken = m.looks
-        assert 2 <= woken <= 1.0 / 0.25 + 3, woken  # the interval's, and the 0.5 s timeouts at most
+        assert 1 <= woken <= 1.0 / 0.25 + 3, woken  # the interval's, and the 0.5 s timeouts at most
         before = m.looks
         hb.wake_now()
-        deadline = time.perf_counter() + 0.2
+        deadline = time.perf_counter() + 2.0
         while m.looks == before and time.perf_counter() < deadline:
             time.sleep(0.005)
         assert m.looks > before

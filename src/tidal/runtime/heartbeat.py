@@ -17,7 +17,8 @@ Threads (who writes what):
   phase) to ``tidal/<job>/alive/<worker>`` every :data:`ALIVE_EVERY_S`; owns
   the beat count.
 * training thread: writes :attr:`Heartbeat.phase` (a tuple replaced whole),
-  puts reports into the :class:`Outbox`, wakes the heartbeat (an event) and
+  puts reports into the :class:`Outbox`, wakes the heartbeat (an event; a
+  step end only once the interval is over) and
   runs :class:`StragglerWatch` (rank 0). The heartbeat thread reads its
   progress through the ``progress`` callback (single attribute reads).
 """
