@@ -29,6 +29,10 @@ bucket (each as two float32 halves, exact for integers below 2**48) when that
 bucket is float32 or float64, saving a collective per step; otherwise they
 are a separate float64 tensor.
 
+With one rank, a weight of 1 and no norms to take (a script run without a
+master, or a job at one worker), nothing is copied into the buckets: the
+gradients stay where backward left them (only the control numbers pass).
+
 Gradient accumulation: inside :meth:`GradReducer.no_sync` nothing is
 reduced; each micro-batch's incoming gradient is scaled by its own weight
 before it is accumulated (a pre-accumulation hook), so a window of uneven
@@ -208,7 +212,7 @@ class GradReducer:
                 b.ready.clear()
                 b.work = None
             Variable._execution_engine.queue_callback(self._finalize)
-        if not self.syncing or not self.overlap:
+        if not self.syncing or not self.overlap or self._alone():
             return
         b = self.bucket_of[id(p)]
         self._fill(b, p)  # type: ignore[arg-type]
@@ -279,10 +283,16 @@ class GradReducer:
         """Wait for one collective, giving up if the generation is aborted."""
         abortable.wait(work, self.aborted, nccl=self.device.type == "cuda")
 
+    def _alone(self) -> bool:
+        """Nothing to reduce and nothing to scale (one rank, weight 1, no
+        norms): the gradients stay where backward left them."""
+        return not self.distributed and self.weight == 1.0 and not self.scaled and not self.measure
+
     def _reduce(self) -> None:
+        alone = self._alone()
         for b in self.buckets[self._next :]:
             for p in b.params:
-                if id(p) not in b.ready:
+                if id(p) not in b.ready and not alone:
                     self._fill(b, p)
         unused = [p for b in self.buckets for p in b.params if p.grad is None]
         if self.measure:
@@ -312,7 +322,7 @@ class GradReducer:
             self.reduced_sq = float(sum(_sqnorm(b.buf[: b.n]) for b in self.buckets)) if self.buckets else 0.0
             self._sq = []
         skip = self._globally_unused(unused) if reduced[0] > 0 else set()
-        for b in self.buckets:
+        for b in self.buckets if not alone else ():
             for p, g in zip(b.params, b.views):
                 if id(p) in skip:
                     continue
