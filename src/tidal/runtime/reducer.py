@@ -290,9 +290,9 @@ class GradReducer:
 
     def _reduce(self) -> None:
         alone = self._alone()
-        for b in self.buckets[self._next :]:
+        for b in () if alone else self.buckets[self._next :]:
             for p in b.params:
-                if id(p) not in b.ready and not alone:
+                if id(p) not in b.ready:
                     self._fill(b, p)
         unused = [p for b in self.buckets for p in b.params if p.grad is None]
         if self.measure:
@@ -322,7 +322,7 @@ class GradReducer:
             self.reduced_sq = float(sum(_sqnorm(b.buf[: b.n]) for b in self.buckets)) if self.buckets else 0.0
             self._sq = []
         skip = self._globally_unused(unused) if reduced[0] > 0 else set()
-        for b in self.buckets if not alone else ():
+        for b in () if alone else self.buckets:  # write the reduced gradients back
             for p, g in zip(b.params, b.views):
                 if id(p) in skip:
                     continue
