@@ -75,6 +75,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -146,6 +147,13 @@ def spawned_at() -> float:
         return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - start_s)
     except (OSError, ValueError, IndexError):
         return float("nan")
+
+
+def rusage_counts() -> list[int]:
+    """This process's minor page faults and voluntary and involuntary
+    context switches so far (``getrusage``)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return [ru.ru_minflt, ru.ru_nvcsw, ru.ru_nivcsw]
 
 
 def per_thread_ns() -> dict[str, int]:
@@ -242,7 +250,7 @@ def role_elastic(a: argparse.Namespace) -> None:
             opt.zero_grad()
             log.write(step=job.step_count, world=job.world_size, rank=job.rank, gen=job.gen.gen if job.gen else 0,
                       t_start=t_start, t_end=time.time(), cpu=time.process_time(), thread_cpu=time.thread_time(),
-                      **({"threads": per_thread_ns()} if a.per_thread else {}))
+                      **({"threads": per_thread_ns(), "ru": rusage_counts()} if a.per_thread else {}))
     turns.finish()
     (Path(a.out) / f"elastic-summary-{job.worker_id}.json").write_text(json.dumps(job.summary(), default=str))
     job.close()
@@ -278,7 +286,8 @@ def role_ddp(a: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad()
         log.write(step=step + 1, world=world, rank=rank, t_start=t_start, t_end=time.time(), cpu=time.process_time(),
-                  thread_cpu=time.thread_time(), **({"threads": per_thread_ns()} if a.per_thread else {}))
+                  thread_cpu=time.thread_time(),
+                  **({"threads": per_thread_ns(), "ru": rusage_counts()} if a.per_thread else {}))
     turns.finish()
     if a.save and rank == 0:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": start_step + a.steps}, a.save)
@@ -538,7 +547,8 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
         "coord_rtt_ms_p50": summ["coord_rtt_ms_p50"],
         "coord_rtt_ms_p99": summ["coord_rtt_ms_p99"],
         **({"noise_scale": summ["goodput"]["noise_scale"]} if "goodput" in summ else {}),
-        **({"per_thread_ms": {"el": _per_thread(er, 0, ph, n), "ddp": _per_thread(dr, 1, ph, n)}}
+        **({"per_thread_ms": {"el": _per_thread(er, 0, ph, n), "ddp": _per_thread(dr, 1, ph, n)},
+            "rusage_per_step": {"el": _rusage(er, 0, ph, n), "ddp": _rusage(dr, 1, ph, n)}}
            if a.per_thread else {}),
     }
 
@@ -564,6 +574,15 @@ def _per_thread(recs: list[dict[str, Any]], offset: int, ph: int, n: int) -> dic
         for name in b:
             rows.setdefault(name, []).append((b[name] - a.get(name, 0)) / 1e6 / (ph - 1))
     return {name: round(statistics.median(v), 3) for name, v in sorted(rows.items())}
+
+
+def _rusage(recs: list[dict[str, Any]], offset: int, ph: int, n: int) -> dict[str, float]:
+    """Rank 0's minor page faults and voluntary and involuntary context
+    switches per step, the median over the measured phases."""
+    by = {r["step"] - offset: r for r in recs}
+    rows = [[(b - a) / (ph - 1) for a, b in zip(by[k * ph]["ru"], by[(k + 1) * ph - 1]["ru"])] for k in range(1, n)]
+    return {name: round(statistics.median(r[i] for r in rows), 2)
+            for i, name in enumerate(("minflt", "nvcsw", "nivcsw"))}
 
 
 def _take_turns(turn: Path, logs: dict[str, tuple[Path, int]], n: int, ph: int, alive: Callable[[], bool],
