@@ -57,8 +57,14 @@ measurement has with no runtime difference at all.
 ``--per-thread``: the overhead measurement also reports rank 0's CPU per
 step by thread (``per_thread_ms``, from ``/proc/self/task/*/schedstat``; a
 Python thread by its ``threading`` name, torch's and gloo's by their OS
-name), the median over the measured phases, for both jobs. Each step then
-reads those files once, in both jobs alike.
+name), the median over the measured phases, for both jobs, and rank 0's
+minor page faults and voluntary and involuntary context switches per step
+(``rusage_per_step``, from ``getrusage``). Each step then reads those files
+once, in both jobs alike; the elastic process has more threads (its
+heartbeat, liveness beat and their store helpers), so it reads more files:
+compare ``cpu_overhead_pct`` between runs without the option.
+
+``--keep``: keep the runs' step logs (their folder is printed on stderr).
 
 ``--noise-scale``: the elastic job also measures the gradient noise scale
 (``make_policy("strong", 256, noise_scale=True)``, :mod:`tidal.runtime.noise`):
@@ -689,14 +695,18 @@ def measure_alone(base: Path, a: argparse.Namespace) -> dict[str, Any]:
 
 def measure(a: argparse.Namespace) -> dict[str, Any]:
     """Every measurement asked for, in a scratch folder removed once they
-    all succeeded (kept after a failure, for its logs; its path is printed)."""
+    all succeeded (kept after a failure, or with ``--keep``, for its logs;
+    its path is printed)."""
     base = Path(tempfile.mkdtemp(prefix="tidal-bench-"))
     try:
         res = _measure_in(base, a)
     except BaseException:
         print(f"runtime_rescale: the runs' logs are kept in {base}", file=sys.stderr)
         raise
-    shutil.rmtree(base, ignore_errors=True)
+    if a.keep:
+        print(f"runtime_rescale: the runs' logs are kept in {base}", file=sys.stderr)
+    else:
+        shutil.rmtree(base, ignore_errors=True)
     return res
 
 
@@ -744,6 +754,7 @@ def main() -> None:
     ap.add_argument("--turn-kind", default=None, help="(ddp role) the name it waits for in the turn file")
     ap.add_argument("--per-thread", action="store_true",
                     help="the overhead measurement also reports rank 0's CPU per step by thread name")
+    ap.add_argument("--keep", action="store_true", help="keep the runs' logs (their folder is printed)")
     ap.add_argument("--noise-scale", action="store_true",
                     help="the elastic job measures the gradient noise scale (tidal.runtime.noise)")
     a = ap.parse_args()
