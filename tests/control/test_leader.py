@@ -36,6 +36,13 @@ def test_one_replica_leads_and_another_takes_over_when_its_session_dies(pg_url):
     pid = ea.lease._conn.execute(text("SELECT pg_backend_pid()")).scalar()  # type: ignore[union-attr]
     with create_engine(pg_url).connect() as c:
         c.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+        # the backend ends (and lets its locks go) after the signal, not with it: until then no other
+        # session can take the lock, so wait (bounded) until the server shows none held by it
+        deadline = time.monotonic() + 10
+        while c.execute(text("SELECT count(*) FROM pg_locks WHERE pid = :p AND locktype = 'advisory'"),
+                        {"p": pid}).scalar():
+            assert time.monotonic() < deadline, "the terminated session still held its lock after 10 s"
+            time.sleep(0.01)
     assert eb.leading()
     assert not ea.leading()  # the old leader notices before its next round
     eb.close()
