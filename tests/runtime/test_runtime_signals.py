@@ -29,9 +29,8 @@ def _stop_running_job(tmp_path: Path, send: str) -> tuple[int, str, float, list[
                             start_new_session=True)
     try:
         MasterClient(master_url("sig", home, proc, timeout=60), patience_s=10).wait_for(2, timeout_s=90)
-        workers = [int(p) for p in subprocess.run(["pgrep", "-f", f"{TRAIN} --out {out}"], capture_output=True,
-                                                  text=True).stdout.split() if int(p) != proc.pid]
-        assert len(workers) == 2, workers
+        workers = _workers(proc.pid, f"{TRAIN} --out {out}")
+        assert len(workers) == 2, {p: _cmdline(p) for p in workers}
         t0 = time.monotonic()
         if send == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends: the launcher's whole group
@@ -43,6 +42,21 @@ def _stop_running_job(tmp_path: Path, send: str) -> tuple[int, str, float, list[
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "(gone)"
+
+
+def _workers(launcher: int, pattern: str) -> list[int]:
+    """The launcher's children running the script: not a child of a worker,
+    and not a child caught between fork and exec (the launcher starting a
+    warm spare), which still shows the launcher's command line."""
+    found = subprocess.run(["pgrep", "-P", str(launcher), "-f", pattern], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in found if "tidal.runtime.launch" not in _cmdline(int(p))]
 
 
 def _gone(pids: list[int], within_s: float) -> bool:
