@@ -570,25 +570,29 @@ def _paired(ra: list[dict[str, Any]], off_a: int, rb: list[dict[str, Any]], off_
             [100.0 * (x[1] / y[1] - 1.0) for x, y in zip(sa, sb)])
 
 
-def _per_thread(recs: list[dict[str, Any]], offset: int, ph: int, n: int) -> dict[str, float]:
-    """Rank 0's CPU per step by thread name (ms), the median over the
-    measured phases (from the first to the last step end of each)."""
+def _per_phase(recs: list[dict[str, Any]], offset: int, ph: int, n: int, counts: Callable[[dict[str, Any]], dict[str, float]],
+               scale: float, digits: int) -> dict[str, float]:
+    """Per name of ``counts(record)`` (running totals), its growth per step
+    times ``scale``, the median over the measured phases (from the first to
+    the last step end of each)."""
     by = {r["step"] - offset: r for r in recs}
     rows: dict[str, list[float]] = {}
     for k in range(1, n):
-        a, b = by[k * ph]["threads"], by[(k + 1) * ph - 1]["threads"]
+        a, b = counts(by[k * ph]), counts(by[(k + 1) * ph - 1])
         for name in b:
-            rows.setdefault(name, []).append((b[name] - a.get(name, 0)) / 1e6 / (ph - 1))
-    return {name: round(statistics.median(v), 3) for name, v in sorted(rows.items())}
+            rows.setdefault(name, []).append((b[name] - a.get(name, 0)) * scale / (ph - 1))
+    return {name: round(statistics.median(v), digits) for name, v in sorted(rows.items())}
+
+
+def _per_thread(recs: list[dict[str, Any]], offset: int, ph: int, n: int) -> dict[str, float]:
+    """Rank 0's CPU per step by thread name (ms)."""
+    return _per_phase(recs, offset, ph, n, lambda r: r["threads"], 1e-6, 3)
 
 
 def _rusage(recs: list[dict[str, Any]], offset: int, ph: int, n: int) -> dict[str, float]:
     """Rank 0's minor page faults and voluntary and involuntary context
-    switches per step, the median over the measured phases."""
-    by = {r["step"] - offset: r for r in recs}
-    rows = [[(b - a) / (ph - 1) for a, b in zip(by[k * ph]["ru"], by[(k + 1) * ph - 1]["ru"])] for k in range(1, n)]
-    return {name: round(statistics.median(r[i] for r in rows), 2)
-            for i, name in enumerate(("minflt", "nvcsw", "nivcsw"))}
+    switches per step."""
+    return _per_phase(recs, offset, ph, n, lambda r: dict(zip(("minflt", "nvcsw", "nivcsw"), r["ru"])), 1.0, 2)
 
 
 def _take_turns(turn: Path, logs: dict[str, tuple[Path, int]], n: int, ph: int, alive: Callable[[], bool],
