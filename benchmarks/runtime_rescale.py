@@ -41,7 +41,10 @@ cannot cancel). A phase's step time is the median gap between consecutive
 step ends inside it; phase 0 is warm-up, and lasts until ``tidal run`` has
 warmed its spares (a one-time start-up cost, as DDP's own start is). ``overhead_pct`` is the median over
 ``--repeats`` phase pairs of elastic/DDP - 1, with min, max and quartiles;
-``cpu_overhead_pct`` the same for the CPU time per step of rank 0's process.
+``cpu_overhead_pct`` the same for the CPU time per step of rank 0's process;
+``overhead_pct_ci90`` and ``cpu_overhead_pct_ci90``, a bootstrap 90 %
+interval of each median (the pairs spread by several points, and so does
+one run's median).
 
 ``--alone N``: besides, N pairs of runs in which each job is alone on the
 machine (the elastic one, then the DDP one, ``--alone-steps`` steps each):
@@ -486,9 +489,12 @@ def measure_stop_resume(base: Path, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _last_index(path: Path, offset: int) -> int:
-    """The 0-based index of the last step in a step log (-1: none yet)."""
+    """The 0-based index of the last step in a step log (-1: none yet). Reads
+    only the log's end: the driver asks every 20 ms, beside the jobs it times."""
     try:
-        lines = path.read_text().splitlines()
+        with path.open("rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - 8192, 0))
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return -1
     return json.loads(lines[-1])["step"] - offset if lines and lines[-1].endswith("}") else -1
@@ -546,10 +552,12 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
         "overhead_pct_max": max(pairs),
         "overhead_pct_q1_q3": [round(x, 2) for x in statistics.quantiles(pairs, n=4)[::2]],
         "overhead_pct_runs": [round(x, 2) for x in pairs],
+        "overhead_pct_ci90": median_interval(pairs),
         "cpu_step_ms": 1e3 * statistics.median(e[1] for e in el_s),
         "ddp_cpu_step_ms": 1e3 * statistics.median(q[1] for q in dd_s),
         "cpu_overhead_pct": statistics.median(cpu_pairs),
         "cpu_overhead_pct_runs": [round(x, 2) for x in cpu_pairs],
+        "cpu_overhead_pct_ci90": median_interval(cpu_pairs),
         "coord_rtt_ms_p50": summ["coord_rtt_ms_p50"],
         "coord_rtt_ms_p99": summ["coord_rtt_ms_p99"],
         **({"noise_scale": summ["goodput"]["noise_scale"]} if "goodput" in summ else {}),
@@ -557,6 +565,19 @@ def measure_steady(base: Path, a: argparse.Namespace) -> dict[str, Any]:
             "rusage_per_step": {"el": _rusage(er, 0, ph, n), "ddp": _rusage(dr, 1, ph, n)}}
            if a.per_thread else {}),
     }
+
+
+def median_interval(values: list[float], level: float = 0.9, draws: int = 2000) -> list[float]:
+    """A bootstrap interval of the median of ``values`` (percentile method,
+    a fixed seed): how far one run's median may lie from the one that many
+    runs would give."""
+    import random
+
+    rng, n = random.Random(0), len(values)
+    meds = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(draws))
+    lo = meds[int((1 - level) / 2 * draws)]
+    hi = meds[min(int((1 + level) / 2 * draws), draws - 1)]
+    return [round(lo, 2), round(hi, 2)]
 
 
 def _paired(ra: list[dict[str, Any]], off_a: int, rb: list[dict[str, Any]], off_b: int, ph: int,
