@@ -32,6 +32,14 @@ the interpreter and imports done; a job that has run a while has them).
 was answered (script run, model and data pipeline built), median over the
 newcomers.
 
+The rescale run makes ``--scaleouts`` (3) scale-outs from 2 to 4 workers,
+each followed by a scale-in (to 2; the last one to 3), and each scale-out
+waits until the launcher has warmed its spares again. The pauses and
+request-to-switch times are the medians over the changes of each kind
+(``*_runs``: every value): one change's pause depends on how the scheduler
+happens to share the two cores at that moment (0.04-0.15 s with one
+burner beside it).
+
 Overhead: the elastic job and a plain DDP job (torchrun), 2 workers each,
 run at the same time but take turns: phases of ``--phase-steps`` steps
 alternate between them (ABBA; the other job waits in a sleep loop at its
@@ -83,6 +91,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shutil
@@ -383,27 +392,38 @@ def _run_elastic(out: Path, workers: int, steps: int, schedule: list[int],
     job has run 15 steps at each size. Returns the requests (size, time)."""
     t, res, lines, c = _start_elastic(out, workers, steps, extra)
     c.wait_for(workers, timeout_s=120)
-    _await_spares(lines, t)  # a job that has run a while: its warm spares wait (TIDAL_WARM_SPARES)
-    requests = []
+    requests, current, outs = [], workers, 0
     for size in schedule:
+        if size > current:  # a job that has run a while: its warm spares wait (TIDAL_WARM_SPARES)
+            outs += 1
+            _await_spares(lines, t, times=outs)  # (the ones the last scale-out took are warmed again)
         target = c.status().step + 15
         while c.status().step < target and c.status().state == "running":
             time.sleep(0.05)
         requests.append({"size": size, "t_req": request_size(c, size)})
         if c.wait_for(size, timeout_s=120).state == "finished":
             raise RuntimeError("job finished before the rescale; raise --steps")
+        current = size
     t.join(timeout=900)
     if res.get("rc") != 0:
         raise RuntimeError("elastic run failed:\n" + "\n".join(lines))
     return requests
 
 
-def _await_spares(lines: list[str], launcher: threading.Thread, timeout_s: float = 180.0) -> None:
-    """Wait until ``tidal run`` says its warm spares are ready (their warm-up
-    takes a core for a second or two once the job is steady)."""
+def _await_spares(lines: list[str], launcher: threading.Thread, timeout_s: float = 180.0, times: int = 1) -> None:
+    """Wait until ``tidal run`` has said ``times`` times that its warm spares
+    are ready (their warm-up takes a core for a second or two once the job is
+    steady; it says so again each time it has replaced the ones a scale-out took)."""
     deadline = time.monotonic() + timeout_s
-    while not any("warm spare" in line for line in lines) and time.monotonic() < deadline and launcher.is_alive():
+    while (sum("warm spare" in line for line in lines) < times and time.monotonic() < deadline
+           and launcher.is_alive()):
         time.sleep(0.05)
+
+
+def switch_pauses(out: Path, wid: str) -> list[tuple[int, int, float]]:
+    """Every switch in a worker's step log: (size before, size after, pause)."""
+    recs = read_log(out / f"elastic-{wid}.jsonl")
+    return [(a["world"], b["world"], b["t_start"] - a["t_end"]) for a, b in zip(recs, recs[1:]) if a["world"] != b["world"]]
 
 
 def elastic_pause(out: Path, wid: str, from_size: int, to_size: int) -> float:
@@ -414,11 +434,13 @@ def elastic_pause(out: Path, wid: str, from_size: int, to_size: int) -> float:
     raise RuntimeError(f"no {from_size}->{to_size} switch in {wid}'s log")
 
 
-def request_to_switch(out: Path, t_req: float, size: int) -> float:
-    """Request -> the latest first step start, over the new generation's members."""
+def request_to_switch(out: Path, t_req: float, size: int, until: float = math.inf) -> float:
+    """Request -> the latest first step start, over the new generation's
+    members (the workers with a step at ``size`` after the request and
+    before ``until``, the next request)."""
     firsts = []
     for p in out.glob("elastic-w*.jsonl"):
-        first = next((r["t_start"] for r in read_log(p) if r["t_start"] > t_req and r["world"] == size), None)
+        first = next((r["t_start"] for r in read_log(p) if t_req < r["t_start"] < until and r["world"] == size), None)
         if first is not None:
             firsts.append(first)
     if len(firsts) != size:
@@ -426,17 +448,19 @@ def request_to_switch(out: Path, t_req: float, size: int) -> float:
     return max(firsts) - t_req
 
 
-def _newcomer_startup(out: Path, t_req: float) -> float | None:
-    """Scale-out request -> registration answered, median over the workers
-    that joined a running job (their first step was not step 0)."""
+def _newcomer_startup(out: Path, t_req: float, until: float = math.inf) -> list[float]:
+    """Scale-out request -> registration answered, for each worker that
+    joined the running job (its first step was not step 0) after ``t_req``
+    and before ``until`` (the next request)."""
     vals = []
     for p in out.glob("elastic-start-*.json"):
         wid = p.stem[len("elastic-start-"):]
         recs = read_log(out / f"elastic-{wid}.jsonl")
         m = json.loads(p.read_text())
         if recs and recs[0]["step"] > 0 and "registered" in m and m["spawned"] == m["spawned"]:  # not NaN
-            vals.append(m["registered"] - t_req)
-    return statistics.median(vals) if vals else None
+            if t_req < m["registered"] < until:
+                vals.append(m["registered"] - t_req)
+    return vals
 
 
 def _newcomer_script(out: Path) -> float | None:
@@ -458,18 +482,32 @@ def _torchrun(nproc: int, args: list[str]) -> None:
 
 # ---------------------------------------------------------------------------- measurements
 def measure_rescale(base: Path, a: argparse.Namespace) -> dict[str, Any]:
-    """Elastic 2 -> 4 -> 3 in one job: pauses, request-to-switch, start-up."""
+    """Elastic 2 -> 4 -> 2 -> ... -> 4 -> 3 in one job (``a.scaleouts``
+    scale-outs, each as many scale-ins): pauses, request-to-switch and
+    start-up, the median over the changes of each kind (and every value)."""
     d = base / "rescale"
     d.mkdir()
-    reqs = _run_elastic(d, 2, a.rescale_steps, [4, 3], ["--noise-scale"] if a.noise_scale else [])
+    n = max(1, a.scaleouts)
+    steps = a.rescale_steps + 300 * (n - 1)  # each scale-out first waits until its spares are warm again
+    reqs = _run_elastic(d, 2, steps, [4, 2] * (n - 1) + [4, 3], ["--noise-scale"] if a.noise_scale else [])
     w0 = read_log(d / "elastic-w0.jsonl")
+    pauses = switch_pauses(d, "w0")
+    outs = [p for f, t, p in pauses if t > f]
+    ins = [p for f, t, p in pauses if t < f]
+    times = [r["t_req"] for r in reqs] + [math.inf]
+    r2s = [request_to_switch(d, r["t_req"], r["size"], times[k + 1]) for k, r in enumerate(reqs)]
+    r2s_out, r2s_in = r2s[0::2], r2s[1::2]
+    startup = [v for k in range(0, len(reqs), 2) for v in _newcomer_startup(d, times[k], times[k + 1])]
     return {
-        "scaleout_pause_s": elastic_pause(d, "w0", 2, 4),
-        "scalein_pause_s": elastic_pause(d, "w0", 4, 3),
-        "request_to_switch_s": request_to_switch(d, reqs[0]["t_req"], 4),
-        "newcomer_startup_s": _newcomer_startup(d, reqs[0]["t_req"]),
+        "scaleout_pause_s": statistics.median(outs),
+        "scaleout_pause_s_runs": [round(x, 3) for x in outs],
+        "scalein_pause_s": statistics.median(ins),
+        "scalein_pause_s_runs": [round(x, 3) for x in ins],
+        "request_to_switch_s": statistics.median(r2s_out),
+        "request_to_switch_s_runs": [round(x, 3) for x in r2s_out],
+        "newcomer_startup_s": statistics.median(startup) if startup else None,
         "newcomer_script_s": _newcomer_script(d),
-        "scalein_request_to_switch_s": request_to_switch(d, reqs[1]["t_req"], 3),
+        "scalein_request_to_switch_s": statistics.median(r2s_in),
         "step_time_4_s": median_step([r for r in w0 if r["world"] == 4], 2),
         "step_time_3_s": median_step([r for r in w0 if r["world"] == 3], 2),
     }
@@ -766,6 +804,9 @@ def main() -> None:
     ap.add_argument("--save", default=None)
     ap.add_argument("--load", default=None)
     ap.add_argument("--rescale-steps", type=int, default=400)
+    ap.add_argument("--scaleouts", type=int, default=3,
+                    help="scale-outs (2 -> 4 workers) in the rescale run, each followed by a scale-in; "
+                         "the pauses and request-to-switch times are medians over them")
     ap.add_argument("--repeats", type=int, default=21,
                     help="alternating elastic/DDP phase pairs for the overhead (>= 5 for the report)")
     ap.add_argument("--phase-steps", type=int, default=40, help="steps per phase of the overhead measurement")
