@@ -93,6 +93,7 @@ import argparse
 import json
 import math
 import os
+import random
 import resource
 import shutil
 import statistics
@@ -423,7 +424,8 @@ def _await_spares(lines: list[str], launcher: threading.Thread, timeout_s: float
 def switch_pauses(out: Path, wid: str) -> list[tuple[int, int, float]]:
     """Every switch in a worker's step log: (size before, size after, pause)."""
     recs = read_log(out / f"elastic-{wid}.jsonl")
-    return [(a["world"], b["world"], b["t_start"] - a["t_end"]) for a, b in zip(recs, recs[1:]) if a["world"] != b["world"]]
+    return [(a["world"], b["world"], b["t_start"] - a["t_end"])
+            for a, b in zip(recs, recs[1:]) if a["world"] != b["world"]]
 
 
 def elastic_pause(out: Path, wid: str, from_size: int, to_size: int) -> float:
@@ -609,8 +611,6 @@ def median_interval(values: list[float], level: float = 0.9, draws: int = 2000) 
     """A bootstrap interval of the median of ``values`` (percentile method,
     a fixed seed): how far one run's median may lie from the one that many
     runs would give."""
-    import random
-
     rng, n = random.Random(0), len(values)
     meds = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(draws))
     lo = meds[int((1 - level) / 2 * draws)]
