@@ -429,10 +429,10 @@ def switch_pauses(out: Path, wid: str) -> list[tuple[int, int, float]]:
 
 
 def elastic_pause(out: Path, wid: str, from_size: int, to_size: int) -> float:
-    recs = read_log(out / f"elastic-{wid}.jsonl")
-    for a, b in zip(recs, recs[1:]):
-        if a["world"] == from_size and b["world"] == to_size:
-            return b["t_start"] - a["t_end"]
+    """The pause of a worker's first switch from ``from_size`` to ``to_size``."""
+    for f, t, pause in switch_pauses(out, wid):
+        if (f, t) == (from_size, to_size):
+            return pause
     raise RuntimeError(f"no {from_size}->{to_size} switch in {wid}'s log")
 
 
