@@ -74,10 +74,7 @@ class BuddyAllocator:
     def __init__(self, cluster: Cluster, used: set[int] | None = None) -> None:
         self.cluster = cluster
         self.n = cluster.num_gpus
-        size = 1
-        while size < self.n:
-            size *= 2
-        self.size = size  # padded to a power of two; padding is "used"
+        self.size = size = 1 << (max(self.n, 1) - 1).bit_length()  # padded to a power of two; padding is "used"
         self._used = np.ones(size, dtype=bool)
         self._used[: self.n] = False
         if used:
@@ -131,9 +128,15 @@ class BuddyAllocator:
         return True
 
     def mark(self, gpus: Iterable[int], used: bool = True) -> None:
-        """Set ``gpus`` used (or free) without checks."""
+        """Set ``gpus`` (distinct) used (or free) without checks."""
         idx = list(gpus)
         if idx:
+            lo, hi = min(idx), max(idx) + 1
+            if hi - lo == len(idx):  # one run of GPUs
+                self._used[lo:hi] = used
+                if self._bits is not None:
+                    self._bits.set_range(lo, hi, used)
+                return
             self._used[idx] = used
             if self._bits is not None:
                 self._bits.set_gpus(idx, used)
@@ -151,6 +154,17 @@ class BuddyAllocator:
                 return None
             self._bits = NodeBits(self._used, self.cluster.nodes_per_switch)
         return self._bits
+
+    def start_from(self, mask: np.ndarray, bits: NodeBits | None) -> None:
+        """Use ``mask`` as the used mask, with ``bits`` its per-node counts
+        (owned from now on) if known."""
+        self.used = mask
+        self._bits = bits
+
+    def bits_copy(self) -> NodeBits | None:
+        """A copy of the per-node counts of the mask now (None if not kept)."""
+        bits = self._node_bits()
+        return None if bits is None else bits.copy()
 
     def free_count(self) -> int:
         return int((~self._used[: self.n]).sum())
@@ -204,12 +218,11 @@ class BuddyAllocator:
         blocks on the nodes of ``near`` come first (pieces of one job)."""
         if s >= self._full_from and s & (s - 1) == 0:
             return None  # no free aligned block that large (nor any half of it, see _full_from)
-        used, last = self._used, -1
-        for g in prefer if s <= self.size else ():
-            o = (g // s) * s
-            if o != last and not _count(used[o : o + s]):  # the aligned block around g is free
-                return int(o)
-            last = o
+        used = self._used
+        # the aligned blocks around ``prefer`` (ascending, as ``prefer`` is), the first free one
+        for o in dict.fromkeys(map(s.__rmul__, map(s.__rfloordiv__, prefer))) if prefer and s <= self.size else ():
+            if not _count(used[o : o + s]):
+                return o
         if not near and s & (s - 1) == 0 and s <= self.size and not (self._holding and self._held.any()):
             bits = self._bits if not self._exposed else None
             if bits is None:
@@ -353,7 +366,7 @@ def place_buddy(
     ids, held = snap.ids, snap.held
     holders = list(compress(ids, map(held.__contains__, ids)))
     current = dict(zip(holders, map(held.__getitem__, holders)))  # in snapshot order
-    want = {jid: n for jid, n in allocation.items() if n > 0}
+    want = {jid: n for jid, n in allocation.items() if n > 0} if 0 in allocation.values() else dict(allocation)
     if want == snap.sizes:  # every job keeps its count and nobody else gets GPUs: all keep their GPUs
         return current
     if fallback is None:
@@ -406,27 +419,40 @@ class _Placer:
         self.current, self.want = current, want  # ``want`` is shared with the caller
         self.buddy = buddy = BuddyAllocator(cluster)
         if prev is None:
-            self.keep = {jid: g for jid, g in current.items() if want.get(jid, 0) == len(g)}
+            sizes = dict(zip(current, map(len, current.values())))
+            moves = [jid for jid, _ in sizes.items() - want.items()]  # held, and their count changes
+            self.keep = keep = dict(current)
+            for jid in moves:
+                del keep[jid]
             if used is None:
-                buddy.mark(chain.from_iterable(self.keep.values()))
+                buddy.mark(chain.from_iterable(keep.values()))
             else:  # every held GPU, less those of the jobs that change
                 mask = np.ones(buddy.size, dtype=bool)
                 mask[: len(used)] = used
                 mask[len(used) : buddy.n] = False
-                moving = [g for jid in current.keys() - self.keep.keys() for g in current[jid]]
-                if moving:
-                    mask[moving] = False
+                if moves:
+                    mask[list(chain.from_iterable(map(current.__getitem__, moves)))] = False
                 buddy.used = mask
-            self.todo = sorted((jid for jid in want if jid not in self.keep), key=lambda j: (-want[j], j))
+            self.todo = sorted([jid for jid, _ in want.items() - sizes.items()], key=lambda j: (-want[j], j))
         else:  # start over once job ``kept`` keeps its GPUs too (the order of the rest holds)
             self.keep = dict(prev.keep)
             self.keep[kept] = current[kept]
-            buddy.used = prev.used0.copy()
+            buddy.start_from(prev.used0.copy(), prev.start_bits())
             buddy.mark(current[kept])
             self.todo = [j for j in prev.todo if j != kept]
         self.used0 = buddy.mask()
+        self._bits0 = buddy.bits_copy() if prev is not None else None  # per-node counts of used0, once known
         self.placed: dict[str, tuple[int, ...]] = {}
         self.pos = 0
+
+    def start_bits(self) -> NodeBits | None:
+        """A copy of the per-node counts of ``used0`` (for a placer that
+        starts over from it)."""
+        if self._bits0 is None:
+            probe = BuddyAllocator(self.buddy.cluster)
+            probe.used = self.used0
+            self._bits0 = probe.bits_copy()
+        return None if self._bits0 is None else self._bits0.copy()
 
     @property
     def out(self) -> dict[str, tuple[int, ...]]:
@@ -473,6 +499,7 @@ class _Placer:
         self.keep[kept] = gpus
         self.buddy.mark(gpus)
         self.used0 = self.buddy.mask()
+        self._bits0 = None
         del self.todo[0]
         return self
 

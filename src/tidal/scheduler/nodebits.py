@@ -44,15 +44,20 @@ def _tables(s: int) -> tuple[np.ndarray, np.ndarray]:
 
 _RANK = {s: _tables(s) for s in (1, 2, 4)}
 _USED8 = np.array([b.bit_count() for b in range(256)], dtype=np.int64)
+_SUM = np.add.reduce  # ndarray.sum without its Python wrapper
 
 
 class NodeBits:
     """Used-GPU bytes per 8-GPU node, free GPUs per node and per switch, of a
     used mask (padding included; its length a multiple of 8)."""
 
-    def __init__(self, used: np.ndarray, nodes_per_switch: int) -> None:
+    def __init__(self, used: np.ndarray | None, nodes_per_switch: int) -> None:
+        """Counts of the mask ``used`` (None: left empty for :meth:`copy`)."""
+        if used is None:  # for copy()
+            return
         self.bytes = np.packbits(used.reshape(-1, 8), axis=1, bitorder="little").ravel().astype(np.int64)
         nodes = self.bytes.size
+        self.free8 = 8 - _USED8[self.bytes]  # free GPUs per node (read only outside this class)
         self.nps = nodes_per_switch
         self.sw_sz = 8 * nodes_per_switch
         # per switch (aligned run of nodes_per_switch nodes): free GPUs, when the
@@ -61,22 +66,32 @@ class NodeBits:
         self.swf: np.ndarray | None = None
         self.sw_of_node: np.ndarray | None = None
         if nodes % nodes_per_switch == 0 and nodes > nodes_per_switch:
-            self.swf = self.free8.reshape(-1, nodes_per_switch).sum(axis=1)
+            self.swf = _SUM(self.free8.reshape(-1, nodes_per_switch), axis=1)
             self.sw_of_node = np.arange(nodes) // nodes_per_switch
 
-    @property
-    def free8(self) -> np.ndarray:
-        """Free GPUs per node (a new array)."""
-        return 8 - _USED8[self.bytes]
+    def copy(self) -> "NodeBits":
+        """An independent copy (cheaper than building one from a mask)."""
+        out = NodeBits(None, self.nps)
+        out.bytes, out.free8, out.nps, out.sw_sz = self.bytes.copy(), self.free8.copy(), self.nps, self.sw_sz
+        out.swf = None if self.swf is None else self.swf.copy()
+        out.sw_of_node = self.sw_of_node  # never written
+        return out
 
     def set_range(self, lo: int, hi: int, used: bool) -> None:
         """GPUs ``lo .. hi-1`` become used (or free)."""
         if lo & 7 == 0 and hi & 7 == 0:  # whole nodes
             n0, n1 = lo >> 3, hi >> 3
-            if self.swf is not None:
-                now = _USED8[self.bytes[n0:n1]]
-                np.subtract.at(self.swf, self.sw_of_node[n0:n1], 8 - now if used else -now)
+            swf = self.swf
+            if swf is not None:
+                free = self.free8[n0:n1]
+                sw = n0 // self.nps
+                if (n1 - 1) // self.nps == sw:  # within one switch
+                    got = int(_SUM(free))
+                    swf[sw] -= got if used else got - 8 * (n1 - n0)
+                else:
+                    np.subtract.at(swf, self.sw_of_node[n0:n1], free if used else free - 8)
             self.bytes[n0:n1] = 255 if used else 0
+            self.free8[n0:n1] = 0 if used else 8
             return
         while lo < hi:
             n = lo >> 3
@@ -99,8 +114,10 @@ class NodeBits:
         new = old | mask if used else old & ~mask
         if new != old:
             self.bytes[n] = new
+            d = new.bit_count() - old.bit_count()
+            self.free8[n] -= d
             if self.swf is not None:
-                self.swf[n // self.nps] -= new.bit_count() - old.bit_count()
+                self.swf[n // self.nps] -= d
 
     def best_in_node(self, s: int) -> int | None:
         """Offset of the best free aligned block of ``s`` (1, 2 or 4) GPUs:
@@ -121,12 +138,12 @@ class NodeBits:
         >= 8, at most the padded GPU count): fewest free GPUs in its buddy
         pair, then in its switch; the lowest offset on ties."""
         free8 = self.free8
-        cs = free8 if s == 8 else free8.reshape(-1, s // 8).sum(axis=1)  # free GPUs per aligned block
-        blocks = np.flatnonzero(cs == s)
+        cs = free8 if s == 8 else _SUM(free8.reshape(-1, s // 8), axis=1)  # free GPUs per aligned block
+        blocks = (cs == s).nonzero()[0]
         if blocks.size <= 1:
             return int(blocks[0]) * s if blocks.size else None
         sw_sz = self.sw_sz
-        key = cs.reshape(-1, 2).sum(axis=1)[blocks >> 1] * (sw_sz + 1)  # 2 s <= size: two blocks exist
+        key = _SUM(cs.reshape(-1, 2), axis=1)[blocks >> 1] * (sw_sz + 1)  # 2 s <= size: two blocks exist
         if self.swf is not None:  # (one switch: the same term for every block)
             key += self.swf[(blocks * s) // sw_sz]
-        return int(blocks[int(np.argmin(key))]) * s
+        return int(blocks[int(key.argmin())]) * s
