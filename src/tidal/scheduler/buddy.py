@@ -294,7 +294,7 @@ class BuddyAllocator:
         if len(parts) > 1 and n <= per:
             bits = self._node_bits()
             if bits is not None:
-                free_per_node = bits.free8[: self.cluster.num_nodes]
+                free_per_node = bits.free8[: self.cluster.num_nodes].copy()  # (marks below change the live one)
             else:
                 free_per_node = (~self._used[: self.cluster.num_nodes * per]).reshape(-1, per).sum(axis=1)
             for node in sorted(np.flatnonzero(free_per_node >= n).tolist(), key=lambda x: (free_per_node[x], x)):
