@@ -118,3 +118,26 @@ def test_keep_part_matches_the_reference() -> None:
             gpus = tuple(range(o, o + s))
         n = int(rng.integers(1, len(gpus) + 1))
         assert _keep_part(gpus, n) == reference_keep_part(gpus, n), (gpus, n)
+
+
+@pytest.mark.parametrize("cluster", ["n8g8", "n16g8s4", "n64g8s2"])
+def test_copied_counts_stay_current_and_apart(cluster: str) -> None:
+    """A placer that starts over works on a copy of the per-node counts: the
+    copy follows its own marks (ranges and single GPUs, taken and freed) and
+    the original is not touched by them."""
+    c = parse_cluster(cluster)
+    rng = np.random.default_rng(7)
+    a = BuddyAllocator(c, {int(g) for g in np.flatnonzero(rng.random(c.num_gpus) < 0.4)})
+    a.best_fit_block(8)  # builds a's counts
+    before = a.mask()
+    b = BuddyAllocator(c)
+    b.start_from(a.mask(), a.bits_copy())
+    for _ in range(200):
+        lo = int(rng.integers(b.size // 8 - 1)) * 8  # room for two nodes
+        if rng.random() < 0.5:
+            b.mark(range(lo, lo + 8 * int(rng.choice([1, 2]))), bool(rng.random() < 0.5))
+        else:
+            b.mark({int(g) for g in rng.choice(c.num_gpus, 3, replace=False)}, bool(rng.random() < 0.5))
+        assert_counts_current(b)
+    assert_counts_current(a)
+    assert a.mask().tolist() == before.tolist()

@@ -64,6 +64,14 @@ def is_aligned_block(gpus: tuple[int, ...] | list[int]) -> bool:
     return lo % n == 0 and max(gpus) == lo + n - 1 and len(set(gpus)) == n
 
 
+def node_bits(cluster: Cluster, used: np.ndarray) -> NodeBits | None:
+    """Per-node counts of the (padded) used mask ``used``, on clusters of
+    8-GPU nodes (None on others: the searches read the mask)."""
+    if cluster.gpus_per_node != 8 or used.size % 8:
+        return None
+    return NodeBits(used, cluster.nodes_per_switch)
+
+
 class BuddyAllocator:
     """Free/used map of a cluster with aligned-block allocation.
 
@@ -133,26 +141,22 @@ class BuddyAllocator:
         if idx:
             lo, hi = min(idx), max(idx) + 1
             if hi - lo == len(idx):  # one run of GPUs
-                self._used[lo:hi] = used
-                if self._bits is not None:
-                    self._bits.set_range(lo, hi, used)
+                self._mark_range(lo, hi, used)
                 return
             self._used[idx] = used
             if self._bits is not None:
                 self._bits.set_gpus(idx, used)
 
-    def _mark_range(self, lo: int, hi: int) -> None:
-        """GPUs ``lo .. hi-1`` become used."""
-        self._used[lo:hi] = True
+    def _mark_range(self, lo: int, hi: int, used: bool = True) -> None:
+        """GPUs ``lo .. hi-1`` become used (or free)."""
+        self._used[lo:hi] = used
         if self._bits is not None:
-            self._bits.set_range(lo, hi, True)
+            self._bits.set_range(lo, hi, used)
 
     def _node_bits(self) -> NodeBits | None:
         """The per-node counts (8-GPU nodes only), rebuilt if stale."""
         if self._bits is None or self._exposed:
-            if self.cluster.gpus_per_node != 8 or self.size % 8:
-                return None
-            self._bits = NodeBits(self._used, self.cluster.nodes_per_switch)
+            self._bits = node_bits(self.cluster, self._used)
         return self._bits
 
     def start_from(self, mask: np.ndarray, bits: NodeBits | None) -> None:
@@ -449,9 +453,7 @@ class _Placer:
         """A copy of the per-node counts of ``used0`` (for a placer that
         starts over from it)."""
         if self._bits0 is None:
-            probe = BuddyAllocator(self.buddy.cluster)
-            probe.used = self.used0
-            self._bits0 = probe.bits_copy()
+            self._bits0 = node_bits(self.buddy.cluster, self.used0)
         return None if self._bits0 is None else self._bits0.copy()
 
     @property

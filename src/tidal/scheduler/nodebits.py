@@ -51,10 +51,8 @@ class NodeBits:
     """Used-GPU bytes per 8-GPU node, free GPUs per node and per switch, of a
     used mask (padding included; its length a multiple of 8)."""
 
-    def __init__(self, used: np.ndarray | None, nodes_per_switch: int) -> None:
-        """Counts of the mask ``used`` (None: left empty for :meth:`copy`)."""
-        if used is None:  # for copy()
-            return
+    def __init__(self, used: np.ndarray, nodes_per_switch: int) -> None:
+        """Counts of the mask ``used``."""
         self.bytes = np.packbits(used.reshape(-1, 8), axis=1, bitorder="little").ravel().astype(np.int64)
         nodes = self.bytes.size
         self.free8 = 8 - _USED8[self.bytes]  # free GPUs per node (read only outside this class)
@@ -71,7 +69,7 @@ class NodeBits:
 
     def copy(self) -> "NodeBits":
         """An independent copy (cheaper than building one from a mask)."""
-        out = NodeBits(None, self.nps)
+        out = NodeBits.__new__(NodeBits)
         out.bytes, out.free8, out.nps, out.sw_sz = self.bytes.copy(), self.free8.copy(), self.nps, self.sw_sz
         out.swf = None if self.swf is None else self.swf.copy()
         out.sw_of_node = self.sw_of_node  # never written
