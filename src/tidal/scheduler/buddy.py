@@ -39,7 +39,7 @@ import numpy as np
 
 from tidal.core.topology import Cluster
 from tidal.scheduler.api import Snapshot
-from tidal.scheduler.nodebits import NodeBits
+from tidal.scheduler.nodebits import NodeBits, first_free_block
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,8 @@ class BuddyAllocator:
             self._used[list(used)] = True
         self._bits: NodeBits | None = None  # built when first searched
         self._exposed = False  # ``used`` was handed out: it may be written behind our back
-        self._held = np.zeros(size, dtype=np.int64)
-        self._holding = False  # whether ``held`` was ever handed out (else it is all zeros)
+        self._held: np.ndarray | None = None  # made when ``held`` is first handed out (all zeros till then)
+        self._holding = False  # whether ``held`` was ever handed out
         # the smallest block size found to have no free aligned block: no larger
         # one has any either until GPUs are released (``used`` is only set meanwhile)
         self._full_from = size + 1
@@ -112,6 +112,8 @@ class BuddyAllocator:
         """GPUs that other jobs still hold now, weighted by how much moving
         them costs (re-pack): blocks avoid them. Writable in place."""
         self._holding = True
+        if self._held is None:
+            self._held = np.zeros(self.size, dtype=np.int64)
         return self._held
 
     def mask(self) -> np.ndarray:
@@ -224,10 +226,11 @@ class BuddyAllocator:
             return None  # no free aligned block that large (nor any half of it, see _full_from)
         used = self._used
         # the aligned blocks around ``prefer`` (ascending, as ``prefer`` is), the first free one
-        for o in dict.fromkeys(map(s.__rmul__, map(s.__rfloordiv__, prefer))) if prefer and s <= self.size else ():
-            if not _count(used[o : o + s]):
+        if prefer and s <= self.size:
+            o = first_free_block(used, prefer, s)
+            if o is not None:
                 return o
-        if not near and s & (s - 1) == 0 and s <= self.size and not (self._holding and self._held.any()):
+        if not near and s & (s - 1) == 0 and s <= self.size and not (self._holding and self.held.any()):
             bits = self._bits if not self._exposed else None
             if bits is None:
                 bits = self._node_bits()
@@ -255,7 +258,7 @@ class BuddyAllocator:
         sw_sz = node_sz * c.nodes_per_switch
         sizes = {parent} | ({node_sz} if s < node_sz else set()) | ({sw_sz} if self.size % sw_sz == 0 else set())
         per = self._free_per_block(sizes)
-        moved = self._holding and bool(self._held.any())
+        moved = self._holding and bool(self.held.any())
         if not moved and not near:  # the key of the general case below, in fewer steps
             key = per[parent][offs // parent] * ((node_sz + 1) * (sw_sz + 1))
             if s < node_sz:

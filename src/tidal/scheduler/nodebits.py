@@ -12,9 +12,15 @@ as counts.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Iterable
 
 import numpy as np
+
+try:  # the compiled kernels (setup.py builds them when a C compiler is there)
+    from tidal.scheduler import _fastbits
+except ImportError:  # pragma: no cover - a build without a compiler: numpy alone
+    _fastbits = None
 
 _NONE = 1 << 20  # rank of a node without a free block of the size
 
@@ -45,6 +51,28 @@ def _tables(s: int) -> tuple[np.ndarray, np.ndarray]:
 _RANK = {s: _tables(s) for s in (1, 2, 4)}
 _USED8 = np.array([b.bit_count() for b in range(256)], dtype=np.int64)
 _SUM = np.add.reduce  # ndarray.sum without its Python wrapper
+_COUNT = np.count_nonzero
+
+
+def first_free_block(used: np.ndarray, prefer: tuple[int, ...], s: int) -> int | None:
+    """The first aligned block of ``s`` GPUs around a GPU of ``prefer`` (in
+    its order) that is free in the mask ``used``, or None."""
+    if _fastbits is not None:
+        o = _fastbits.first_free(used, prefer, s)
+        if o is not NotImplemented:
+            return o
+    for o in dict.fromkeys(map(s.__rmul__, map(s.__rfloordiv__, prefer))):
+        if not _COUNT(used[o : o + s]):
+            return o
+    return None
+
+
+@lru_cache(maxsize=16)
+def _switch_of_node(nodes: int, nodes_per_switch: int) -> np.ndarray:
+    """Each node's switch (read only: shared by every NodeBits of the shape)."""
+    out = np.arange(nodes) // nodes_per_switch
+    out.flags.writeable = False
+    return out
 
 
 class NodeBits:
@@ -53,9 +81,7 @@ class NodeBits:
 
     def __init__(self, used: np.ndarray, nodes_per_switch: int) -> None:
         """Counts of the mask ``used``."""
-        self.bytes = np.packbits(used.reshape(-1, 8), axis=1, bitorder="little").ravel().astype(np.int64)
-        nodes = self.bytes.size
-        self.free8 = 8 - _USED8[self.bytes]  # free GPUs per node (read only outside this class)
+        nodes = used.size // 8
         self.nps = nodes_per_switch
         self.sw_sz = 8 * nodes_per_switch
         # per switch (aligned run of nodes_per_switch nodes): free GPUs, when the
@@ -63,9 +89,20 @@ class NodeBits:
         # term, or the same one for every block: left out)
         self.swf: np.ndarray | None = None
         self.sw_of_node: np.ndarray | None = None
-        if nodes % nodes_per_switch == 0 and nodes > nodes_per_switch:
+        switched = nodes % nodes_per_switch == 0 and nodes > nodes_per_switch
+        if _fastbits is not None and used.dtype == np.bool_:
+            self.bytes, self.free8 = np.empty(nodes, dtype=np.int64), np.empty(nodes, dtype=np.int64)
+            swf = np.empty(nodes // nodes_per_switch, dtype=np.int64) if switched else None
+            if _fastbits.counts(used, self.bytes, self.free8, swf, nodes_per_switch) is None:
+                self.swf = swf
+                if switched:
+                    self.sw_of_node = _switch_of_node(nodes, nodes_per_switch)
+                return
+        self.bytes = np.packbits(used.reshape(-1, 8), axis=1, bitorder="little").ravel().astype(np.int64)
+        self.free8 = 8 - _USED8[self.bytes]  # free GPUs per node (read only outside this class)
+        if switched:
             self.swf = _SUM(self.free8.reshape(-1, nodes_per_switch), axis=1)
-            self.sw_of_node = np.arange(nodes) // nodes_per_switch
+            self.sw_of_node = _switch_of_node(nodes, nodes_per_switch)
 
     def copy(self) -> "NodeBits":
         """An independent copy (cheaper than building one from a mask)."""
@@ -77,6 +114,9 @@ class NodeBits:
 
     def set_range(self, lo: int, hi: int, used: bool) -> None:
         """GPUs ``lo .. hi-1`` become used (or free)."""
+        if _fastbits is not None and _fastbits.set_range(self.bytes, self.free8, self.swf, lo, hi, used,
+                                                         self.nps) is None:
+            return
         if lo & 7 == 0 and hi & 7 == 0:  # whole nodes
             n0, n1 = lo >> 3, hi >> 3
             swf = self.swf
@@ -135,6 +175,10 @@ class NodeBits:
         """Offset of the best free aligned block of ``s`` GPUs (a power of two
         >= 8, at most the padded GPU count): fewest free GPUs in its buddy
         pair, then in its switch; the lowest offset on ties."""
+        if _fastbits is not None:
+            off = _fastbits.best_whole_nodes(self.free8, self.swf, s, self.sw_sz)
+            if off is not NotImplemented:
+                return off
         free8 = self.free8
         cs = free8 if s == 8 else _SUM(free8.reshape(-1, s // 8), axis=1)  # free GPUs per aligned block
         blocks = (cs == s).nonzero()[0]

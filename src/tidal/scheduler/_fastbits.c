@@ -1,0 +1,343 @@
+/* Compiled kernels of tidal.scheduler.nodebits (the buddy placer's per-node
+ * counts). Each function computes exactly what the numpy code of NodeBits
+ * computes, on the same int64 arrays, without numpy's per-call overhead (the
+ * arrays have a few hundred entries; the placer calls these hundreds of
+ * thousands of times in a trace replay). A case the kernel does not cover
+ * (an array of another type, a shape numpy would reject, an index out of
+ * range) returns NotImplemented, and the caller runs the numpy code, which
+ * gives the answer or raises as before.
+ *
+ * Built by setup.py as an optional extension: without a C compiler the
+ * package installs without it and nodebits.py uses numpy alone. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* A 1-d C-contiguous int64 buffer of ``obj`` (0), or -1 with ``*skip`` set
+ * when it is not one (the caller falls back) or an error raised. */
+static int
+get_i64(PyObject *obj, Py_buffer *view, int writable, int *skip)
+{
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Clear();
+        *skip = 1;
+        return -1;
+    }
+    const char *f = view->format;
+    char c = (f && f[0]) ? f[strlen(f) - 1] : 'B';
+    if (view->itemsize != 8 || view->ndim != 1 || (c != 'q' && c != 'l')) {
+        PyBuffer_Release(view);
+        *skip = 1;
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+not_implemented(void)
+{
+    Py_RETURN_NOTIMPLEMENTED;
+}
+
+/* best_whole_nodes(free8, swf, s, sw_sz): NodeBits.best_whole_nodes. */
+static PyObject *
+best_whole_nodes(PyObject *self, PyObject *args)
+{
+    PyObject *free_obj, *swf_obj;
+    Py_ssize_t s, sw_sz;
+    if (!PyArg_ParseTuple(args, "OOnn", &free_obj, &swf_obj, &s, &sw_sz))
+        return NULL;
+    if (s < 8 || (s & (s - 1)) || sw_sz <= 0)
+        return not_implemented();
+    Py_buffer fv, sv;
+    int skip = 0, have_sw = swf_obj != Py_None;
+    if (get_i64(free_obj, &fv, 0, &skip) < 0)
+        return skip ? not_implemented() : NULL;
+    if (have_sw && get_i64(swf_obj, &sv, 0, &skip) < 0) {
+        PyBuffer_Release(&fv);
+        return skip ? not_implemented() : NULL;
+    }
+    const int64_t *free8 = (const int64_t *)fv.buf;
+    const int64_t *swf = have_sw ? (const int64_t *)sv.buf : NULL;
+    Py_ssize_t nodes = fv.shape[0], g = s / 8, nsw = have_sw ? sv.shape[0] : 0;
+    PyObject *out = NULL;
+    if (nodes % g) {  /* numpy's reshape would raise: let it */
+        out = not_implemented();
+        goto done;
+    }
+    Py_ssize_t nb = nodes / g, first = -1, count = 0;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        int64_t c = 0;
+        for (Py_ssize_t k = b * g; k < (b + 1) * g; k++)
+            c += free8[k];
+        if (c == s) {
+            if (first < 0)
+                first = b;
+            count++;
+        }
+    }
+    if (count <= 1) {
+        out = first < 0 ? (Py_INCREF(Py_None), Py_None) : PyLong_FromSsize_t(first * s);
+        goto done;
+    }
+    if (nb % 2) {  /* the pairs' reshape would raise: let it */
+        out = not_implemented();
+        goto done;
+    }
+    Py_ssize_t best = -1;
+    int64_t best_key = 0;
+    for (Py_ssize_t b = first; b < nb; b++) {
+        int64_t c = 0, pair = 0;
+        for (Py_ssize_t k = b * g; k < (b + 1) * g; k++)
+            c += free8[k];
+        if (c != s)
+            continue;
+        Py_ssize_t lo = (b & ~(Py_ssize_t)1) * g;
+        for (Py_ssize_t k = lo; k < lo + 2 * g; k++)
+            pair += free8[k];
+        int64_t key = pair * (int64_t)(sw_sz + 1);
+        if (have_sw) {
+            Py_ssize_t sw = (b * s) / sw_sz;
+            if (sw >= nsw) {
+                out = not_implemented();
+                goto done;
+            }
+            key += swf[sw];
+        }
+        if (best < 0 || key < best_key) {
+            best = b;
+            best_key = key;
+        }
+    }
+    out = PyLong_FromSsize_t(best * s);
+done:
+    PyBuffer_Release(&fv);
+    if (have_sw)
+        PyBuffer_Release(&sv);
+    return out;
+}
+
+static int
+popcount8(int64_t x)
+{
+    return __builtin_popcountll((unsigned long long)(x & 0xff));
+}
+
+/* set_range(bytes, free8, swf, lo, hi, used, nps): NodeBits.set_range. */
+static PyObject *
+set_range(PyObject *self, PyObject *args)
+{
+    PyObject *bytes_obj, *free_obj, *swf_obj, *used_obj;
+    Py_ssize_t lo, hi, nps;
+    if (!PyArg_ParseTuple(args, "OOOnnOn", &bytes_obj, &free_obj, &swf_obj, &lo, &hi, &used_obj, &nps))
+        return NULL;
+    int used = PyObject_IsTrue(used_obj);
+    if (used < 0)
+        return NULL;
+    if (nps <= 0 || lo < 0 || hi < lo)
+        return not_implemented();
+    Py_buffer bv, fv, sv;
+    int skip = 0, have_sw = swf_obj != Py_None;
+    if (get_i64(bytes_obj, &bv, 1, &skip) < 0)
+        return skip ? not_implemented() : NULL;
+    if (get_i64(free_obj, &fv, 1, &skip) < 0) {
+        PyBuffer_Release(&bv);
+        return skip ? not_implemented() : NULL;
+    }
+    if (have_sw && get_i64(swf_obj, &sv, 1, &skip) < 0) {
+        PyBuffer_Release(&bv);
+        PyBuffer_Release(&fv);
+        return skip ? not_implemented() : NULL;
+    }
+    int64_t *bytes = (int64_t *)bv.buf, *free8 = (int64_t *)fv.buf, *swf = have_sw ? (int64_t *)sv.buf : NULL;
+    Py_ssize_t nodes = bv.shape[0], nsw = have_sw ? sv.shape[0] : 0;
+    PyObject *out = NULL;
+    Py_ssize_t last = hi > lo ? (hi - 1) >> 3 : 0;
+    if (fv.shape[0] != nodes || (hi > lo && last >= nodes) || (have_sw && hi > lo && last / nps >= nsw)) {
+        out = not_implemented();  /* out of range: numpy slices and indexes as it does */
+        goto done;
+    }
+    if ((lo & 7) == 0 && (hi & 7) == 0) {  /* whole nodes */
+        Py_ssize_t n0 = lo >> 3, n1 = hi >> 3;
+        for (Py_ssize_t n = n0; n < n1; n++) {
+            if (have_sw)
+                swf[n / nps] -= used ? free8[n] : free8[n] - 8;
+            bytes[n] = used ? 255 : 0;
+            free8[n] = used ? 0 : 8;
+        }
+    } else {
+        while (lo < hi) {
+            Py_ssize_t n = lo >> 3, end = (n + 1) << 3;
+            if (end > hi)
+                end = hi;
+            int64_t mask = (((int64_t)1 << (end - lo)) - 1) << (lo & 7);
+            int64_t old = bytes[n], new = used ? (old | mask) : (old & ~mask);
+            if (new != old) {
+                bytes[n] = new;
+                int d = popcount8(new) - popcount8(old);
+                free8[n] -= d;
+                if (have_sw)
+                    swf[n / nps] -= d;
+            }
+            lo = end;
+        }
+    }
+    Py_INCREF(Py_None);
+    out = Py_None;
+done:
+    PyBuffer_Release(&bv);
+    PyBuffer_Release(&fv);
+    if (have_sw)
+        PyBuffer_Release(&sv);
+    return out;
+}
+
+/* counts(used, bytes, free8, swf, nps): NodeBits' arrays of the bool mask
+ * ``used`` (length 8 * len(bytes)), written into ``bytes``, ``free8`` and,
+ * unless None, ``swf`` (len(bytes) / nps switches). */
+static PyObject *
+counts(PyObject *self, PyObject *args)
+{
+    PyObject *used_obj, *bytes_obj, *free_obj, *swf_obj;
+    Py_ssize_t nps;
+    if (!PyArg_ParseTuple(args, "OOOOn", &used_obj, &bytes_obj, &free_obj, &swf_obj, &nps))
+        return NULL;
+    if (nps <= 0)
+        return not_implemented();
+    Py_buffer uv, bv, fv, sv;
+    int skip = 0, have_sw = swf_obj != Py_None;
+    if (PyObject_GetBuffer(used_obj, &uv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return not_implemented();
+    }
+    if (uv.itemsize != 1 || uv.ndim != 1 || !uv.format || strcmp(uv.format, "?") != 0) {
+        PyBuffer_Release(&uv);
+        return not_implemented();
+    }
+    if (get_i64(bytes_obj, &bv, 1, &skip) < 0) {
+        PyBuffer_Release(&uv);
+        return skip ? not_implemented() : NULL;
+    }
+    if (get_i64(free_obj, &fv, 1, &skip) < 0) {
+        PyBuffer_Release(&uv);
+        PyBuffer_Release(&bv);
+        return skip ? not_implemented() : NULL;
+    }
+    if (have_sw && get_i64(swf_obj, &sv, 1, &skip) < 0) {
+        PyBuffer_Release(&uv);
+        PyBuffer_Release(&bv);
+        PyBuffer_Release(&fv);
+        return skip ? not_implemented() : NULL;
+    }
+    const unsigned char *used = (const unsigned char *)uv.buf;
+    int64_t *bytes = (int64_t *)bv.buf, *free8 = (int64_t *)fv.buf, *swf = have_sw ? (int64_t *)sv.buf : NULL;
+    Py_ssize_t nodes = bv.shape[0];
+    PyObject *out;
+    if (uv.shape[0] != 8 * nodes || fv.shape[0] != nodes || (have_sw && sv.shape[0] * nps != nodes)) {
+        out = not_implemented();
+    } else {
+        if (have_sw)
+            memset(swf, 0, sizeof(int64_t) * sv.shape[0]);
+        for (Py_ssize_t n = 0; n < nodes; n++) {
+            int64_t b = 0;
+            for (int i = 0; i < 8; i++)
+                b |= (int64_t)(used[8 * n + i] != 0) << i;
+            bytes[n] = b;
+            free8[n] = 8 - popcount8(b);
+            if (have_sw)
+                swf[n / nps] += free8[n];
+        }
+        Py_INCREF(Py_None);
+        out = Py_None;
+    }
+    PyBuffer_Release(&uv);
+    PyBuffer_Release(&bv);
+    PyBuffer_Release(&fv);
+    if (have_sw)
+        PyBuffer_Release(&sv);
+    return out;
+}
+
+/* first_free(used, prefer, s): the first aligned block of ``s`` GPUs around
+ * a GPU of the tuple ``prefer`` (in its order) that is free in the bool mask
+ * ``used``, or None (BuddyAllocator.best_fit_block's grow-in-place check). */
+static PyObject *
+first_free(PyObject *self, PyObject *args)
+{
+    PyObject *used_obj, *prefer;
+    Py_ssize_t s;
+    if (!PyArg_ParseTuple(args, "OOn", &used_obj, &prefer, &s))
+        return NULL;
+    if (s <= 0 || !PyTuple_Check(prefer))
+        return not_implemented();
+    Py_buffer uv;
+    if (PyObject_GetBuffer(used_obj, &uv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return not_implemented();
+    }
+    if (uv.itemsize != 1 || uv.ndim != 1 || !uv.format || strcmp(uv.format, "?") != 0) {
+        PyBuffer_Release(&uv);
+        return not_implemented();
+    }
+    const unsigned char *used = (const unsigned char *)uv.buf;
+    Py_ssize_t size = uv.shape[0], last = -1;
+    PyObject *out = NULL;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(prefer); k++) {
+        Py_ssize_t g = PyLong_AsSsize_t(PyTuple_GET_ITEM(prefer, k));
+        if (g == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            out = not_implemented();
+            goto done;
+        }
+        if (g < 0) {  /* Python's floor division and slicing: let them */
+            out = not_implemented();
+            goto done;
+        }
+        Py_ssize_t o = g / s * s;
+        if (o == last)
+            continue;
+        last = o;
+        if (o + s > size) {
+            out = not_implemented();
+            goto done;
+        }
+        Py_ssize_t i = o;
+        while (i < o + s && !used[i])
+            i++;
+        if (i == o + s) {
+            out = PyLong_FromSsize_t(o);
+            goto done;
+        }
+    }
+    Py_INCREF(Py_None);
+    out = Py_None;
+done:
+    PyBuffer_Release(&uv);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"first_free", first_free, METH_VARARGS,
+     "first_free(used, prefer, s): the first free aligned block of s GPUs around one of prefer, or None."},
+    {"counts", counts, METH_VARARGS,
+     "counts(used, bytes, free8, swf, nps): NodeBits' arrays of a used mask, written in place."},
+    {"best_whole_nodes", best_whole_nodes, METH_VARARGS,
+     "best_whole_nodes(free8, swf, s, sw_sz): NodeBits.best_whole_nodes on its arrays."},
+    {"set_range", set_range, METH_VARARGS,
+     "set_range(bytes, free8, swf, lo, hi, used, nps): NodeBits.set_range on its arrays."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "tidal.scheduler._fastbits",
+    "Compiled kernels of tidal.scheduler.nodebits (see that module).", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__fastbits(void)
+{
+    return PyModule_Create(&module);
+}

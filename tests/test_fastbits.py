@@ -1,0 +1,125 @@
+"""The buddy placer's compiled kernels (src/tidal/scheduler/_fastbits.c) give
+exactly the numpy code's answers and counts, and the package still works
+without them."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import numpy as np
+import pytest
+
+from tidal.scheduler import nodebits
+from tidal.scheduler.nodebits import NodeBits, first_free_block
+
+needs_kernels = pytest.mark.skipif(nodebits._fastbits is None, reason="the compiled kernels are not built here")
+
+# (GPUs in the mask, nodes per switch): n256g8's 8 switches of 32 nodes, shapes without a
+# switch term (one switch, or nodes that do not split into whole switches), and 6 nodes,
+# whose 3 blocks of 16 GPUs have no buddy pairs (numpy raises; so must the kernel's caller)
+SHAPES = [(2048, 32), (256, 4), (64, 8), (32, 2), (48, 4)]
+
+
+def _random_mask(rng: random.Random, size: int) -> np.ndarray:
+    """Used GPUs as a placer sees them: whole free nodes, whole used ones and
+    partly used ones."""
+    mask = np.zeros(size, dtype=bool)
+    for node in range(size // 8):
+        kind = rng.random()
+        if kind < 0.3:
+            mask[8 * node : 8 * node + 8] = True
+        elif kind < 0.7:
+            mask[8 * node : 8 * node + 8] = [rng.random() < 0.5 for _ in range(8)]
+    return mask
+
+
+def _numpy(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(nodebits, "_fastbits", None)
+
+
+def _same(a: NodeBits, b: NodeBits) -> None:
+    assert a.bytes.tolist() == b.bytes.tolist()
+    assert a.free8.tolist() == b.free8.tolist()
+    assert (a.swf is None) == (b.swf is None)
+    if a.swf is not None:
+        assert a.swf.tolist() == b.swf.tolist()
+        assert a.sw_of_node.tolist() == b.sw_of_node.tolist()
+
+
+def _answer(search, s: int) -> int | None | str:
+    """A search's answer, or the error numpy raised (an odd number of blocks
+    has no buddy pairs)."""
+    try:
+        return search(s)
+    except ValueError as e:
+        return f"ValueError: {e}"
+
+
+def test_kernels_are_built_where_a_compiler_is() -> None:
+    """The set-up command builds them on a machine with a C compiler (CI's);
+    a silent build failure would only show as a slower simulator."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler on this machine: the numpy code runs alone")
+    assert nodebits._fastbits is not None, "the compiled kernels of tidal.scheduler.nodebits were not built"
+
+
+@needs_kernels
+@pytest.mark.parametrize("size,nps", SHAPES)
+def test_counts_searches_and_marks_equal_numpy(size: int, nps: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(size * 31 + nps)
+    for _ in range(60):
+        mask = _random_mask(rng, size)
+        fast = NodeBits(mask, nps)
+        with monkeypatch.context() as m:
+            _numpy(m)
+            slow = NodeBits(mask, nps)
+        _same(fast, slow)
+        for _ in range(25):  # marks (whole nodes, runs inside nodes, across nodes), then the searches
+            lo = rng.randrange(size)
+            hi = rng.choice([lo + 1, min(size, lo + rng.randrange(1, 9)), min(size, (lo // 8 + rng.randrange(1, 5)) * 8)])
+            if rng.random() < 0.5:
+                lo -= lo % 8
+            used = rng.random() < 0.5
+            fast.set_range(lo, hi, used)
+            with monkeypatch.context() as m:
+                _numpy(m)
+                slow.set_range(lo, hi, used)
+            _same(fast, slow)
+            s = 8
+            while s <= size and size % s == 0:
+                got = _answer(fast.best_whole_nodes, s)
+                with monkeypatch.context() as m:
+                    _numpy(m)
+                    assert got == _answer(slow.best_whole_nodes, s), (s, lo, hi)
+                s *= 2
+
+
+@needs_kernels
+def test_first_free_block_equals_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(7)
+    for _ in range(400):
+        mask = _random_mask(rng, 256)
+        s = rng.choice([1, 2, 4, 8, 16, 32])
+        prefer = tuple(sorted(rng.sample(range(256), rng.randrange(1, 9))))
+        got = first_free_block(mask, prefer, s)
+        with monkeypatch.context() as m:
+            _numpy(m)
+            assert got == first_free_block(mask, prefer, s)
+        if got is not None:
+            assert not mask[got : got + s].any() and got % s == 0 and any(got <= g < got + s for g in prefer)
+
+
+@needs_kernels
+def test_kernels_hand_back_what_they_do_not_cover() -> None:
+    """Arrays of another type or shapes numpy would reject come back as
+    NotImplemented (the numpy code then answers or raises, as before)."""
+    k = nodebits._fastbits
+    assert k.best_whole_nodes(np.zeros(4, dtype=np.int32), None, 8, 64) is NotImplemented
+    assert k.best_whole_nodes(np.zeros(3, dtype=np.int64), None, 16, 64) is NotImplemented
+    assert k.set_range(np.zeros(4, dtype=np.int64), np.zeros(4, dtype=np.int64), None, 0, 64, True, 4) \
+        is NotImplemented  # past the last node
+    assert k.first_free(np.ones(16, dtype=bool), (3, 40), 8) is NotImplemented  # a block past the mask
+    assert k.first_free(np.zeros(16, dtype=np.int8), (3,), 8) is NotImplemented
+    assert k.counts(np.zeros(12, dtype=bool), np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64), None, 1) \
+        is NotImplemented
