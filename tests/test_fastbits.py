@@ -1,6 +1,7 @@
-"""The buddy placer's compiled kernels (src/tidal/scheduler/_fastbits.c) give
-exactly the numpy code's answers and counts, and the package still works
-without them."""
+"""The scheduling core's compiled kernels (src/tidal/scheduler/_fastbits.c)
+give exactly the numpy code's answers and counts (the buddy placer's
+per-node counts, Algorithm 2's merge), and the package still works without
+them."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import shutil
 import numpy as np
 import pytest
 
-from tidal.scheduler import nodebits
+from tidal.scheduler import greedy, kernels
 from tidal.scheduler.nodebits import NodeBits, first_free_block
 
-needs_kernels = pytest.mark.skipif(nodebits._fastbits is None, reason="the compiled kernels are not built here")
+needs_kernels = pytest.mark.skipif(kernels.fast is None, reason="the compiled kernels are not built here")
 
 # (GPUs in the mask, nodes per switch): n256g8's 8 switches of 32 nodes, shapes without a
 # switch term (one switch, or nodes that do not split into whole switches), and 6 nodes,
@@ -35,7 +36,7 @@ def _random_mask(rng: random.Random, size: int) -> np.ndarray:
 
 
 def _numpy(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(nodebits, "_fastbits", None)
+    monkeypatch.setattr(kernels, "fast", None)
 
 
 def _same(a: NodeBits, b: NodeBits) -> None:
@@ -61,7 +62,7 @@ def test_kernels_are_built_where_a_compiler_is() -> None:
     a silent build failure would only show as a slower simulator."""
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler on this machine: the numpy code runs alone")
-    assert nodebits._fastbits is not None, "the compiled kernels of tidal.scheduler.nodebits were not built"
+    assert kernels.fast is not None, "the compiled kernels (tidal.scheduler._fastbits) were not built"
 
 
 @needs_kernels
@@ -114,7 +115,7 @@ def test_first_free_block_equals_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_kernels_hand_back_what_they_do_not_cover() -> None:
     """Arrays of another type or shapes numpy would reject come back as
     NotImplemented (the numpy code then answers or raises, as before)."""
-    k = nodebits._fastbits
+    k = kernels.fast
     assert k.best_whole_nodes(np.zeros(4, dtype=np.int32), None, 8, 64) is NotImplemented
     assert k.best_whole_nodes(np.zeros(3, dtype=np.int64), None, 16, 64) is NotImplemented
     assert k.set_range(np.zeros(4, dtype=np.int64), np.zeros(4, dtype=np.int64), None, 0, 64, True, 4) \
@@ -123,3 +124,23 @@ def test_kernels_hand_back_what_they_do_not_cover() -> None:
     assert k.first_free(np.zeros(16, dtype=np.int8), (3,), 8) is NotImplemented
     assert k.counts(np.zeros(12, dtype=bool), np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64), None, 1) \
         is NotImplemented
+    assert k.merge_cut([np.zeros((2, 3))], 8) is NotImplemented  # not rows of four
+    assert k.merge_cut([np.array([[np.nan, 1.0, 0.0, 0.0]])], 8) is NotImplemented  # numpy sorts NaN its way
+
+
+@needs_kernels
+def test_merge_cut_equals_numpy() -> None:
+    """Random chains (ties between jobs' keys included, GPUs running out at
+    every point): the kernel stops where numpy's stable sort and cumulative
+    sum stop, with the same counts per job and GPUs left."""
+    rng = random.Random(11)
+    for _ in range(3000):
+        chains = []
+        for _ in range(rng.randrange(1, 12)):
+            rows, best = [], -rng.choice([0.5, 1.0, 2.0, 3.0])
+            for place in range(rng.randrange(1, 5)):
+                best = max(best, -rng.choice([0.25, 0.5, 1.0, 2.0, 3.0]))  # the largest key so far
+                rows.append((best, rng.choice([1, 2, 4, 8, 16]), rng.choice([0, 1, 2, 4, 8, 16]), place))
+            chains.append((np.array(rows, dtype=float), tuple(range(1, len(rows) + 1))))
+        free = rng.randrange(0, 80)
+        assert tuple(kernels.fast.merge_cut([c[0] for c in chains], free)) == greedy._cut(chains, free)

@@ -319,7 +319,134 @@ done:
     return out;
 }
 
+/* merge_cut(tables, free): the numpy part of tidal.scheduler.greedy._merge.
+ * ``tables``: per job (in the queue's tie order) its chain of best steps, a
+ * float64 array of rows (largest key so far, extra GPUs, need after, place).
+ * The rows are taken in the order of a stable sort on the key; the GPUs
+ * left after each row are ``free`` minus the extras so far; the merge stops
+ * at the first row that leaves fewer than its need (before it if the GPUs
+ * went negative). Returns (rows taken, rows taken per job, GPUs left, the
+ * job of the stopping row when it was taken, else -1). */
+typedef struct {
+    double key;
+    Py_ssize_t row;
+} keyed_t;
+
+static int
+by_key_then_row(const void *a, const void *b)
+{
+    const keyed_t *x = (const keyed_t *)a, *y = (const keyed_t *)b;
+    if (x->key < y->key)
+        return -1;
+    if (x->key > y->key)
+        return 1;
+    return (x->row > y->row) - (x->row < y->row);
+}
+
+static PyObject *
+merge_cut(PyObject *self, PyObject *args)
+{
+    PyObject *tables;
+    long long free_in;
+    if (!PyArg_ParseTuple(args, "O!L", &PyList_Type, &tables, &free_in))
+        return NULL;
+    Py_ssize_t jobs = PyList_GET_SIZE(tables), rows = 0;
+    if (jobs == 0)
+        return not_implemented();
+    Py_buffer *views = PyMem_Calloc(jobs, sizeof(Py_buffer));
+    Py_ssize_t got = 0;
+    PyObject *out = NULL;
+    keyed_t *keyed = NULL;
+    Py_ssize_t *owner = NULL, *took = NULL;
+    const double **row_of = NULL;
+    if (!views)
+        return PyErr_NoMemory();
+    for (; got < jobs; got++) {
+        Py_buffer *v = &views[got];
+        if (PyObject_GetBuffer(PyList_GET_ITEM(tables, got), v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            PyErr_Clear();
+            out = not_implemented();
+            goto done;
+        }
+        if (v->ndim != 2 || v->shape[1] != 4 || v->itemsize != 8 || !v->format || strcmp(v->format, "d") != 0) {
+            got++;
+            out = not_implemented();
+            goto done;
+        }
+        rows += v->shape[0];
+    }
+    if (rows == 0) {
+        out = not_implemented();
+        goto done;
+    }
+    keyed = PyMem_Malloc(rows * sizeof(keyed_t));
+    owner = PyMem_Malloc(rows * sizeof(Py_ssize_t));
+    row_of = PyMem_Malloc(rows * sizeof(double *));
+    took = PyMem_Calloc(jobs, sizeof(Py_ssize_t));
+    if (!keyed || !owner || !row_of || !took) {
+        out = PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t r = 0;
+    for (Py_ssize_t j = 0; j < jobs; j++) {
+        const double *t = (const double *)views[j].buf;
+        for (Py_ssize_t i = 0; i < views[j].shape[0]; i++, r++) {
+            if (t[4 * i] != t[4 * i]) {  /* NaN: numpy's sort order, not ours */
+                out = not_implemented();
+                goto done;
+            }
+            keyed[r].key = t[4 * i];
+            keyed[r].row = r;
+            owner[r] = j;
+            row_of[r] = t + 4 * i;
+        }
+    }
+    qsort(keyed, rows, sizeof(keyed_t), by_key_then_row);  /* (key, row): numpy's stable argsort */
+    long long left = free_in, prev = free_in;
+    Py_ssize_t end = rows, special = -1;
+    for (Py_ssize_t k = 0; k < rows; k++) {
+        const double *row = row_of[keyed[k].row];
+        left -= (long long)row[1];
+        if ((double)left < row[2]) {
+            if (left < 0) {
+                end = k;
+                left = prev;
+            } else {
+                end = k + 1;
+                special = owner[keyed[k].row];
+            }
+            break;
+        }
+        prev = left;
+    }
+    for (Py_ssize_t k = 0; k < end; k++)
+        took[owner[keyed[k].row]]++;
+    PyObject *counts = PyList_New(jobs);
+    if (!counts)
+        goto done;
+    for (Py_ssize_t j = 0; j < jobs; j++) {
+        PyObject *c = PyLong_FromSsize_t(took[j]);
+        if (!c) {
+            Py_DECREF(counts);
+            goto done;
+        }
+        PyList_SET_ITEM(counts, j, c);
+    }
+    out = Py_BuildValue("nNLn", end, counts, left, special);
+done:
+    for (Py_ssize_t j = 0; j < got; j++)
+        PyBuffer_Release(&views[j]);
+    PyMem_Free(views);
+    PyMem_Free(keyed);
+    PyMem_Free(owner);
+    PyMem_Free(row_of);
+    PyMem_Free(took);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"merge_cut", merge_cut, METH_VARARGS,
+     "merge_cut(tables, free): the rows greedy's merge takes, per job, the GPUs left and the stopping job."},
     {"first_free", first_free, METH_VARARGS,
      "first_free(used, prefer, s): the first free aligned block of s GPUs around one of prefer, or None."},
     {"counts", counts, METH_VARARGS,

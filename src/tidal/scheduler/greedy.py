@@ -28,6 +28,8 @@ from typing import Sequence
 
 import numpy as np
 
+from tidal.scheduler import kernels
+
 
 @dataclass(frozen=True)
 class Steps:
@@ -157,24 +159,13 @@ def _merge(entries: dict[str, tuple[Steps, int, float]], jobs: list[str], cur: d
     for jid in ranked:
         st, i, _ = entries[jid]
         chains.append(st.chains.get(i) or _chain(st, i))
-    lens = [len(c[1]) for c in chains]
-    table = np.concatenate([c[0] for c in chains])  # rows: key, extra, need after, place
-    owner = np.repeat(np.arange(len(ranked)), lens)
-    # rows are in (tie order, place) order already: a stable sort on the key alone
-    order = np.argsort(table[:, 0], kind="stable")
-    left = free - np.cumsum(table[order, 1].astype(np.int64))
-    bad = left < table[order, 2]
-    special = None
-    if not bad.any():
-        end = len(order)
+    fast = kernels.fast
+    cut = NotImplemented if fast is None else fast.merge_cut([c[0] for c in chains], free)
+    if cut is NotImplemented:
+        end, took, free, stop = _cut(chains, free)
     else:
-        m = int(np.argmax(bad))
-        end = m if left[m] < 0 else m + 1
-        if end > m:
-            special = ranked[owner[order[m]]]
-    took = np.bincount(owner[order[:end]], minlength=len(ranked)).tolist() if end else [0] * len(ranked)
-    if end:
-        free = int(left[end - 1])
+        end, took, free, stop = cut
+    special = ranked[stop] if stop >= 0 else None
     heap = []
     for x, jid in enumerate(ranked):
         st, i, ddl = entries[jid]
@@ -185,6 +176,29 @@ def _merge(entries: dict[str, tuple[Steps, int, float]], jobs: list[str], cur: d
         if p and ext[0] <= free:  # (a job that can pay no step would only be popped and dropped)
             heap.append((-st.gain[i][p - 1], ddl, jid, st.to[i][p - 1]))
     return free, heap
+
+
+def _cut(chains: list[tuple[np.ndarray, tuple[int, ...]]], free: int) -> tuple[int, list[int], int, int]:
+    """Where :func:`_merge` stops: the rows taken, in the order of a stable
+    sort on the key (the rows are in (tie order, place) order already); the
+    rows taken per job; the GPUs left; the job whose row stopped the merge
+    when that row was taken (else -1)."""
+    lens = [len(c[1]) for c in chains]
+    table = np.concatenate([c[0] for c in chains])  # rows: key, extra, need after, place
+    owner = np.repeat(np.arange(len(chains)), lens)
+    order = np.argsort(table[:, 0], kind="stable")
+    left = free - np.cumsum(table[order, 1].astype(np.int64))
+    bad = left < table[order, 2]
+    stop = -1
+    if not bad.any():
+        end = len(order)
+    else:
+        m = int(np.argmax(bad))
+        end = m if left[m] < 0 else m + 1
+        if end > m:
+            stop = int(owner[order[m]])
+    took = np.bincount(owner[order[:end]], minlength=len(chains)).tolist() if end else [0] * len(chains)
+    return end, took, int(left[end - 1]) if end else free, stop
 
 
 def _chain(st: Steps, i: int) -> tuple[np.ndarray, tuple[int, ...]]:

@@ -17,10 +17,7 @@ from typing import Iterable
 
 import numpy as np
 
-try:  # the compiled kernels (setup.py builds them when a C compiler is there)
-    from tidal.scheduler import _fastbits
-except ImportError:  # pragma: no cover - a build without a compiler: numpy alone
-    _fastbits = None
+from tidal.scheduler import kernels
 
 _NONE = 1 << 20  # rank of a node without a free block of the size
 
@@ -57,8 +54,9 @@ _COUNT = np.count_nonzero
 def first_free_block(used: np.ndarray, prefer: tuple[int, ...], s: int) -> int | None:
     """The first aligned block of ``s`` GPUs around a GPU of ``prefer`` (in
     its order) that is free in the mask ``used``, or None."""
-    if _fastbits is not None:
-        o = _fastbits.first_free(used, prefer, s)
+    fast = kernels.fast
+    if fast is not None:
+        o = fast.first_free(used, prefer, s)
         if o is not NotImplemented:
             return o
     for o in dict.fromkeys(map(s.__rmul__, map(s.__rfloordiv__, prefer))):
@@ -90,10 +88,11 @@ class NodeBits:
         self.swf: np.ndarray | None = None
         self.sw_of_node: np.ndarray | None = None
         switched = nodes % nodes_per_switch == 0 and nodes > nodes_per_switch
-        if _fastbits is not None and used.dtype == np.bool_:
+        fast = kernels.fast
+        if fast is not None and used.dtype == np.bool_:
             self.bytes, self.free8 = np.empty(nodes, dtype=np.int64), np.empty(nodes, dtype=np.int64)
             swf = np.empty(nodes // nodes_per_switch, dtype=np.int64) if switched else None
-            if _fastbits.counts(used, self.bytes, self.free8, swf, nodes_per_switch) is None:
+            if fast.counts(used, self.bytes, self.free8, swf, nodes_per_switch) is None:
                 self.swf = swf
                 if switched:
                     self.sw_of_node = _switch_of_node(nodes, nodes_per_switch)
@@ -114,8 +113,8 @@ class NodeBits:
 
     def set_range(self, lo: int, hi: int, used: bool) -> None:
         """GPUs ``lo .. hi-1`` become used (or free)."""
-        if _fastbits is not None and _fastbits.set_range(self.bytes, self.free8, self.swf, lo, hi, used,
-                                                         self.nps) is None:
+        fast = kernels.fast
+        if fast is not None and fast.set_range(self.bytes, self.free8, self.swf, lo, hi, used, self.nps) is None:
             return
         if lo & 7 == 0 and hi & 7 == 0:  # whole nodes
             n0, n1 = lo >> 3, hi >> 3
@@ -175,8 +174,9 @@ class NodeBits:
         """Offset of the best free aligned block of ``s`` GPUs (a power of two
         >= 8, at most the padded GPU count): fewest free GPUs in its buddy
         pair, then in its switch; the lowest offset on ties."""
-        if _fastbits is not None:
-            off = _fastbits.best_whole_nodes(self.free8, self.swf, s, self.sw_sz)
+        fast = kernels.fast
+        if fast is not None:
+            off = fast.best_whole_nodes(self.free8, self.swf, s, self.sw_sz)
             if off is not NotImplemented:
                 return off
         free8 = self.free8
