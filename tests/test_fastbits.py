@@ -5,6 +5,7 @@ them."""
 
 from __future__ import annotations
 
+import math
 import random
 import shutil
 
@@ -144,3 +145,34 @@ def test_merge_cut_equals_numpy() -> None:
             chains.append((np.array(rows, dtype=float), tuple(range(1, len(rows) + 1))))
         free = rng.randrange(0, 80)
         assert tuple(kernels.fast.merge_cut([c[0] for c in chains], free)) == greedy._cut(chains, free)
+
+
+@needs_kernels
+def test_merge_open_equals_the_python_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Algorithm 2's opening (greedy._merge), compiled and in Python: the same
+    GPUs left, queue entries and levels reached, with one deadline for all
+    (ids decide ties) and with several."""
+    rng = random.Random(5)
+    for case in range(1500):
+        entries = {}
+        for k in range(rng.randrange(1, 15)):
+            counts = [0] + sorted(rng.sample([1, 2, 4, 8, 16, 32], rng.randrange(1, 6)))
+            vals, v = [0.0], 0.0
+            for _ in counts[1:]:
+                v += rng.choice([0.5, 1.0, 1.5, 3.0])
+                vals.append(v)
+            st = greedy.build_steps(counts, vals, 1.0, rng.choice([1.0, 0.5, 2.0]))
+            ddl = math.inf if case % 2 else rng.choice([100.0, 200.0, math.inf])
+            entries[f"j{rng.randrange(10**6)}-{k}"] = (st, rng.randrange(0, len(counts) - 1), ddl)
+        jobs = [jid for jid, (st, i, _) in entries.items() if st.lead[i] is not None]
+        if not jobs:
+            continue
+        need0 = max(entries[j][0].lead[i][2] for j in jobs for i in [entries[j][1]])
+        free = need0 + rng.randrange(0, 60)
+        cur = {jid: e[1] for jid, e in entries.items()}
+        got = greedy._merge(entries, jobs, cur, free)
+        with monkeypatch.context() as m:
+            _numpy(m)
+            cur2 = {jid: e[1] for jid, e in entries.items()}
+            assert got == greedy._merge(entries, jobs, cur2, free)
+            assert cur == cur2

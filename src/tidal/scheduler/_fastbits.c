@@ -343,13 +343,11 @@ by_key_then_row(const void *a, const void *b)
     return (x->row > y->row) - (x->row < y->row);
 }
 
+/* The cut of merge_cut on ``tables`` (a list); a new (end, counts, left,
+ * stop) tuple, NotImplemented, or NULL with an error set. */
 static PyObject *
-merge_cut(PyObject *self, PyObject *args)
+cut_tables(PyObject *tables, long long free_in)
 {
-    PyObject *tables;
-    long long free_in;
-    if (!PyArg_ParseTuple(args, "O!L", &PyList_Type, &tables, &free_in))
-        return NULL;
     Py_ssize_t jobs = PyList_GET_SIZE(tables), rows = 0;
     if (jobs == 0)
         return not_implemented();
@@ -444,7 +442,225 @@ done:
     return out;
 }
 
+static PyObject *
+merge_cut(PyObject *self, PyObject *args)
+{
+    PyObject *tables;
+    long long free_in;
+    if (!PyArg_ParseTuple(args, "O!L", &PyList_Type, &tables, &free_in))
+        return NULL;
+    return cut_tables(tables, free_in);
+}
+
+static PyObject *str_chains, *str_ext, *str_gain, *str_to;  /* Steps' attribute names, interned */
+
+/* bisect_right on a tuple of ints: the first index whose item is > x; -1
+ * with an error set, or -2 when an item is not a small int. */
+static Py_ssize_t
+bisect_ints(PyObject *tup, long long x)
+{
+    Py_ssize_t lo = 0, hi = PyTuple_GET_SIZE(tup);
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(tup, mid), &overflow);
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        if (overflow)
+            return -2;
+        if (x < v)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
+/* merge_open(entries, jobs, cur, free, chain): tidal.scheduler.greedy._merge
+ * (``chain``: its _chain, called for a chain not yet made); returns (GPUs
+ * left, the queue's entries) and moves ``cur`` on, or NotImplemented (then
+ * nothing was changed). */
+static PyObject *
+merge_open(PyObject *self, PyObject *args)
+{
+    PyObject *entries, *jobs, *cur, *chain_fn;
+    long long free_in;
+    if (!PyArg_ParseTuple(args, "O!O!O!LO", &PyDict_Type, &entries, &PyList_Type, &jobs, &PyDict_Type, &cur,
+                          &free_in, &chain_fn))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(jobs);
+    PyObject *keyed = PyList_New(n), *ranked = NULL, *chains = NULL, *tables = NULL, *cut = NULL, *heap = NULL;
+    PyObject *out = NULL, *ents = NULL;  /* ents: entries[jid] per ranked job */
+    PyObject *first_ddl = NULL;
+    int same_ddl = 1;
+    if (!keyed)
+        return NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {  /* (deadline, job id): the queue's tie order */
+        PyObject *jid = PyList_GET_ITEM(jobs, k), *e = PyDict_GetItemWithError(entries, jid);
+        if (!e || !PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 3) {
+            if (!PyErr_Occurred())
+                out = not_implemented();
+            goto done;
+        }
+        PyObject *ddl = PyTuple_GET_ITEM(e, 2);
+        if (k == 0)
+            first_ddl = ddl;
+        same_ddl = same_ddl && ddl == first_ddl;
+        PyObject *pair = PyTuple_Pack(2, ddl, jid);
+        if (!pair)
+            goto done;
+        PyList_SET_ITEM(keyed, k, pair);
+    }
+    /* one deadline object for all (the usual inf): tuples compare it by identity
+     * first, so the ids alone give the same order, and a list of str sorts faster */
+    ranked = same_ddl ? PyList_GetSlice(jobs, 0, n) : NULL;
+    if (same_ddl ? (!ranked || PyList_Sort(ranked) < 0) : PyList_Sort(keyed) < 0)
+        goto done;
+    if (!same_ddl) {
+        if (!(ranked = PyList_New(n)))
+            goto done;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            PyObject *jid = PyTuple_GET_ITEM(PyList_GET_ITEM(keyed, k), 1);
+            Py_INCREF(jid);
+            PyList_SET_ITEM(ranked, k, jid);
+        }
+    }
+    chains = PyList_New(n);
+    tables = PyList_New(n);
+    ents = PyList_New(n);
+    if (!chains || !tables || !ents)
+        goto done;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *jid = PyList_GET_ITEM(ranked, k);
+        PyObject *e = PyDict_GetItemWithError(entries, jid);
+        if (!e)
+            goto done;
+        Py_INCREF(e);
+        PyList_SET_ITEM(ents, k, e);
+        PyObject *st = PyTuple_GET_ITEM(e, 0), *i = PyTuple_GET_ITEM(e, 1);
+        PyObject *memo = PyObject_GetAttr(st, str_chains);
+        if (!memo)
+            goto done;
+        PyObject *c = PyDict_Check(memo) ? PyDict_GetItemWithError(memo, i) : NULL;
+        Py_XINCREF(c);
+        Py_DECREF(memo);
+        if (!c && PyErr_Occurred())
+            goto done;
+        if (c && PyObject_IsTrue(c) != 1) {
+            Py_CLEAR(c);
+            if (PyErr_Occurred())
+                goto done;
+        }
+        if (!c && !(c = PyObject_CallFunctionObjArgs(chain_fn, st, i, NULL)))
+            goto done;
+        if (!PyTuple_Check(c) || PyTuple_GET_SIZE(c) != 2 || !PyTuple_Check(PyTuple_GET_ITEM(c, 1))) {
+            Py_DECREF(c);
+            out = not_implemented();
+            goto done;
+        }
+        PyList_SET_ITEM(chains, k, c);
+        Py_INCREF(PyTuple_GET_ITEM(c, 0));
+        PyList_SET_ITEM(tables, k, PyTuple_GET_ITEM(c, 0));
+    }
+    cut = cut_tables(tables, free_in);
+    if (!cut || cut == Py_NotImplemented) {
+        out = cut;
+        cut = NULL;
+        goto done;
+    }
+    Py_ssize_t stop = PyLong_AsSsize_t(PyTuple_GET_ITEM(cut, 3));
+    long long left = PyLong_AsLongLong(PyTuple_GET_ITEM(cut, 2));
+    PyObject *took = PyTuple_GET_ITEM(cut, 1);
+    if (PyErr_Occurred())
+        goto done;
+    heap = PyList_New(0);
+    if (!heap)
+        goto done;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *jid = PyList_GET_ITEM(ranked, k), *e = PyList_GET_ITEM(ents, k);
+        PyObject *st = PyTuple_GET_ITEM(e, 0), *i = PyTuple_GET_ITEM(e, 1), *ddl = PyTuple_GET_ITEM(e, 2);
+        Py_ssize_t t = PyLong_AsSsize_t(PyList_GET_ITEM(took, k));
+        if (t == -1 && PyErr_Occurred())
+            goto done;
+        if (t) {  /* the level its chain reached: cur[jid] */
+            PyObject *levels = PyTuple_GET_ITEM(PyList_GET_ITEM(chains, k), 1);
+            if (t > PyTuple_GET_SIZE(levels)) {
+                PyErr_SetString(PyExc_IndexError, "merge_open: a chain shorter than its rows");
+                goto done;
+            }
+            i = PyTuple_GET_ITEM(levels, t - 1);
+            if (PyDict_SetItem(cur, jid, i) < 0)
+                goto done;
+        }
+        PyObject *ext_all = PyObject_GetAttr(st, str_ext);
+        if (!ext_all)
+            goto done;
+        PyObject *ext = PyObject_GetItem(ext_all, i);
+        Py_DECREF(ext_all);
+        if (!ext)
+            goto done;
+        if (!PyTuple_Check(ext)) {
+            Py_DECREF(ext);
+            PyErr_SetString(PyExc_TypeError, "merge_open: Steps.ext rows must be tuples");
+            goto done;
+        }
+        Py_ssize_t p = k == stop ? bisect_ints(ext, left) : PyTuple_GET_SIZE(ext);
+        if (p < 0) {
+            Py_DECREF(ext);
+            if (p == -2)
+                PyErr_SetString(PyExc_OverflowError, "merge_open: a step of more GPUs than fit in a long");
+            goto done;
+        }
+        int pays = 0;
+        if (p) {
+            int overflow = 0;
+            long long first = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(ext, 0), &overflow);
+            if (first == -1 && PyErr_Occurred()) {
+                Py_DECREF(ext);
+                goto done;
+            }
+            pays = !overflow && first <= left;
+        }
+        Py_DECREF(ext);
+        if (!pays)
+            continue;
+        PyObject *gain_all = PyObject_GetAttr(st, str_gain), *to_all = PyObject_GetAttr(st, str_to);
+        PyObject *gain = NULL, *to = NULL, *neg = NULL, *item = NULL;
+        int ok = gain_all && to_all && (gain = PyObject_GetItem(gain_all, i)) && (to = PyObject_GetItem(to_all, i));
+        if (ok) {
+            PyObject *g = PySequence_GetItem(gain, p - 1), *lv = PySequence_GetItem(to, p - 1);
+            if (g && lv && (neg = PyNumber_Negative(g)))
+                item = PyTuple_Pack(4, neg, ddl, jid, lv);
+            Py_XDECREF(g);
+            Py_XDECREF(lv);
+        }
+        Py_XDECREF(gain_all);
+        Py_XDECREF(to_all);
+        Py_XDECREF(gain);
+        Py_XDECREF(to);
+        Py_XDECREF(neg);
+        if (!item)
+            goto done;
+        int bad = PyList_Append(heap, item);
+        Py_DECREF(item);
+        if (bad < 0)
+            goto done;
+    }
+    out = Py_BuildValue("LO", left, heap);
+done:
+    Py_XDECREF(keyed);
+    Py_XDECREF(ranked);
+    Py_XDECREF(chains);
+    Py_XDECREF(tables);
+    Py_XDECREF(ents);
+    Py_XDECREF(cut);
+    Py_XDECREF(heap);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"merge_open", merge_open, METH_VARARGS,
+     "merge_open(entries, jobs, cur, free, chain): greedy._merge (GPUs left, queue entries); moves cur on."},
     {"merge_cut", merge_cut, METH_VARARGS,
      "merge_cut(tables, free): the rows greedy's merge takes, per job, the GPUs left and the stopping job."},
     {"first_free", first_free, METH_VARARGS,
@@ -466,5 +682,8 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__fastbits(void)
 {
+    if (!(str_chains = PyUnicode_InternFromString("chains")) || !(str_ext = PyUnicode_InternFromString("ext"))
+        || !(str_gain = PyUnicode_InternFromString("gain")) || !(str_to = PyUnicode_InternFromString("to")))
+        return NULL;
     return PyModule_Create(&module);
 }

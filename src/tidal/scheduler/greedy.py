@@ -152,6 +152,11 @@ def _merge(entries: dict[str, tuple[Steps, int, float]], jobs: list[str], cur: d
     those with a chain); returns the GPUs left and the queue's entries then
     (a job's last record, or for the job that stopped the merge, its entry
     with the GPUs left)."""
+    fast = kernels.fast
+    if fast is not None and type(entries) is dict and type(cur) is dict:
+        got = fast.merge_open(entries, jobs, cur, free, _chain)  # this function, compiled
+        if got is not NotImplemented:
+            return got
     keyed = [(entries[jid][2], jid) for jid in jobs]
     keyed.sort()  # the queue's tie order (job ids are unique)
     ranked = [jid for _, jid in keyed]
@@ -159,7 +164,6 @@ def _merge(entries: dict[str, tuple[Steps, int, float]], jobs: list[str], cur: d
     for jid in ranked:
         st, i, _ = entries[jid]
         chains.append(st.chains.get(i) or _chain(st, i))
-    fast = kernels.fast
     cut = NotImplemented if fast is None else fast.merge_cut([c[0] for c in chains], free)
     if cut is NotImplemented:
         end, took, free, stop = _cut(chains, free)
