@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 import shutil
 
 import numpy as np
@@ -176,3 +177,35 @@ def test_merge_open_equals_the_python_merge(monkeypatch: pytest.MonkeyPatch) -> 
             cur2 = {jid: e[1] for jid, e in entries.items()}
             assert got == greedy._merge(entries, jobs, cur2, free)
             assert cur == cur2
+
+
+@needs_kernels
+@pytest.mark.parametrize("policy", ["elasticflow", "tidal"])
+def test_algorithm2_input_equals_the_python_loop(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """elasticflow.algorithm2_input, compiled and in Python, on the rounds of a small
+    contended run (shares, deadlines, best-effort jobs, memo hits and misses):
+    the same step tables (the very objects), starting levels and deadlines."""
+    from tidal.core.topology import parse_cluster
+    from tidal.scheduler.policies import elasticflow
+    from tidal.scheduler.registry import get_policy
+    from tidal.sim.engine import simulate
+    from tidal.sim.traces import poisson_jobs
+
+    compared = []
+    original = elasticflow.algorithm2_input
+
+    def both(*args):
+        fast = original(*args)
+        with monkeypatch.context() as m:
+            _numpy(m)
+            slow = original(*args)
+        assert list(fast) == list(slow)
+        assert all(a[0] is b[0] and a[1:] == b[1:] for a, b in zip(fast.values(), slow.values()))
+        compared.append(len(fast))
+        return fast
+
+    monkeypatch.setattr(elasticflow, "algorithm2_input", both)
+    with_deadlines = poisson_jobs(70, rate_per_hour=40, seed=3, deadline_factor=2.0).jobs
+    best_effort = [replace(s, job_id=f"b{s.job_id}") for s in poisson_jobs(50, rate_per_hour=30, seed=4).jobs]
+    simulate([*with_deadlines, *best_effort], parse_cluster("n8g8"), get_policy(policy))
+    assert len(compared) > 20 and max(compared) > 5

@@ -658,7 +658,135 @@ done:
     return out;
 }
 
+static PyObject *str_job_id, *str_deadline, *str_count_list;  /* interned, as the Steps names */
+
+/* bisect_left(tup, x) by Python's < (tup: a tuple); -1 with an error set. */
+static Py_ssize_t
+bisect_left_obj(PyObject *tup, PyObject *x)
+{
+    Py_ssize_t lo = 0, hi = PyTuple_GET_SIZE(tup);
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        int lt = PyObject_RichCompareBool(PyTuple_GET_ITEM(tup, mid), x, Py_LT);
+        if (lt < 0)
+            return -1;
+        if (lt)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* steps_input(jobs, levels, base, shares, weights, tables, make, inf): the
+ * loop of elasticflow.algorithm2_input (Algorithm 2's input). Per job view (in
+ * order): its levels, the step tables memoised in ``tables`` under (id of
+ * the levels, GPUs held, started, share, weight) when they were made for
+ * those very levels, else make(view, levels, share, weight); its starting
+ * level (its base's place among the counts, 0 without a base) and its
+ * deadline (``inf`` without one). NotImplemented for a view that is not a
+ * tuple of the JobView fields. */
+static PyObject *
+steps_input(PyObject *self, PyObject *args)
+{
+    PyObject *jobs, *levels, *base, *shares, *weights, *tables, *make, *inf;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO", &PyList_Type, &jobs, &PyDict_Type, &levels, &PyDict_Type, &base,
+                          &PyDict_Type, &shares, &PyList_Type, &weights, &PyDict_Type, &tables, &make, &inf))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(jobs);
+    if (PyList_GET_SIZE(weights) != n)
+        return not_implemented();
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *j = PyList_GET_ITEM(jobs, k);
+        if (!PyTuple_Check(j) || PyTuple_GET_SIZE(j) < 10 || !PyTuple_Check(PyTuple_GET_ITEM(j, 2)))
+            return not_implemented();
+    }
+    PyObject *out = PyDict_New(), *zero = PyLong_FromLong(0);
+    if (!out || !zero) {
+        Py_XDECREF(out);
+        Py_XDECREF(zero);
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *j = PyList_GET_ITEM(jobs, k), *weight = PyList_GET_ITEM(weights, k);
+        PyObject *spec = PyTuple_GET_ITEM(j, 0), *jid = NULL, *ddl = NULL, *key = NULL, *steps = NULL;
+        PyObject *entry = NULL, *start = NULL, *id = NULL, *held = NULL, *started = NULL;
+        int ok = 0;
+        if (!(jid = PyObject_GetAttr(spec, str_job_id)))
+            goto next;
+        PyObject *lv = PyDict_GetItemWithError(levels, jid), *b = lv ? PyDict_GetItemWithError(base, jid) : NULL;
+        if (!lv || !b) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, jid);
+            goto next;
+        }
+        int has = PyDict_Contains(shares, jid);
+        if (has < 0)
+            goto next;
+        PyObject *share = has ? b : Py_None;
+        int go = PyObject_RichCompareBool(PyTuple_GET_ITEM(j, 5), zero, Py_GT);  /* executed > 0 */
+        if (go < 0 || !(id = PyLong_FromVoidPtr(lv))
+            || !(held = PyLong_FromSsize_t(PyTuple_GET_SIZE(PyTuple_GET_ITEM(j, 2)))))
+            goto next;
+        started = go ? Py_True : Py_False;
+        Py_INCREF(started);
+        if (!(key = PyTuple_Pack(5, id, held, started, share, weight)))
+            goto next;
+        PyObject *hit = PyDict_GetItemWithError(tables, key);
+        if (!hit && PyErr_Occurred())
+            goto next;
+        if (hit && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 2 && PyTuple_GET_ITEM(hit, 0) == lv) {
+            steps = PyTuple_GET_ITEM(hit, 1);
+            Py_INCREF(steps);
+        } else if (!(steps = PyObject_CallFunctionObjArgs(make, j, lv, share, weight, NULL))) {
+            goto next;
+        }
+        int has_b = PyObject_IsTrue(b);
+        if (has_b < 0)
+            goto next;
+        if (has_b) {
+            PyObject *counts = PyObject_GetAttr(lv, str_count_list);
+            if (!counts)
+                goto next;
+            Py_ssize_t at = PyTuple_Check(counts) ? bisect_left_obj(counts, b) : -2;
+            Py_DECREF(counts);
+            if (at == -2)
+                PyErr_SetString(PyExc_TypeError, "steps_input: Levels.count_list must be a tuple");
+            if (at < 0)
+                goto next;
+            start = PyLong_FromSsize_t(at);
+        } else {
+            start = zero;
+            Py_INCREF(start);
+        }
+        if (!start || !(ddl = PyObject_GetAttr(spec, str_deadline)))
+            goto next;
+        if (!(entry = PyTuple_Pack(3, steps, start, ddl == Py_None ? inf : ddl)))
+            goto next;
+        ok = PyDict_SetItem(out, jid, entry) == 0;
+    next:
+        Py_XDECREF(jid);
+        Py_XDECREF(ddl);
+        Py_XDECREF(key);
+        Py_XDECREF(steps);
+        Py_XDECREF(entry);
+        Py_XDECREF(start);
+        Py_XDECREF(id);
+        Py_XDECREF(held);
+        Py_XDECREF(started);
+        if (!ok) {
+            Py_DECREF(out);
+            Py_DECREF(zero);
+            return NULL;
+        }
+    }
+    Py_DECREF(zero);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"steps_input", steps_input, METH_VARARGS,
+     "steps_input(jobs, levels, base, shares, weights, tables, make, inf): algorithm2_input's loop."},
     {"merge_open", merge_open, METH_VARARGS,
      "merge_open(entries, jobs, cur, free, chain): greedy._merge (GPUs left, queue entries); moves cur on."},
     {"merge_cut", merge_cut, METH_VARARGS,
@@ -683,7 +811,10 @@ PyMODINIT_FUNC
 PyInit__fastbits(void)
 {
     if (!(str_chains = PyUnicode_InternFromString("chains")) || !(str_ext = PyUnicode_InternFromString("ext"))
-        || !(str_gain = PyUnicode_InternFromString("gain")) || !(str_to = PyUnicode_InternFromString("to")))
+        || !(str_gain = PyUnicode_InternFromString("gain")) || !(str_to = PyUnicode_InternFromString("to"))
+        || !(str_job_id = PyUnicode_InternFromString("job_id"))
+        || !(str_deadline = PyUnicode_InternFromString("deadline"))
+        || !(str_count_list = PyUnicode_InternFromString("count_list")))
         return NULL;
     return PyModule_Create(&module);
 }

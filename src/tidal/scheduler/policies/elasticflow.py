@@ -67,6 +67,7 @@ from tidal.core.overhead import OverheadModel
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.buddy import place_buddy
 from tidal.scheduler.estimate import rigid_count
+from tidal.scheduler import kernels
 from tidal.scheduler.greedy import Steps, build_steps, greedy
 from tidal.scheduler.timeline import (
     EPS,
@@ -401,25 +402,13 @@ class ElasticFlow(Policy):
         with the highest marginal return (extra progress over one slot, net of
         rescale costs, per extra GPU, in single-GPU units) gets more GPUs
         (:func:`tidal.scheduler.greedy.greedy`)."""
-        levels, shares, costs = ctx.levels, ctx.shares, ctx.costs
+        levels = ctx.levels
         jobs, base = ctx.runnable(snap, plan)
         free = snap.cluster.num_gpus - sum(base.values())
         free = self._floors(snap, jobs, base, levels, free)
         hold = self.slot if self.slot > 0 else 60.0
-        memo = self._memo_for(snap, costs)
-        tget = memo.tables.get
-        entries: dict[str, tuple[Steps, int, float]] = {}
-        inf = math.inf
-        for j, weight in zip(jobs, self._weights(snap, jobs)):
-            spec = j.spec
-            jid = spec.job_id
-            lv = levels[jid]
-            b = base[jid]
-            share = b if jid in shares else None
-            hit = tget((id(lv), len(j.gpus), j.executed > 0, share, weight))
-            steps = hit[1] if hit is not None and hit[0] is lv else memo.steps(snap, j, lv, hold, share, weight)
-            ddl = spec.deadline
-            entries[jid] = (steps, bisect_left(lv.count_list, b) if b else 0, inf if ddl is None else ddl)
+        memo = self._memo_for(snap, ctx.costs)
+        entries = algorithm2_input(snap, jobs, base, ctx, memo, list(self._weights(snap, jobs)), hold)
         alloc = plan.allocation
         for jid, i in greedy(entries, free).items():
             if i:  # level 0 is no GPUs
@@ -526,6 +515,36 @@ class _Context:
                     base[jid] = sget(jid, 0)
             hit = self._runnable = (admit, drop, (len(admit), len(drop)), jobs, base, snap)
         return list(hit[3]), dict(hit[4])
+
+
+def algorithm2_input(snap: Snapshot, jobs: list[JobView], base: dict[str, int], ctx: "_Context", memo: "_Memo",
+                     weights: list[float], hold: float) -> dict[str, tuple[Steps, int, float]]:
+    """Algorithm 2's input, per job (in ``jobs`` order): its step tables
+    (memoised by levels, GPUs held, started or not, share and weight), its
+    starting level (its ``base`` count's) and its deadline (inf: none)."""
+    levels, shares = ctx.levels, ctx.shares
+    fast = kernels.fast
+    if fast is not None and (type(jobs), type(levels), type(base), type(shares)) == (list, dict, dict, dict):
+        def make(j: JobView, lv: Levels, share: int | None, weight: float) -> Steps:
+            return memo.steps(snap, j, lv, hold, share, weight)
+
+        got = fast.steps_input(jobs, levels, base, shares, weights, memo.tables, make, math.inf)
+        if got is not NotImplemented:
+            return got  # the loop below, compiled
+    tget = memo.tables.get
+    entries: dict[str, tuple[Steps, int, float]] = {}
+    inf = math.inf
+    for j, weight in zip(jobs, weights):
+        spec = j.spec
+        jid = spec.job_id
+        lv = levels[jid]
+        b = base[jid]
+        share = b if jid in shares else None
+        hit = tget((id(lv), len(j.gpus), j.executed > 0, share, weight))
+        steps = hit[1] if hit is not None and hit[0] is lv else memo.steps(snap, j, lv, hold, share, weight)
+        ddl = spec.deadline
+        entries[jid] = (steps, bisect_left(lv.count_list, b) if b else 0, inf if ddl is None else ddl)
+    return entries
 
 
 def dead_time(snap: Snapshot, j: JobView, costs: Costs) -> float:
