@@ -149,10 +149,10 @@ def test_merge_cut_equals_numpy() -> None:
 
 
 @needs_kernels
-def test_merge_open_equals_the_python_merge(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Algorithm 2's opening (greedy._merge), compiled and in Python: the same
-    GPUs left, queue entries and levels reached, with one deadline for all
-    (ids decide ties) and with several."""
+def test_greedy_and_its_merge_equal_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Algorithm 2 (greedy: its opening, merge and queue) and the merge alone,
+    compiled and in Python: the same levels, GPUs left and queue entries,
+    with one deadline for all (ids decide ties) and with several."""
     rng = random.Random(5)
     for case in range(1500):
         entries = {}
@@ -165,6 +165,11 @@ def test_merge_open_equals_the_python_merge(monkeypatch: pytest.MonkeyPatch) -> 
             st = greedy.build_steps(counts, vals, 1.0, rng.choice([1.0, 0.5, 2.0]))
             ddl = math.inf if case % 2 else rng.choice([100.0, 200.0, math.inf])
             entries[f"j{rng.randrange(10**6)}-{k}"] = (st, rng.randrange(0, len(counts) - 1), ddl)
+        some_free = rng.randrange(0, 200)
+        with monkeypatch.context() as m:
+            _numpy(m)
+            want = greedy.greedy(entries, some_free)
+        assert greedy.greedy(entries, some_free) == want  # greedy_open, then the merge or the queue
         jobs = [jid for jid, (st, i, _) in entries.items() if st.lead[i] is not None]
         if not jobs:
             continue

@@ -784,7 +784,103 @@ steps_input(PyObject *self, PyObject *args)
     return out;
 }
 
+static PyObject *str_lead, *str_end;  /* interned */
+
+/* A small int of a tuple's item ``k`` into *out; -1 with an error set. */
+static int
+int_item(PyObject *tup, Py_ssize_t k, long long *out)
+{
+    int overflow = 0;
+    if (!PyTuple_Check(tup) || PyTuple_GET_SIZE(tup) <= k) {
+        PyErr_SetString(PyExc_TypeError, "expected a tuple of ints");
+        return -1;
+    }
+    *out = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(tup, k), &overflow);
+    if (*out == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow) {
+        PyErr_SetString(PyExc_OverflowError, "a GPU count too large for a long");
+        return -1;
+    }
+    return 0;
+}
+
+/* greedy_open(entries, free): the opening of tidal.scheduler.greedy.greedy.
+ * Returns (binds, jobs with a chain, their largest first need, levels): when
+ * the GPUs left never bind, ``binds`` is False and each job's level is the
+ * end of its chain; otherwise each job's level is its starting one. */
+static PyObject *
+greedy_open(PyObject *self, PyObject *args)
+{
+    PyObject *entries;
+    long long free_in;
+    if (!PyArg_ParseTuple(args, "O!L", &PyDict_Type, &entries, &free_in))
+        return NULL;
+    PyObject *jobs = PyList_New(0), *cur = PyDict_New(), *key, *e, *out = NULL;
+    Py_ssize_t pos = 0;
+    long long total = 0, need = 0, need0 = 0;
+    if (!jobs || !cur)
+        goto done;
+    while (PyDict_Next(entries, &pos, &key, &e)) {
+        if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 3) {
+            PyErr_SetString(PyExc_TypeError, "greedy_open: entries must be (steps, level, deadline)");
+            goto done;
+        }
+        PyObject *st = PyTuple_GET_ITEM(e, 0), *i = PyTuple_GET_ITEM(e, 1);
+        if (PyDict_SetItem(cur, key, i) < 0)
+            goto done;
+        PyObject *leads = PyObject_GetAttr(st, str_lead);
+        if (!leads)
+            goto done;
+        PyObject *lead = PyObject_GetItem(leads, i);
+        Py_DECREF(leads);
+        if (!lead)
+            goto done;
+        if (lead != Py_None) {
+            long long a, b, c;
+            int bad = int_item(lead, 0, &a) < 0 || int_item(lead, 1, &b) < 0 || int_item(lead, 2, &c) < 0
+                      || PyList_Append(jobs, key) < 0;
+            Py_DECREF(lead);
+            if (bad)
+                goto done;
+            total += a;
+            if (b > need)
+                need = b;
+            if (c > need0)
+                need0 = c;
+        } else {
+            Py_DECREF(lead);
+        }
+    }
+    int binds = !(free_in - total >= need);
+    if (!binds) {  /* every job at the end of its chain */
+        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(jobs); k++) {
+            PyObject *jid = PyList_GET_ITEM(jobs, k), *en = PyDict_GetItemWithError(entries, jid);
+            if (!en)
+                goto done;
+            PyObject *ends = PyObject_GetAttr(PyTuple_GET_ITEM(en, 0), str_end);
+            if (!ends)
+                goto done;
+            PyObject *lv = PyObject_GetItem(ends, PyTuple_GET_ITEM(en, 1));
+            Py_DECREF(ends);
+            if (!lv)
+                goto done;
+            int bad = PyDict_SetItem(cur, jid, lv) < 0;
+            Py_DECREF(lv);
+            if (bad)
+                goto done;
+        }
+    }
+    out = Py_BuildValue("OOLO", binds ? Py_True : Py_False, jobs, need0, cur);
+done:
+    Py_XDECREF(jobs);
+    Py_XDECREF(cur);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"greedy_open", greedy_open, METH_VARARGS,
+     "greedy_open(entries, free): (binds, jobs with a chain, largest first need, levels) of greedy's opening."},
     {"steps_input", steps_input, METH_VARARGS,
      "steps_input(jobs, levels, base, shares, weights, tables, make, inf): algorithm2_input's loop."},
     {"merge_open", merge_open, METH_VARARGS,
@@ -814,7 +910,8 @@ PyInit__fastbits(void)
         || !(str_gain = PyUnicode_InternFromString("gain")) || !(str_to = PyUnicode_InternFromString("to"))
         || !(str_job_id = PyUnicode_InternFromString("job_id"))
         || !(str_deadline = PyUnicode_InternFromString("deadline"))
-        || !(str_count_list = PyUnicode_InternFromString("count_list")))
+        || !(str_count_list = PyUnicode_InternFromString("count_list"))
+        || !(str_lead = PyUnicode_InternFromString("lead")) || !(str_end = PyUnicode_InternFromString("end")))
         return NULL;
     return PyModule_Create(&module);
 }

@@ -90,6 +90,13 @@ def greedy(entries: dict[str, tuple[Steps, int, float]], free: int) -> dict[str,
     starting level and its deadline (ties: earlier deadline, then job id);
     returns each job's final level. A job pops its best step; if fewer GPUs
     are left than that step needs it looks again, otherwise it takes it."""
+    fast = kernels.fast
+    opened = fast.greedy_open(entries, free) if fast is not None and type(entries) is dict else None
+    if opened is not None:  # the opening below, compiled
+        binds, jobs, need0, cur = opened
+        if not binds:
+            return cur
+        return _play(entries, jobs, cur, free, need0)
     jobs: list[str] = []  # the jobs that gain from a step
     total = need = need0 = 0
     for jid, (st, i, _) in entries.items():
@@ -107,6 +114,13 @@ def greedy(entries: dict[str, tuple[Steps, int, float]], free: int) -> dict[str,
             st, i, _ = entries[jid]
             cur[jid] = st.end[i]
         return cur
+    return _play(entries, jobs, cur, free, need0)
+
+
+def _play(entries: dict[str, tuple[Steps, int, float]], jobs: list[str], cur: dict[str, int], free: int,
+          need0: int) -> dict[str, int]:
+    """The queue when the GPUs left may bind (``jobs``: those with a chain;
+    ``need0``: the largest first need)."""
     if free >= need0:  # every job sees all its records at first
         free, heap = _merge(entries, jobs, cur, free)
     else:
