@@ -6,6 +6,7 @@ them."""
 from __future__ import annotations
 
 import math
+import operator
 import random
 from dataclasses import replace
 import shutil
@@ -187,9 +188,10 @@ def test_greedy_and_its_merge_equal_python(monkeypatch: pytest.MonkeyPatch) -> N
 @needs_kernels
 @pytest.mark.parametrize("policy", ["elasticflow", "tidal"])
 def test_algorithm2_input_equals_the_python_loop(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """elasticflow.algorithm2_input, compiled and in Python, on the rounds of a small
-    contended run (shares, deadlines, best-effort jobs, memo hits and misses):
-    the same step tables (the very objects), starting levels and deadlines."""
+    """elasticflow.algorithm2_input and _Memo.levels_of, compiled and in
+    Python, on the rounds of a small contended run (shares, deadlines,
+    best-effort jobs, memo hits and misses): the same step tables and levels
+    (the very objects), starting levels and deadlines, and the same memo."""
     from tidal.core.topology import parse_cluster
     from tidal.scheduler.policies import elasticflow
     from tidal.scheduler.registry import get_policy
@@ -209,7 +211,21 @@ def test_algorithm2_input_equals_the_python_loop(policy: str, monkeypatch: pytes
         compared.append(len(fast))
         return fast
 
+    original_levels = elasticflow._Memo.levels_of
+
+    def both_levels(self, snap):
+        kept = dict(self.by_job)
+        with monkeypatch.context() as m:
+            _numpy(m)
+            slow = original_levels(self, snap)
+        slow_kept, self.by_job = self.by_job, kept
+        fast = original_levels(self, snap)
+        assert list(fast) == list(slow) and all(map(operator.is_, fast.values(), slow.values()))
+        assert list(self.by_job.items()) == list(slow_kept.items())
+        return fast
+
     monkeypatch.setattr(elasticflow, "algorithm2_input", both)
+    monkeypatch.setattr(elasticflow._Memo, "levels_of", both_levels)
     with_deadlines = poisson_jobs(70, rate_per_hour=40, seed=3, deadline_factor=2.0).jobs
     best_effort = [replace(s, job_id=f"b{s.job_id}") for s in poisson_jobs(50, rate_per_hour=30, seed=4).jobs]
     simulate([*with_deadlines, *best_effort], parse_cluster("n8g8"), get_policy(policy))

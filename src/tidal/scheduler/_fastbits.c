@@ -878,7 +878,82 @@ done:
     return out;
 }
 
+/* levels_of(jobs, by_job, make): the loop of elasticflow's _Memo.levels_of.
+ * Per job view of the iterable ``jobs`` (in order): the levels kept in
+ * ``by_job`` (job id -> (spec, batch, levels)) when made for the view's very
+ * spec and an equal batch, else make(view), kept there; a new dict job id ->
+ * levels. NotImplemented (nothing changed) for a view that is not a tuple of
+ * the JobView fields. */
+static PyObject *
+levels_of(PyObject *self, PyObject *args)
+{
+    PyObject *jobs_in, *by_job, *make;
+    if (!PyArg_ParseTuple(args, "OO!O", &jobs_in, &PyDict_Type, &by_job, &make))
+        return NULL;
+    PyObject *jobs = PySequence_Fast(jobs_in, "levels_of: jobs must be iterable");
+    if (!jobs)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(jobs);
+    PyObject **items = PySequence_Fast_ITEMS(jobs);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (!PyTuple_Check(items[k]) || PyTuple_GET_SIZE(items[k]) < 10) {
+            Py_DECREF(jobs);
+            return not_implemented();
+        }
+    }
+    PyObject *out = PyDict_New();
+    if (!out) {
+        Py_DECREF(jobs);
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *j = items[k], *spec = PyTuple_GET_ITEM(j, 0), *batch = PyTuple_GET_ITEM(j, 9);
+        PyObject *jid = PyObject_GetAttr(spec, str_job_id), *made = NULL, *lv;
+        if (!jid)
+            goto fail;
+        PyObject *hit = PyDict_GetItemWithError(by_job, jid);
+        if (!hit && PyErr_Occurred())
+            goto fail_jid;
+        int same = 0;
+        if (hit && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 3 && PyTuple_GET_ITEM(hit, 0) == spec) {
+            int ne = PyObject_RichCompareBool(PyTuple_GET_ITEM(hit, 1), batch, Py_NE);
+            if (ne < 0)
+                goto fail_jid;
+            same = !ne;
+        }
+        if (same) {
+            lv = PyTuple_GET_ITEM(hit, 2);
+        } else {
+            if (!(lv = PyObject_CallFunctionObjArgs(make, j, NULL)))
+                goto fail_jid;
+            made = PyTuple_Pack(3, spec, batch, lv);
+            Py_DECREF(lv);
+            if (!made || PyDict_SetItem(by_job, jid, made) < 0) {
+                Py_XDECREF(made);
+                goto fail_jid;
+            }
+            lv = PyTuple_GET_ITEM(made, 2);
+        }
+        int bad = PyDict_SetItem(out, jid, lv) < 0;
+        Py_XDECREF(made);
+        Py_DECREF(jid);
+        if (bad)
+            goto fail;
+        continue;
+    fail_jid:
+        Py_DECREF(jid);
+    fail:
+        Py_DECREF(out);
+        Py_DECREF(jobs);
+        return NULL;
+    }
+    Py_DECREF(jobs);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"levels_of", levels_of, METH_VARARGS,
+     "levels_of(jobs, by_job, make): _Memo.levels_of's loop (job id -> levels), keeping by_job."},
     {"greedy_open", greedy_open, METH_VARARGS,
      "greedy_open(entries, free): (binds, jobs with a chain, largest first need, levels) of greedy's opening."},
     {"steps_input", steps_input, METH_VARARGS,

@@ -465,6 +465,11 @@ class _Memo:
         by_job, out = self.by_job, {}
         if len(by_job) > 2 * len(snap.jobs) + 1024:  # forget jobs that left
             by_job = self.by_job = {j.job_id: by_job[j.job_id] for j in snap.jobs if j.job_id in by_job}
+        fast = kernels.fast
+        if fast is not None:
+            got = fast.levels_of(snap.jobs, by_job, lambda j: job_levels(snap, j, self.by_key))
+            if got is not NotImplemented:
+                return got  # the loop below, compiled
         get = by_job.get
         for j in snap.jobs:
             spec = j.spec
