@@ -188,10 +188,11 @@ def test_greedy_and_its_merge_equal_python(monkeypatch: pytest.MonkeyPatch) -> N
 @needs_kernels
 @pytest.mark.parametrize("policy", ["elasticflow", "tidal"])
 def test_algorithm2_input_equals_the_python_loop(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """elasticflow.algorithm2_input and _Memo.levels_of, compiled and in
-    Python, on the rounds of a small contended run (shares, deadlines,
-    best-effort jobs, memo hits and misses): the same step tables and levels
-    (the very objects), starting levels and deadlines, and the same memo."""
+    """elasticflow.algorithm2_input, _Memo.levels_of and Tidal's floors,
+    compiled and in Python, on the rounds of a small contended run (shares,
+    deadlines, best-effort jobs, memo hits and misses): the same step tables
+    and levels (the very objects), starting levels, deadlines, memo, floors
+    and LAS queues."""
     from tidal.core.topology import parse_cluster
     from tidal.scheduler.policies import elasticflow
     from tidal.scheduler.registry import get_policy
@@ -224,6 +225,22 @@ def test_algorithm2_input_equals_the_python_loop(policy: str, monkeypatch: pytes
         assert list(self.by_job.items()) == list(slow_kept.items())
         return fast
 
+    from tidal.scheduler.policies.tidal import Tidal
+
+    original_floors = Tidal._floors
+
+    def both_floors(self, snap, jobs, base, levels, free):
+        slow_base = dict(base)
+        with monkeypatch.context() as m:
+            _numpy(m)
+            slow = original_floors(self, snap, jobs, slow_base, levels, free)
+        slow_queues = self._pass.queues
+        fast = original_floors(self, snap, jobs, base, levels, free)
+        assert fast == slow and list(base.items()) == list(slow_base.items())
+        assert slow_queues is None or list(self._pass.queues.items()) == list(slow_queues.items())
+        return fast
+
+    monkeypatch.setattr(Tidal, "_floors", both_floors)
     monkeypatch.setattr(elasticflow, "algorithm2_input", both)
     monkeypatch.setattr(elasticflow._Memo, "levels_of", both_levels)
     with_deadlines = poisson_jobs(70, rate_per_hour=40, seed=3, deadline_factor=2.0).jobs

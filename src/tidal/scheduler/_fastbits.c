@@ -951,7 +951,201 @@ levels_of(PyObject *self, PyObject *args)
     return out;
 }
 
+static PyObject *str_ef_class, *str_tiresias_base, *str_holds_gpus, *str_submit_time;  /* interned */
+
+/* The first index of the tuple ``th`` whose item is > x (bisect_right); -1
+ * with an error set. */
+static Py_ssize_t
+bisect_right_obj(PyObject *th, PyObject *x)
+{
+    Py_ssize_t lo = 0, hi = PyTuple_GET_SIZE(th);
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        int lt = PyObject_RichCompareBool(x, PyTuple_GET_ITEM(th, mid), Py_LT);
+        if (lt < 0)
+            return -1;
+        if (lt)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
+/* The pass over one job of las_floors' first loop; 0, or -1 with an error. */
+static int
+floor_first(PyObject *j, PyObject *base, PyObject *split, PyObject *th, PyObject *queues, PyObject *classes,
+            PyObject *zero, PyObject *fzero, PyObject *keyed, PyObject **free)
+{
+    PyObject *spec = PyTuple_GET_ITEM(j, 0), *tags = PyTuple_GET_ITEM(j, 8);
+    PyObject *jid = PyObject_GetAttr(spec, str_job_id), *ddl = NULL, *x = NULL, *q = NULL, *hg = NULL;
+    PyObject *submit = NULL, *item = NULL;
+    int rc = -1;
+    if (!jid || !(ddl = PyObject_GetAttr(spec, str_deadline)))
+        goto out;
+    int be = ddl == Py_None;
+    if (!be) {
+        PyObject *cls = PyDict_GetItemWithError(tags, str_ef_class);
+        if (!cls && PyErr_Occurred())
+            goto out;
+        if (cls && (be = PySequence_Contains(classes, cls)) < 0)
+            goto out;
+    }
+    if (be) {  /* a best-effort job: its LAS queue, and its place in the floors' order */
+        PyObject *b0 = PyDict_GetItemWithError(tags, str_tiresias_base);
+        if (!b0 && PyErr_Occurred())
+            goto out;
+        if (!(x = PyNumber_Subtract(PyTuple_GET_ITEM(j, 4), b0 ? b0 : fzero)))
+            goto out;
+        Py_ssize_t at = bisect_right_obj(th, x);
+        if (at < 0 || !(q = PyLong_FromSsize_t(at)) || PyDict_SetItem(queues, jid, q) < 0)
+            goto out;
+        if (!(hg = PyObject_GetAttr(PyTuple_GET_ITEM(j, 1), str_holds_gpus)))
+            goto out;
+        int holds = PyObject_IsTrue(hg);
+        if (holds < 0 || !(submit = PyObject_GetAttr(spec, str_submit_time)))
+            goto out;
+        if (!(item = PyTuple_Pack(4, q, holds ? Py_False : Py_True, submit, jid)) || PyList_Append(keyed, item) < 0)
+            goto out;
+    } else {  /* a guaranteed job keeps what the split gave it */
+        PyObject *n = PyDict_GetItemWithError(split, jid), *b;
+        if (!n && PyErr_Occurred())
+            goto out;
+        if (!(b = PyDict_GetItemWithError(base, jid)) && PyErr_Occurred())
+            goto out;
+        n = n ? n : zero;
+        b = b ? b : zero;
+        int more = PyObject_RichCompareBool(n, b, Py_GT);
+        if (more < 0)
+            goto out;
+        if (more) {
+            PyObject *d = PyNumber_Subtract(n, b), *f = d ? PyNumber_Subtract(*free, d) : NULL;
+            Py_XDECREF(d);
+            if (!f)
+                goto out;
+            Py_SETREF(*free, f);
+            if (PyDict_SetItem(base, jid, n) < 0)
+                goto out;
+        }
+    }
+    rc = 0;
+out:
+    Py_XDECREF(jid);
+    Py_XDECREF(ddl);
+    Py_XDECREF(x);
+    Py_XDECREF(q);
+    Py_XDECREF(hg);
+    Py_XDECREF(submit);
+    Py_XDECREF(item);
+    return rc;
+}
+
+/* The floors' second loop for job ``jid``: its smallest count if nothing is
+ * in its base yet and it fits in *free; 0, or -1 with an error. */
+static int
+floor_second(PyObject *jid, PyObject *base, PyObject *levels, PyObject *zero, PyObject **free)
+{
+    PyObject *b = PyDict_GetItemWithError(base, jid);
+    if (!b && PyErr_Occurred())
+        return -1;
+    int has = b ? PyObject_IsTrue(b) : 0;
+    if (has)
+        return has < 0 ? -1 : 0;
+    PyObject *lv = PyDict_GetItemWithError(levels, jid);
+    if (!lv) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, jid);
+        return -1;
+    }
+    PyObject *counts = PyObject_GetAttr(lv, str_count_list), *smallest = zero;
+    if (!counts)
+        return -1;
+    if (!PyTuple_Check(counts)) {
+        Py_DECREF(counts);
+        PyErr_SetString(PyExc_TypeError, "las_floors: Levels.count_list must be a tuple");
+        return -1;
+    }
+    Py_ssize_t m = PyTuple_GET_SIZE(counts);
+    int pos = m > 1 ? PyObject_RichCompareBool(PyTuple_GET_ITEM(counts, 1), zero, Py_GT) : 0;
+    if (pos < 0)
+        goto fail;
+    if (pos) {
+        smallest = PyTuple_GET_ITEM(counts, 1);
+    } else {
+        for (Py_ssize_t k = 0; k < m; k++) {
+            int p = PyObject_RichCompareBool(PyTuple_GET_ITEM(counts, k), zero, Py_GT);
+            if (p < 0)
+                goto fail;
+            if (p) {
+                smallest = PyTuple_GET_ITEM(counts, k);
+                break;
+            }
+        }
+    }
+    int fits = PyObject_RichCompareBool(zero, smallest, Py_LT);
+    if (fits > 0)
+        fits = PyObject_RichCompareBool(smallest, *free, Py_LE);
+    if (fits < 0)
+        goto fail;
+    if (fits) {
+        PyObject *f = PyNumber_Subtract(*free, smallest);
+        if (!f || PyDict_SetItem(base, jid, smallest) < 0) {
+            Py_XDECREF(f);
+            goto fail;
+        }
+        Py_SETREF(*free, f);
+    }
+    Py_DECREF(counts);
+    return 0;
+fail:
+    Py_DECREF(counts);
+    return -1;
+}
+
+/* las_floors(jobs, base, split, levels, thresholds, queues, free, classes):
+ * the loops of Tidal._floors; returns the GPUs still free. NotImplemented
+ * (nothing changed) for a view that is not a tuple of the JobView fields
+ * with dict tags. */
+static PyObject *
+las_floors(PyObject *self, PyObject *args)
+{
+    PyObject *jobs, *base, *split, *levels, *th, *queues, *free_in, *classes;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO", &PyList_Type, &jobs, &PyDict_Type, &base, &PyDict_Type, &split,
+                          &PyDict_Type, &levels, &PyTuple_Type, &th, &PyDict_Type, &queues, &free_in, &classes))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(jobs);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *j = PyList_GET_ITEM(jobs, k);
+        if (!PyTuple_Check(j) || PyTuple_GET_SIZE(j) < 10 || !PyDict_Check(PyTuple_GET_ITEM(j, 8)))
+            return not_implemented();
+    }
+    PyObject *zero = PyLong_FromLong(0), *fzero = PyFloat_FromDouble(0.0), *keyed = PyList_New(0), *free = free_in;
+    Py_INCREF(free);
+    if (!zero || !fzero || !keyed)
+        goto fail;
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (floor_first(PyList_GET_ITEM(jobs, k), base, split, th, queues, classes, zero, fzero, keyed, &free) < 0)
+            goto fail;
+    if (PyList_Sort(keyed) < 0)  /* ids are unique: the first four fields decide */
+        goto fail;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(keyed); k++)
+        if (floor_second(PyTuple_GET_ITEM(PyList_GET_ITEM(keyed, k), 3), base, levels, zero, &free) < 0)
+            goto fail;
+    Py_DECREF(zero);
+    Py_DECREF(fzero);
+    Py_DECREF(keyed);
+    return free;
+fail:
+    Py_XDECREF(zero);
+    Py_XDECREF(fzero);
+    Py_XDECREF(keyed);
+    Py_DECREF(free);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"las_floors", las_floors, METH_VARARGS,
+     "las_floors(jobs, base, split, levels, thresholds, queues, free, classes): Tidal._floors' loops."},
     {"levels_of", levels_of, METH_VARARGS,
      "levels_of(jobs, by_job, make): _Memo.levels_of's loop (job id -> levels), keeping by_job."},
     {"greedy_open", greedy_open, METH_VARARGS,
@@ -986,7 +1180,11 @@ PyInit__fastbits(void)
         || !(str_job_id = PyUnicode_InternFromString("job_id"))
         || !(str_deadline = PyUnicode_InternFromString("deadline"))
         || !(str_count_list = PyUnicode_InternFromString("count_list"))
-        || !(str_lead = PyUnicode_InternFromString("lead")) || !(str_end = PyUnicode_InternFromString("end")))
+        || !(str_lead = PyUnicode_InternFromString("lead")) || !(str_end = PyUnicode_InternFromString("end"))
+        || !(str_ef_class = PyUnicode_InternFromString("ef_class"))
+        || !(str_tiresias_base = PyUnicode_InternFromString("tiresias_base"))
+        || !(str_holds_gpus = PyUnicode_InternFromString("holds_gpus"))
+        || !(str_submit_time = PyUnicode_InternFromString("submit_time")))
         return NULL;
     return PyModule_Create(&module);
 }

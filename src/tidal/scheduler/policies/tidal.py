@@ -47,6 +47,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from operator import itemgetter
 
+from tidal.scheduler import kernels
 from tidal.scheduler.api import JobView, Plan, Snapshot
 from tidal.scheduler.policies.elasticflow import ElasticFlow, _Context
 from tidal.scheduler.policies.tiresias import queue_of
@@ -124,6 +125,12 @@ class Tidal(ElasticFlow):
             return free  # the split: ElasticFlow's Algorithm 2
         th, bget, split = self.thresholds, base.get, p.split
         p.queues = queues = {}
+        fast = kernels.fast
+        if fast is not None and (type(jobs), type(base), type(split), type(levels), type(th)) == (
+                list, dict, dict, dict, tuple):
+            got = fast.las_floors(jobs, base, split, levels, th, queues, free, _BEST_EFFORT)
+            if got is not NotImplemented:
+                return got  # the loops below, compiled
         keyed = []
         for j in jobs:  # guaranteed jobs keep their split; best-effort ones in LAS order
             spec = j.spec
