@@ -247,3 +247,37 @@ def test_algorithm2_input_equals_the_python_loop(policy: str, monkeypatch: pytes
     best_effort = [replace(s, job_id=f"b{s.job_id}") for s in poisson_jobs(50, rate_per_hour=30, seed=4).jobs]
     simulate([*with_deadlines, *best_effort], parse_cluster("n8g8"), get_policy(policy))
     assert len(compared) > 20 and max(compared) > 5
+
+
+@needs_kernels
+def test_placer_start_equals_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buddy placer's start (who keeps their GPUs, the mask of what is
+    used, the jobs to place in order), compiled and in Python."""
+    from tidal.core.topology import parse_cluster
+    from tidal.scheduler.buddy import _Placer
+
+    cluster = parse_cluster("n8g8")
+    rng = random.Random(9)
+    for _ in range(300):
+        free = list(range(64))
+        rng.shuffle(free)
+        current, want = {}, {}
+        for k in range(rng.randrange(0, 12)):
+            n = rng.choice([1, 2, 4])
+            if len(free) < n:
+                break
+            current[f"h{k}"] = tuple(sorted(free.pop() for _ in range(n)))
+            if rng.random() < 0.8:
+                want[f"h{k}"] = rng.choice([n, n, 2 * n, max(1, n // 2)])
+        for k in range(rng.randrange(0, 5)):
+            want[f"n{k}"] = rng.choice([1, 2, 4, 8])
+        used = np.zeros(64, dtype=bool)
+        for gpus in current.values():
+            used[list(gpus)] = True
+        fast = _Placer(cluster, current, dict(want), used=used)
+        with monkeypatch.context() as m:
+            _numpy(m)
+            slow = _Placer(cluster, current, dict(want), used=used)
+        assert list(fast.keep.items()) == list(slow.keep.items())
+        assert fast.todo == slow.todo
+        assert fast.used0.tolist() == slow.used0.tolist()

@@ -1143,7 +1143,100 @@ fail:
     return NULL;
 }
 
+/* placer_start(current, want, mask): the start of the buddy placer
+ * (_Placer): the jobs of ``current`` (job -> GPUs) whose count ``want``
+ * keeps keep their GPUs (a new dict, in the order of ``current``); the
+ * others' GPUs are cleared in the bool ``mask`` unless it is None; returns
+ * (keep, the jobs of ``want`` whose count is not what they hold, in the
+ * order of ``want``). NotImplemented for GPUs outside the mask or not ints. */
+static PyObject *
+placer_start(PyObject *self, PyObject *args)
+{
+    PyObject *current, *want, *mask_obj;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyDict_Type, &current, &PyDict_Type, &want, &mask_obj))
+        return NULL;
+    Py_buffer mv;
+    int have_mask = mask_obj != Py_None;
+    if (have_mask) {
+        if (PyObject_GetBuffer(mask_obj, &mv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
+            PyErr_Clear();
+            return not_implemented();
+        }
+        if (mv.itemsize != 1 || mv.ndim != 1 || !mv.format || strcmp(mv.format, "?") != 0) {
+            PyBuffer_Release(&mv);
+            return not_implemented();
+        }
+    }
+    unsigned char *mask = have_mask ? (unsigned char *)mv.buf : NULL;
+    Py_ssize_t size = have_mask ? mv.shape[0] : 0, pos = 0;
+    PyObject *keep = PyDict_New(), *todo = PyList_New(0), *jid, *val, *out = NULL;
+    if (!keep || !todo)
+        goto done;
+    while (PyDict_Next(current, &pos, &jid, &val)) {
+        Py_ssize_t held = PyObject_Size(val);
+        if (held < 0)
+            goto done;
+        PyObject *w = PyDict_GetItemWithError(want, jid);
+        if (!w && PyErr_Occurred())
+            goto done;
+        int same = 0;
+        if (w) {
+            PyObject *h = PyLong_FromSsize_t(held);
+            same = h ? PyObject_RichCompareBool(w, h, Py_EQ) : -1;
+            Py_XDECREF(h);
+            if (same < 0)
+                goto done;
+        }
+        if (same) {
+            if (PyDict_SetItem(keep, jid, val) < 0)
+                goto done;
+        } else if (have_mask) {  /* its count changes: its GPUs are free to place */
+            PyObject *seq = PySequence_Fast(val, "placer_start: GPUs must be a sequence");
+            if (!seq)
+                goto done;
+            for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(seq); k++) {
+                PyObject *g = PySequence_Fast_GET_ITEM(seq, k);
+                Py_ssize_t gi = PyLong_Check(g) ? PyLong_AsSsize_t(g) : -1;
+                if (gi < 0 || gi >= size) {
+                    PyErr_Clear();
+                    Py_DECREF(seq);
+                    out = not_implemented();
+                    goto done;
+                }
+                mask[gi] = 0;
+            }
+            Py_DECREF(seq);
+        }
+    }
+    pos = 0;
+    while (PyDict_Next(want, &pos, &jid, &val)) {
+        PyObject *have = PyDict_GetItemWithError(current, jid);
+        if (!have && PyErr_Occurred())
+            goto done;
+        int same = 0;
+        if (have) {
+            Py_ssize_t held = PyObject_Size(have);
+            PyObject *h = held >= 0 ? PyLong_FromSsize_t(held) : NULL;
+            same = h ? PyObject_RichCompareBool(val, h, Py_EQ) : -1;
+            Py_XDECREF(h);
+            if (same < 0)
+                goto done;
+        }
+        if (!same && PyList_Append(todo, jid) < 0)
+            goto done;
+    }
+    out = PyTuple_Pack(2, keep, todo);
+done:
+    Py_XDECREF(keep);
+    Py_XDECREF(todo);
+    if (have_mask)
+        PyBuffer_Release(&mv);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"placer_start", placer_start, METH_VARARGS,
+     "placer_start(current, want, mask): (jobs that keep their GPUs, jobs to place); clears the others' GPUs."},
     {"las_floors", las_floors, METH_VARARGS,
      "las_floors(jobs, base, split, levels, thresholds, queues, free, classes): Tidal._floors' loops."},
     {"levels_of", levels_of, METH_VARARGS,

@@ -39,6 +39,7 @@ import numpy as np
 
 from tidal.core.topology import Cluster
 from tidal.scheduler.api import Snapshot
+from tidal.scheduler import kernels
 from tidal.scheduler.nodebits import NodeBits, first_free_block
 
 log = logging.getLogger(__name__)
@@ -426,21 +427,7 @@ class _Placer:
         self.current, self.want = current, want  # ``want`` is shared with the caller
         self.buddy = buddy = BuddyAllocator(cluster)
         if prev is None:
-            sizes = dict(zip(current, map(len, current.values())))
-            moves = [jid for jid, _ in sizes.items() - want.items()]  # held, and their count changes
-            self.keep = keep = dict(current)
-            for jid in moves:
-                del keep[jid]
-            if used is None:
-                buddy.mark(chain.from_iterable(keep.values()))
-            else:  # every held GPU, less those of the jobs that change
-                mask = np.ones(buddy.size, dtype=bool)
-                mask[: len(used)] = used
-                mask[len(used) : buddy.n] = False
-                if moves:
-                    mask[list(chain.from_iterable(map(current.__getitem__, moves)))] = False
-                buddy.used = mask
-            self.todo = sorted([jid for jid, _ in want.items() - sizes.items()], key=lambda j: (-want[j], j))
+            self._start(current, want, used)
         else:  # start over once job ``kept`` keeps its GPUs too (the order of the rest holds)
             self.keep = dict(prev.keep)
             self.keep[kept] = current[kept]
@@ -451,6 +438,38 @@ class _Placer:
         self._bits0 = buddy.bits_copy() if prev is not None else None  # per-node counts of used0, once known
         self.placed: dict[str, tuple[int, ...]] = {}
         self.pos = 0
+
+    def _start(self, current: dict[str, tuple[int, ...]], want: dict[str, int], used: np.ndarray | None) -> None:
+        """The jobs whose count stays keep their GPUs; the others' GPUs are
+        free to place (the mask); the jobs to place, largest first."""
+        fast, buddy = kernels.fast, self.buddy
+        mask = None
+        if used is not None:  # every held GPU, less those of the jobs that change
+            mask = np.ones(buddy.size, dtype=bool)
+            mask[: len(used)] = used
+            mask[len(used) : buddy.n] = False
+        got = NotImplemented
+        if fast is not None and mask is not None and type(current) is dict and type(want) is dict:
+            got = fast.placer_start(current, want, mask)  # the lines below, compiled
+        if got is not NotImplemented:
+            self.keep, todo = got
+        else:
+            sizes = dict(zip(current, map(len, current.values())))
+            moves = [jid for jid, _ in sizes.items() - want.items()]  # held, and their count changes
+            self.keep = keep = dict(current)
+            for jid in moves:
+                del keep[jid]
+            if mask is not None and moves:
+                mask = np.ones(buddy.size, dtype=bool)  # (afresh: the kernel may have cleared some)
+                mask[: len(used)] = used
+                mask[len(used) : buddy.n] = False
+                mask[list(chain.from_iterable(map(current.__getitem__, moves)))] = False
+            todo = [jid for jid, _ in want.items() - sizes.items()]
+        if mask is None:
+            buddy.mark(chain.from_iterable(self.keep.values()))
+        else:
+            buddy.used = mask
+        self.todo = sorted(todo, key=lambda j: (-want[j], j))
 
     def start_bits(self) -> NodeBits | None:
         """A copy of the per-node counts of ``used0`` (for a placer that
