@@ -450,9 +450,11 @@ class _Placer:
             mask[len(used) : buddy.n] = False
         got = NotImplemented
         if fast is not None and mask is not None and type(current) is dict and type(want) is dict:
-            got = fast.placer_start(current, want, mask)  # the lines below, compiled
+            cleared = mask.copy()  # (a kernel that hands the case back may have cleared some)
+            got = fast.placer_start(current, want, cleared)  # the lines below, compiled
         if got is not NotImplemented:
             self.keep, todo = got
+            mask = cleared
         else:
             sizes = dict(zip(current, map(len, current.values())))
             moves = [jid for jid, _ in sizes.items() - want.items()]  # held, and their count changes
@@ -460,9 +462,6 @@ class _Placer:
             for jid in moves:
                 del keep[jid]
             if mask is not None and moves:
-                mask = np.ones(buddy.size, dtype=bool)  # (afresh: the kernel may have cleared some)
-                mask[: len(used)] = used
-                mask[len(used) : buddy.n] = False
                 mask[list(chain.from_iterable(map(current.__getitem__, moves)))] = False
             todo = [jid for jid, _ in want.items() - sizes.items()]
         if mask is None:

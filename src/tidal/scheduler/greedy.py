@@ -91,7 +91,9 @@ def greedy(entries: dict[str, tuple[Steps, int, float]], free: int) -> dict[str,
     returns each job's final level. A job pops its best step; if fewer GPUs
     are left than that step needs it looks again, otherwise it takes it."""
     fast = kernels.fast
-    opened = fast.greedy_open(entries, free) if fast is not None and type(entries) is dict else None
+    opened = None
+    if fast is not None and type(entries) is dict and type(free) is int:
+        opened = fast.greedy_open(entries, free)
     if opened is not None:  # the opening below, compiled
         binds, jobs, need0, cur = opened
         if not binds:
@@ -167,7 +169,7 @@ def _merge(entries: dict[str, tuple[Steps, int, float]], jobs: list[str], cur: d
     (a job's last record, or for the job that stopped the merge, its entry
     with the GPUs left)."""
     fast = kernels.fast
-    if fast is not None and type(entries) is dict and type(cur) is dict:
+    if fast is not None and (type(entries), type(jobs), type(cur), type(free)) == (dict, list, dict, int):
         got = fast.merge_open(entries, jobs, cur, free, _chain)  # this function, compiled
         if got is not NotImplemented:
             return got
@@ -178,7 +180,7 @@ def _merge(entries: dict[str, tuple[Steps, int, float]], jobs: list[str], cur: d
     for jid in ranked:
         st, i, _ = entries[jid]
         chains.append(st.chains.get(i) or _chain(st, i))
-    cut = NotImplemented if fast is None else fast.merge_cut([c[0] for c in chains], free)
+    cut = fast.merge_cut([c[0] for c in chains], free) if fast is not None and type(free) is int else NotImplemented
     if cut is NotImplemented:
         end, took, free, stop = _cut(chains, free)
     else:
