@@ -281,3 +281,23 @@ def test_placer_start_equals_python(monkeypatch: pytest.MonkeyPatch) -> None:
         assert list(fast.keep.items()) == list(slow.keep.items())
         assert fast.todo == slow.todo
         assert fast.used0.tolist() == slow.used0.tolist()
+
+
+def test_a_stale_build_is_not_used() -> None:
+    """Kernels built from another version of _fastbits.c (an editable install
+    not rebuilt after a pull) are left unused with a warning, not called with
+    arguments they do not take."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys, types
+        sys.modules["tidal.scheduler._fastbits"] = types.SimpleNamespace(API=0, __file__="old.so")
+        from tidal.scheduler import kernels
+        print(kernels.fast)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "None"
+    assert "another version of the source" in out.stderr and "pip install -e ." in out.stderr

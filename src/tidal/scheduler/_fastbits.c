@@ -1,14 +1,19 @@
-/* Compiled kernels of tidal.scheduler.nodebits (the buddy placer's per-node
- * counts). Each function computes exactly what the numpy code of NodeBits
- * computes, on the same int64 arrays, without numpy's per-call overhead (the
- * arrays have a few hundred entries; the placer calls these hundreds of
- * thousands of times in a trace replay). A case the kernel does not cover
- * (an array of another type, a shape numpy would reject, an index out of
- * range) returns NotImplemented, and the caller runs the numpy code, which
- * gives the answer or raises as before.
+/* Compiled kernels of the scheduling core (tidal.scheduler.kernels owns the
+ * import). Each function computes exactly what a passage of nodebits, buddy,
+ * greedy, policies/elasticflow or policies/tidal computes, on the same
+ * arrays and objects, without the interpreter's per-call and per-item
+ * overhead (a Philly replay runs them hundreds of thousands of times, on a
+ * few hundred entries or the ~90 jobs of a round). A case a kernel does not
+ * cover (an array of another type, a shape numpy would reject, an index out
+ * of range, an object not of the expected type) returns NotImplemented
+ * before changing anything, and the caller runs its Python passage, which
+ * gives the answer or raises as before; tests/test_fastbits.py compares the
+ * two.
  *
  * Built by setup.py as an optional extension: without a C compiler the
- * package installs without it and nodebits.py uses numpy alone. */
+ * package installs without it and the Python passages run alone. API (a
+ * module constant) is raised whenever a function is added or changes its
+ * arguments, so that a stale build is not used (kernels.py). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1262,7 +1267,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "tidal.scheduler._fastbits",
-    "Compiled kernels of tidal.scheduler.nodebits (see that module).", -1, methods,
+    "Compiled kernels of the scheduling core (see tidal.scheduler.kernels).", -1, methods,
 };
 
 PyMODINIT_FUNC
@@ -1279,5 +1284,10 @@ PyInit__fastbits(void)
         || !(str_holds_gpus = PyUnicode_InternFromString("holds_gpus"))
         || !(str_submit_time = PyUnicode_InternFromString("submit_time")))
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "API", 1) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }
