@@ -54,9 +54,12 @@ def _cmdline(pid: int) -> str:
 def _workers(launcher: int, pattern: str) -> list[int]:
     """The launcher's children running the script: not a child of a worker,
     and not a child caught between fork and exec (the launcher starting a
-    warm spare), which still shows the launcher's command line."""
+    warm spare), which still shows the launcher's command line when pgrep
+    reads it, and may show the spare's (``tidal.runtime.warm SCRIPT``, no
+    ``--out``) when it is read again: kept only if it still runs the script."""
     found = subprocess.run(["pgrep", "-P", str(launcher), "-f", pattern], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in found if "tidal.runtime.launch" not in _cmdline(int(p))]
+    lines = {int(p): _cmdline(int(p)) for p in found}
+    return [p for p, line in lines.items() if pattern in line and "tidal.runtime.launch" not in line]
 
 
 def _gone(pids: list[int], within_s: float) -> bool:
