@@ -41,6 +41,23 @@ get_i64(PyObject *obj, Py_buffer *view, int writable, int *skip)
     return 0;
 }
 
+/* A 1-d C-contiguous bool buffer (numpy's ``?``) of ``obj`` (0), or -1 when
+ * it is not one (nothing raised: the caller hands the case back). */
+static int
+get_bool(PyObject *obj, Py_buffer *view, int writable)
+{
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    if (view->itemsize != 1 || view->ndim != 1 || !view->format || strcmp(view->format, "?") != 0) {
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 not_implemented(void)
 {
@@ -214,14 +231,8 @@ counts(PyObject *self, PyObject *args)
         return not_implemented();
     Py_buffer uv, bv, fv, sv;
     int skip = 0, have_sw = swf_obj != Py_None;
-    if (PyObject_GetBuffer(used_obj, &uv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyErr_Clear();
+    if (get_bool(used_obj, &uv, 0) < 0)
         return not_implemented();
-    }
-    if (uv.itemsize != 1 || uv.ndim != 1 || !uv.format || strcmp(uv.format, "?") != 0) {
-        PyBuffer_Release(&uv);
-        return not_implemented();
-    }
     if (get_i64(bytes_obj, &bv, 1, &skip) < 0) {
         PyBuffer_Release(&uv);
         return skip ? not_implemented() : NULL;
@@ -279,14 +290,8 @@ first_free(PyObject *self, PyObject *args)
     if (s <= 0 || !PyTuple_Check(prefer))
         return not_implemented();
     Py_buffer uv;
-    if (PyObject_GetBuffer(used_obj, &uv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyErr_Clear();
+    if (get_bool(used_obj, &uv, 0) < 0)
         return not_implemented();
-    }
-    if (uv.itemsize != 1 || uv.ndim != 1 || !uv.format || strcmp(uv.format, "?") != 0) {
-        PyBuffer_Release(&uv);
-        return not_implemented();
-    }
     const unsigned char *used = (const unsigned char *)uv.buf;
     Py_ssize_t size = uv.shape[0], last = -1;
     PyObject *out = NULL;
@@ -665,20 +670,23 @@ done:
 
 static PyObject *str_job_id, *str_deadline, *str_count_list;  /* interned, as the Steps names */
 
-/* bisect_left(tup, x) by Python's < (tup: a tuple); -1 with an error set. */
+/* bisect.bisect_left (``right`` 0) or bisect_right (1) of ``x`` in the
+ * tuple ``tup``, by Python's <; -1 with an error set. */
 static Py_ssize_t
-bisect_left_obj(PyObject *tup, PyObject *x)
+bisect_obj(PyObject *tup, PyObject *x, int right)
 {
     Py_ssize_t lo = 0, hi = PyTuple_GET_SIZE(tup);
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi) / 2;
-        int lt = PyObject_RichCompareBool(PyTuple_GET_ITEM(tup, mid), x, Py_LT);
+        /* left: go right while item < x; right: go left while x < item */
+        int lt = right ? PyObject_RichCompareBool(x, PyTuple_GET_ITEM(tup, mid), Py_LT)
+                       : PyObject_RichCompareBool(PyTuple_GET_ITEM(tup, mid), x, Py_LT);
         if (lt < 0)
             return -1;
-        if (lt)
-            lo = mid + 1;
-        else
+        if (lt == right)
             hi = mid;
+        else
+            lo = mid + 1;
     }
     return lo;
 }
@@ -753,7 +761,7 @@ steps_input(PyObject *self, PyObject *args)
             PyObject *counts = PyObject_GetAttr(lv, str_count_list);
             if (!counts)
                 goto next;
-            Py_ssize_t at = PyTuple_Check(counts) ? bisect_left_obj(counts, b) : -2;
+            Py_ssize_t at = PyTuple_Check(counts) ? bisect_obj(counts, b, 0) : -2;
             Py_DECREF(counts);
             if (at == -2)
                 PyErr_SetString(PyExc_TypeError, "steps_input: Levels.count_list must be a tuple");
@@ -958,25 +966,6 @@ levels_of(PyObject *self, PyObject *args)
 
 static PyObject *str_ef_class, *str_tiresias_base, *str_holds_gpus, *str_submit_time;  /* interned */
 
-/* The first index of the tuple ``th`` whose item is > x (bisect_right); -1
- * with an error set. */
-static Py_ssize_t
-bisect_right_obj(PyObject *th, PyObject *x)
-{
-    Py_ssize_t lo = 0, hi = PyTuple_GET_SIZE(th);
-    while (lo < hi) {
-        Py_ssize_t mid = (lo + hi) / 2;
-        int lt = PyObject_RichCompareBool(x, PyTuple_GET_ITEM(th, mid), Py_LT);
-        if (lt < 0)
-            return -1;
-        if (lt)
-            hi = mid;
-        else
-            lo = mid + 1;
-    }
-    return lo;
-}
-
 /* The pass over one job of las_floors' first loop; 0, or -1 with an error. */
 static int
 floor_first(PyObject *j, PyObject *base, PyObject *split, PyObject *th, PyObject *queues, PyObject *classes,
@@ -1002,7 +991,7 @@ floor_first(PyObject *j, PyObject *base, PyObject *split, PyObject *th, PyObject
             goto out;
         if (!(x = PyNumber_Subtract(PyTuple_GET_ITEM(j, 4), b0 ? b0 : fzero)))
             goto out;
-        Py_ssize_t at = bisect_right_obj(th, x);
+        Py_ssize_t at = bisect_obj(th, x, 1);
         if (at < 0 || !(q = PyLong_FromSsize_t(at)) || PyDict_SetItem(queues, jid, q) < 0)
             goto out;
         if (!(hg = PyObject_GetAttr(PyTuple_GET_ITEM(j, 1), str_holds_gpus)))
@@ -1148,6 +1137,18 @@ fail:
     return NULL;
 }
 
+/* Whether the count ``n`` equals len(gpus) (the pair (job, n) is among the
+ * items of the job -> len(GPUs) dict); -1 with an error set. */
+static int
+same_count(PyObject *n, PyObject *gpus)
+{
+    Py_ssize_t held = PyObject_Size(gpus);
+    PyObject *h = held >= 0 ? PyLong_FromSsize_t(held) : NULL;
+    int same = h ? PyObject_RichCompareBool(n, h, Py_EQ) : -1;
+    Py_XDECREF(h);
+    return same;
+}
+
 /* placer_start(current, want, mask): the start of the buddy placer
  * (_Placer): the jobs of ``current`` (job -> GPUs) whose count ``want``
  * keeps keep their GPUs (a new dict, in the order of ``current``); the
@@ -1162,36 +1163,20 @@ placer_start(PyObject *self, PyObject *args)
         return NULL;
     Py_buffer mv;
     int have_mask = mask_obj != Py_None;
-    if (have_mask) {
-        if (PyObject_GetBuffer(mask_obj, &mv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
-            PyErr_Clear();
-            return not_implemented();
-        }
-        if (mv.itemsize != 1 || mv.ndim != 1 || !mv.format || strcmp(mv.format, "?") != 0) {
-            PyBuffer_Release(&mv);
-            return not_implemented();
-        }
-    }
+    if (have_mask && get_bool(mask_obj, &mv, 1) < 0)
+        return not_implemented();
     unsigned char *mask = have_mask ? (unsigned char *)mv.buf : NULL;
     Py_ssize_t size = have_mask ? mv.shape[0] : 0, pos = 0;
     PyObject *keep = PyDict_New(), *todo = PyList_New(0), *jid, *val, *out = NULL;
     if (!keep || !todo)
         goto done;
     while (PyDict_Next(current, &pos, &jid, &val)) {
-        Py_ssize_t held = PyObject_Size(val);
-        if (held < 0)
-            goto done;
         PyObject *w = PyDict_GetItemWithError(want, jid);
         if (!w && PyErr_Occurred())
             goto done;
-        int same = 0;
-        if (w) {
-            PyObject *h = PyLong_FromSsize_t(held);
-            same = h ? PyObject_RichCompareBool(w, h, Py_EQ) : -1;
-            Py_XDECREF(h);
-            if (same < 0)
-                goto done;
-        }
+        int same = w ? same_count(w, val) : 0;
+        if (same < 0)
+            goto done;
         if (same) {
             if (PyDict_SetItem(keep, jid, val) < 0)
                 goto done;
@@ -1218,15 +1203,9 @@ placer_start(PyObject *self, PyObject *args)
         PyObject *have = PyDict_GetItemWithError(current, jid);
         if (!have && PyErr_Occurred())
             goto done;
-        int same = 0;
-        if (have) {
-            Py_ssize_t held = PyObject_Size(have);
-            PyObject *h = held >= 0 ? PyLong_FromSsize_t(held) : NULL;
-            same = h ? PyObject_RichCompareBool(val, h, Py_EQ) : -1;
-            Py_XDECREF(h);
-            if (same < 0)
-                goto done;
-        }
+        int same = have ? same_count(val, have) : 0;
+        if (same < 0)
+            goto done;
         if (!same && PyList_Append(todo, jid) < 0)
             goto done;
     }
