@@ -213,6 +213,7 @@ def test_algorithm2_input_equals_the_python_loop(policy: str, monkeypatch: pytes
         return fast
 
     original_levels = elasticflow._Memo.levels_of
+    levels: list[int] = []
 
     def both_levels(self, snap):
         kept = dict(self.by_job)
@@ -223,11 +224,13 @@ def test_algorithm2_input_equals_the_python_loop(policy: str, monkeypatch: pytes
         fast = original_levels(self, snap)
         assert list(fast) == list(slow) and all(map(operator.is_, fast.values(), slow.values()))
         assert list(self.by_job.items()) == list(slow_kept.items())
+        levels.append(len(fast))
         return fast
 
     from tidal.scheduler.policies.tidal import Tidal
 
     original_floors = Tidal._floors
+    floors: list[int] = []  # best-effort jobs whose floors were compared, per call
 
     def both_floors(self, snap, jobs, base, levels, free):
         slow_base = dict(base)
@@ -238,6 +241,7 @@ def test_algorithm2_input_equals_the_python_loop(policy: str, monkeypatch: pytes
         fast = original_floors(self, snap, jobs, base, levels, free)
         assert fast == slow and list(base.items()) == list(slow_base.items())
         assert slow_queues is None or list(self._pass.queues.items()) == list(slow_queues.items())
+        floors.append(len(slow_queues or ()))
         return fast
 
     monkeypatch.setattr(Tidal, "_floors", both_floors)
@@ -247,6 +251,8 @@ def test_algorithm2_input_equals_the_python_loop(policy: str, monkeypatch: pytes
     best_effort = [replace(s, job_id=f"b{s.job_id}") for s in poisson_jobs(50, rate_per_hour=30, seed=4).jobs]
     simulate([*with_deadlines, *best_effort], parse_cluster("n8g8"), get_policy(policy))
     assert len(compared) > 20 and max(compared) > 5
+    assert len(levels) > 20 and max(levels) > 5
+    assert policy != "tidal" or max(floors, default=0) > 3  # Tidal's floors ran on several best-effort jobs
 
 
 @needs_kernels
