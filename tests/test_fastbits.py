@@ -256,6 +256,56 @@ def test_algorithm2_input_equals_the_python_loop(policy: str, monkeypatch: pytes
 
 
 @needs_kernels
+@pytest.mark.parametrize("submit", ["float", "int", "mixed"])
+def test_floors_order_equals_python(submit: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tidal's floors on scarce GPUs, compiled and in Python: best-effort
+    jobs with tied queues, idleness and submit times (the id decides), float
+    submit times (compared in C), int or mixed ones (compared as Python
+    tuples), guaranteed jobs keeping their split."""
+    import types
+
+    from tidal.core.job import JobSpec, JobState
+    from tidal.scheduler.api import JobView
+    from tidal.scheduler.policies.tidal import Tidal, _Pass
+    from tidal.scheduler.timeline import Levels
+
+    rng = random.Random(11)
+    for _ in range(200):
+        jobs, levels, split = [], {}, {}
+        for k in range(rng.randrange(0, 40)):
+            jid = f"j{rng.randrange(10_000)}-{k}"
+            t = rng.choice([0, 1, 2]) * 60
+            t = float(t) if submit == "float" or (submit == "mixed" and rng.random() < 0.5) else t
+            deadline = t + 3600.0 if rng.random() < 0.3 else None
+            spec = JobSpec(job_id=jid, submit_time=t, model="resnet50", batch_size=64, iterations=100.0,
+                           deadline=deadline)
+            state = rng.choice([JobState.RUNNING, JobState.PENDING])
+            tags = {"ef_class": rng.choice(["guaranteed", "best-effort", "late"])} if deadline else {}
+            if rng.random() < 0.5:
+                tags["tiresias_base"] = rng.choice([0.0, 100.0])
+            attained = rng.choice([0.0, 400.0, 600.0, 20_000.0])
+            jobs.append(JobView(spec, state, (0,) if state is JobState.RUNNING else (), 0.0, attained, 0.0, 0.0,
+                                True, tags))
+            counts = rng.choice([(0, 1, 2, 4), (0, 2, 4), (0, 8), (0, 0, 3)])
+            levels[jid] = Levels(np.array(counts), np.arange(len(counts), dtype=float), counts,
+                                 tuple(map(float, range(len(counts)))))
+            split[jid] = rng.choice([0, 1, 2, 4])
+        base = {j.spec.job_id: rng.choice([0, 1]) for j in jobs if rng.random() < 0.3}
+        free = rng.randrange(0, 16)
+        policy = Tidal()
+        out = []
+        for off in (False, True):
+            with monkeypatch.context() as m:
+                if off:
+                    _numpy(m)
+                policy._pass = _Pass(frozenset(), split=dict(split))
+                b = dict(base)
+                got = policy._floors(types.SimpleNamespace(), list(jobs), b, levels, free)
+                out.append((got, list(b.items()), list(policy._pass.queues.items())))
+        assert out[0] == out[1]
+
+
+@needs_kernels
 def test_placer_start_equals_python(monkeypatch: pytest.MonkeyPatch) -> None:
     """The buddy placer's start (who keeps their GPUs, the mask of what is
     used, the jobs to place in order), compiled and in Python."""

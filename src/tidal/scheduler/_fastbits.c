@@ -17,6 +17,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -966,14 +967,38 @@ levels_of(PyObject *self, PyObject *args)
 
 static PyObject *str_ef_class, *str_tiresias_base, *str_holds_gpus, *str_submit_time;  /* interned */
 
-/* The pass over one job of las_floors' first loop; 0, or -1 with an error. */
+/* A best-effort job's place in the floors' order: (queue, not holding GPUs,
+ * submit time, id), compared in C when the submit time is a float (not NaN)
+ * and the id a str, as Python compares the tuple. */
+typedef struct {
+    Py_ssize_t q;
+    int idle;
+    double submit;
+    PyObject *submit_obj, *jid;  /* owned */
+} floor_key;
+
+static int
+floor_key_cmp(const void *pa, const void *pb)
+{
+    const floor_key *a = pa, *b = pb;
+    if (a->q != b->q)
+        return a->q < b->q ? -1 : 1;
+    if (a->idle != b->idle)
+        return a->idle < b->idle ? -1 : 1;
+    if (a->submit != b->submit)
+        return a->submit < b->submit ? -1 : 1;
+    return PyUnicode_Compare(a->jid, b->jid);  /* exact strs: cannot fail */
+}
+
+/* The pass over one job of las_floors' first loop: a best-effort job's key
+ * goes to keys[*nkeys] (*plain stays 1 while every key can be compared in
+ * C); 0, or -1 with an error. */
 static int
 floor_first(PyObject *j, PyObject *base, PyObject *split, PyObject *th, PyObject *queues, PyObject *classes,
-            PyObject *zero, PyObject *fzero, PyObject *keyed, PyObject **free)
+            PyObject *zero, PyObject *fzero, floor_key *keys, Py_ssize_t *nkeys, int *plain, PyObject **free)
 {
     PyObject *spec = PyTuple_GET_ITEM(j, 0), *tags = PyTuple_GET_ITEM(j, 8);
     PyObject *jid = PyObject_GetAttr(spec, str_job_id), *ddl = NULL, *x = NULL, *q = NULL, *hg = NULL;
-    PyObject *submit = NULL, *item = NULL;
     int rc = -1;
     if (!jid || !(ddl = PyObject_GetAttr(spec, str_deadline)))
         goto out;
@@ -997,10 +1022,19 @@ floor_first(PyObject *j, PyObject *base, PyObject *split, PyObject *th, PyObject
         if (!(hg = PyObject_GetAttr(PyTuple_GET_ITEM(j, 1), str_holds_gpus)))
             goto out;
         int holds = PyObject_IsTrue(hg);
+        PyObject *submit;
         if (holds < 0 || !(submit = PyObject_GetAttr(spec, str_submit_time)))
             goto out;
-        if (!(item = PyTuple_Pack(4, q, holds ? Py_False : Py_True, submit, jid)) || PyList_Append(keyed, item) < 0)
-            goto out;
+        floor_key *k = &keys[(*nkeys)++];
+        k->q = at;
+        k->idle = !holds;
+        k->submit_obj = submit;
+        k->jid = jid;
+        Py_INCREF(jid);
+        if (!PyFloat_CheckExact(submit) || !PyUnicode_CheckExact(jid) || isnan(PyFloat_AS_DOUBLE(submit)))
+            *plain = 0;
+        else
+            k->submit = PyFloat_AS_DOUBLE(submit);
     } else {  /* a guaranteed job keeps what the split gave it */
         PyObject *n = PyDict_GetItemWithError(split, jid), *b;
         if (!n && PyErr_Occurred())
@@ -1029,9 +1063,41 @@ out:
     Py_XDECREF(x);
     Py_XDECREF(q);
     Py_XDECREF(hg);
-    Py_XDECREF(submit);
-    Py_XDECREF(item);
     return rc;
+}
+
+/* Sorts keys[0:n] in the floors' order: in C when every key allows it, else
+ * as Python sorts the tuples; 0, or -1 with an error. */
+static int
+floor_sort(floor_key *keys, Py_ssize_t n, int plain)
+{
+    if (plain) {
+        qsort(keys, (size_t)n, sizeof(floor_key), floor_key_cmp);  /* ids are unique: a total order */
+        return 0;
+    }
+    PyObject *keyed = PyList_New(n);
+    if (!keyed)
+        return -1;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *item = Py_BuildValue("(nOOO)", keys[k].q, keys[k].idle ? Py_True : Py_False, keys[k].submit_obj,
+                                       keys[k].jid);
+        if (!item) {
+            Py_DECREF(keyed);
+            return -1;
+        }
+        PyList_SET_ITEM(keyed, k, item);
+    }
+    if (PyList_Sort(keyed) < 0) {  /* ids are unique: the first four fields decide */
+        Py_DECREF(keyed);
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {  /* only the ids are read after the sort */
+        PyObject *jid = PyTuple_GET_ITEM(PyList_GET_ITEM(keyed, k), 3);
+        Py_INCREF(jid);
+        Py_SETREF(keys[k].jid, jid);
+    }
+    Py_DECREF(keyed);
+    return 0;
 }
 
 /* The floors' second loop for job ``jid``: its smallest count if nothing is
@@ -1107,34 +1173,43 @@ las_floors(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO", &PyList_Type, &jobs, &PyDict_Type, &base, &PyDict_Type, &split,
                           &PyDict_Type, &levels, &PyTuple_Type, &th, &PyDict_Type, &queues, &free_in, &classes))
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(jobs);
+    Py_ssize_t n = PyList_GET_SIZE(jobs), nkeys = 0;
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *j = PyList_GET_ITEM(jobs, k);
         if (!PyTuple_Check(j) || PyTuple_GET_SIZE(j) < 10 || !PyDict_Check(PyTuple_GET_ITEM(j, 8)))
             return not_implemented();
     }
-    PyObject *zero = PyLong_FromLong(0), *fzero = PyFloat_FromDouble(0.0), *keyed = PyList_New(0), *free = free_in;
+    PyObject *zero = PyLong_FromLong(0), *fzero = PyFloat_FromDouble(0.0), *free = free_in;
+    floor_key *keys = PyMem_Malloc(sizeof(floor_key) * (size_t)(n ? n : 1));
+    int plain = 1;
     Py_INCREF(free);
-    if (!zero || !fzero || !keyed)
+    if (!keys) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if (!zero || !fzero)
         goto fail;
     for (Py_ssize_t k = 0; k < n; k++)
-        if (floor_first(PyList_GET_ITEM(jobs, k), base, split, th, queues, classes, zero, fzero, keyed, &free) < 0)
+        if (floor_first(PyList_GET_ITEM(jobs, k), base, split, th, queues, classes, zero, fzero, keys, &nkeys,
+                        &plain, &free) < 0)
             goto fail;
-    if (PyList_Sort(keyed) < 0)  /* ids are unique: the first four fields decide */
+    if (floor_sort(keys, nkeys, plain) < 0)
         goto fail;
-    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(keyed); k++)
-        if (floor_second(PyTuple_GET_ITEM(PyList_GET_ITEM(keyed, k), 3), base, levels, zero, &free) < 0)
+    for (Py_ssize_t k = 0; k < nkeys; k++)
+        if (floor_second(keys[k].jid, base, levels, zero, &free) < 0)
             goto fail;
-    Py_DECREF(zero);
-    Py_DECREF(fzero);
-    Py_DECREF(keyed);
-    return free;
+    goto done;
 fail:
+    Py_CLEAR(free);
+done:
+    for (Py_ssize_t k = 0; k < nkeys; k++) {
+        Py_DECREF(keys[k].jid);
+        Py_DECREF(keys[k].submit_obj);
+    }
+    PyMem_Free(keys);
     Py_XDECREF(zero);
     Py_XDECREF(fzero);
-    Py_XDECREF(keyed);
-    Py_DECREF(free);
-    return NULL;
+    return free;
 }
 
 /* Whether the count ``n`` equals len(gpus) (the pair (job, n) is among the

@@ -48,13 +48,18 @@ def gc_paused() -> Iterator[None]:
     """Automatic garbage collection off for a while: the engine keeps hundreds
     of thousands of objects alive (jobs, views, events) and makes almost no
     reference cycles, so the collector's passes over them, a sixth of a Philly
-    run, find nothing. Cycles made meanwhile are collected once it is back on."""
+    run, find nothing. Back on, the objects made meanwhile join the oldest
+    generation (freeze, then unfreeze: no pass over them), so the first young
+    collection does not walk them all; cycles among them are collected by the
+    next full collection."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if enabled:
+            gc.freeze()
+            gc.unfreeze()
             gc.enable()
 
 

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
-from operator import itemgetter
+from itertools import repeat
+from operator import attrgetter, is_, itemgetter
 
 from tidal.scheduler import kernels
 from tidal.scheduler.api import JobView, Plan, Snapshot
@@ -55,7 +56,7 @@ from tidal.scheduler.timeline import Levels
 
 
 _ID = itemgetter(3)
-_SPEC = itemgetter(0)  # JobView.spec
+_DEADLINE = attrgetter("spec.deadline")
 _BEST_EFFORT = ("best-effort", "late")
 _POW = tuple(2.0 ** -q for q in range(8))  # a LAS queue's weight
 
@@ -90,10 +91,14 @@ class Tidal(ElasticFlow):
         """Guaranteed jobs whose plan, made in this call, ends in the last
         ``tight_slack`` of the time to their deadline."""
         out = set()
-        pos = snap.positions
+        pos = None  # built only if a plan is there to check
         for jid, tags in plan.tags.items():
             segs = tags.get("ef_plan")
-            if not segs or tags.get("ef_class") != "guaranteed" or jid not in pos:
+            if not segs or tags.get("ef_class") != "guaranteed":
+                continue
+            if pos is None:
+                pos = snap.positions
+            if jid not in pos:
                 continue
             j = snap.view_of[jid]
             if j.spec.deadline is None:
@@ -108,7 +113,7 @@ class Tidal(ElasticFlow):
         Algorithm 2 again with the guaranteed jobs' split counts as a base."""
         self._pass = _Pass(self._squeezed(snap, plan))
         try:
-            if any(spec.deadline is not None for spec in map(_SPEC, snap.jobs)):
+            if not all(map(is_, map(_DEADLINE, snap.jobs), repeat(None))):  # a job has a deadline
                 split = Plan(admit=plan.admit, drop=plan.drop)
                 super().allocate(snap, split, ctx)
                 self._pass.split = split.allocation
