@@ -357,3 +357,37 @@ def test_a_stale_build_is_not_used() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None"
     assert "another version of the source" in out.stderr and "pip install -e ." in out.stderr
+
+
+@needs_kernels
+def test_running_views_equal_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The running rows' views (Rows.columns), compiled and in Python, on
+    every round of a small contended run with rows left empty by jobs that
+    stopped: the same ids and views (type, fields, counters)."""
+    from tidal.core.topology import parse_cluster
+    from tidal.scheduler.registry import get_policy
+    from tidal.sim.engine import simulate
+    from tidal.sim.runset import Rows
+    from tidal.sim.traces import poisson_jobs
+
+    original = Rows.columns
+    seen = {"rounds": 0, "holes": 0}
+
+    def both(self):
+        fast = original(self)
+        with monkeypatch.context() as m:
+            _numpy(m)
+            slow = original(self)
+        assert list(fast[0]) == list(slow[0])
+        assert [type(v) for v in fast[1]] == [type(v) for v in slow[1]]
+        assert [tuple(v) for v in fast[1]] == [tuple(v) for v in slow[1]]
+        seen["rounds"] += 1
+        seen["holes"] += self.holes
+        return fast
+
+    monkeypatch.setattr(Rows, "columns", both)
+    simulate(poisson_jobs(120, rate_per_hour=60, seed=5).jobs, parse_cluster("n4g8"), get_policy("tidal"))
+    assert seen["rounds"] > 20 and seen["holes"] > 0
+    rows = Rows([[None], [None], [None], [()], [0.0], [True], [{}], [0]], np.zeros((1, 3), dtype=np.float32),
+                True, True)
+    assert kernels.fast.row_views(tuple, rows.cols, rows.counters) is NotImplemented  # float32 counters

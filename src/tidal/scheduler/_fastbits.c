@@ -1293,9 +1293,83 @@ done:
     return out;
 }
 
+/* row_views(cls, cols, counters): the running rows' ids and views
+ * (tidal.sim.runset.Rows.columns): per row with an id, cls made as
+ * tuple.__new__(cls, (spec, state, gpus, done, attained, executed, since,
+ * admitted, tags, batch)) from the 8 column lists (id, spec, state, gpus,
+ * since, admitted, tags, batch) and the rows' (done, attained, executed)
+ * float64 array. NotImplemented for any other shape or type. */
+static PyObject *
+row_views(PyObject *self, PyObject *args)
+{
+    PyObject *cls_obj, *cols;
+    PyObject *counters;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyType_Type, &cls_obj, &PyList_Type, &cols, &counters))
+        return NULL;
+    PyTypeObject *cls = (PyTypeObject *)cls_obj;
+    if (!PyType_IsSubtype(cls, &PyTuple_Type) || PyList_GET_SIZE(cols) != 8)
+        return not_implemented();
+    Py_ssize_t n = -1;
+    for (int c = 0; c < 8; c++) {
+        PyObject *col = PyList_GET_ITEM(cols, c);
+        if (!PyList_Check(col) || (n >= 0 && PyList_GET_SIZE(col) != n))
+            return not_implemented();
+        n = PyList_GET_SIZE(col);
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(counters, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return not_implemented();
+    }
+    const char *f = view.format;
+    if (view.itemsize != 8 || view.ndim != 2 || !f || strcmp(f, "d") != 0 || view.shape[0] != n ||
+        view.shape[1] != 3) {
+        PyBuffer_Release(&view);
+        return not_implemented();
+    }
+    const double *cnt = view.buf;
+    PyObject **col[8];
+    for (int c = 0; c < 8; c++)
+        col[c] = ((PyListObject *)PyList_GET_ITEM(cols, c))->ob_item;
+    PyObject *ids = PyList_New(0), *views = PyList_New(0), *out = NULL;
+    if (!ids || !views)
+        goto done;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        if (col[0][r] == Py_None)
+            continue;  /* a hole */
+        PyObject *v = cls->tp_alloc(cls, 10);
+        if (!v)
+            goto done;
+        PyObject *items[10] = {col[1][r], col[2][r], col[3][r], NULL, NULL, NULL, col[4][r], col[5][r],
+                               col[6][r], col[7][r]};
+        for (int k = 0; k < 10; k++) {
+            PyObject *x = items[k];
+            if (x)
+                Py_INCREF(x);
+            else if (!(x = PyFloat_FromDouble(cnt[3 * r + (k - 3)]))) {
+                Py_DECREF(v);
+                goto done;
+            }
+            PyTuple_SET_ITEM(v, k, x);
+        }
+        int bad = PyList_Append(views, v) < 0 || PyList_Append(ids, col[0][r]) < 0;
+        Py_DECREF(v);
+        if (bad)
+            goto done;
+    }
+    out = PyTuple_Pack(2, ids, views);
+done:
+    PyBuffer_Release(&view);
+    Py_XDECREF(ids);
+    Py_XDECREF(views);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"placer_start", placer_start, METH_VARARGS,
      "placer_start(current, want, mask): (jobs that keep their GPUs, jobs to place); clears the others' GPUs."},
+    {"row_views", row_views, METH_VARARGS,
+     "row_views(cls, cols, counters): (ids, views) of the running rows with an id (Rows.columns)."},
     {"las_floors", las_floors, METH_VARARGS,
      "las_floors(jobs, base, split, levels, thresholds, queues, free, classes): Tidal._floors' loops."},
     {"levels_of", levels_of, METH_VARARGS,
@@ -1339,7 +1413,7 @@ PyInit__fastbits(void)
         || !(str_submit_time = PyUnicode_InternFromString("submit_time")))
         return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "API", 1) < 0) {
+    if (m && PyModule_AddIntConstant(m, "API", 2) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from tidal.core.job import JobState
+from tidal.scheduler import kernels
 from tidal.scheduler.api import JobView
 from tidal.sim.progress import Progress, SimJob, integrate
 
@@ -248,6 +249,11 @@ class Rows:
 
     def columns(self) -> tuple[list[str], list[JobView]]:
         """The rows' job ids and a :class:`JobView` per row, in running order."""
+        fast = kernels.fast
+        if fast is not None:
+            got = fast.row_views(JobView, self.cols, self.counters)
+            if got is not NotImplemented:
+                return got  # the lines below, compiled
         jid, spec, state, gpus, since, admitted, tags, batch = self.cols
         done, attained, executed = self.counters.T.tolist()
         # a view per slot (a hole's, from the fields its job left, is dropped below)
