@@ -391,3 +391,60 @@ def test_running_views_equal_python(monkeypatch: pytest.MonkeyPatch) -> None:
     rows = Rows([[None], [None], [None], [()], [0.0], [True], [{}], [0]], np.zeros((1, 3), dtype=np.float32),
                 True, True)
     assert kernels.fast.row_views(tuple, rows.cols, rows.counters) is NotImplemented  # float32 counters
+
+
+@needs_kernels
+@pytest.mark.parametrize("cluster", ["n4g8", "n3g4"])
+def test_free_lists_equal_python(cluster: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's GPU owners, used mask and per-node free lists after every
+    take and release of a small contended run (one GPU, several, whole
+    nodes), compiled and in Python."""
+    from tidal.core.topology import parse_cluster
+    from tidal.scheduler.registry import get_policy
+    from tidal.sim.engine import simulate
+    from tidal.sim.traces import poisson_jobs
+    from tidal.sim.views import ViewCache
+
+    def state(cache):
+        used = None if cache.used is None else cache.used.tolist()
+        return dict(cache.owner), used, list(cache.free), [list(b) for b in cache.by_free]
+
+    original = ViewCache._fast_change
+    compiled = []
+    counts = {"one": 0, "several": 0}
+
+    def fast_then_python(self, gpus, jid):
+        before = state(self)
+        assert original(self, gpus, jid)
+        compiled.append(state(self))
+        self.owner.clear()
+        self.owner.update(before[0])
+        if before[1] is not None:
+            self.used[:] = before[1]
+        self.free[:] = before[2]
+        self.by_free[:] = before[3]
+        counts["one" if len(gpus) == 1 else "several"] += 1
+        return False  # the Python lines run next
+
+    def checked(name):
+        method = getattr(ViewCache, name)
+
+        def run(self, job, *args, **kw):
+            n = len(compiled)
+            method(self, job, *args, **kw)
+            if len(compiled) > n:
+                assert state(self) == compiled[-1]
+        return run
+
+    monkeypatch.setattr(ViewCache, "_fast_change", fast_then_python)
+    monkeypatch.setattr(ViewCache, "hold", checked("hold"))
+    monkeypatch.setattr(ViewCache, "unhold", checked("unhold"))
+    simulate(poisson_jobs(120, rate_per_hour=60, seed=6).jobs, parse_cluster(cluster), get_policy("tidal"))
+    assert counts["one"] > 10 and counts["several"] > 10
+    cache = ViewCache(parse_cluster(cluster))
+    with pytest.raises(KeyError):  # giving back a GPU nobody holds, as the Python lines do
+        kernels.fast.gpus_change((0,), None, cache.owner, None, cache._node_of, cache.free, cache._node_gpus,
+                                 cache.by_free)
+    assert kernels.fast.gpus_change((10**6,), "x", cache.owner, None, cache._node_of, cache.free,
+                                    cache._node_gpus, cache.by_free) is NotImplemented
+    assert cache.owner == {}

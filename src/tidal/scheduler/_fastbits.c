@@ -1365,9 +1365,144 @@ done:
     return out;
 }
 
+/* An int list's bisect_left of v (its items are ints); -1 with an error. */
+static Py_ssize_t
+bisect_ints_left(PyObject *list, Py_ssize_t v)
+{
+    Py_ssize_t lo = 0, hi = PyList_GET_SIZE(list);
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2, x = PyLong_AsSsize_t(PyList_GET_ITEM(list, mid));
+        if (x == -1 && PyErr_Occurred())
+            return -1;
+        if (x < v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* Node ``node`` went from ``old`` free GPUs to ``new``: it moves from
+ * by_free[old] (deleted at its bisect_left place) to by_free[new] (inserted
+ * in order), as ViewCache._rebucket; 0, or -1 with an error. */
+static int
+rebucket(PyObject *by_free, PyObject *node_obj, Py_ssize_t node, Py_ssize_t old, Py_ssize_t new)
+{
+    PyObject *from = PyList_GET_ITEM(by_free, old), *to = PyList_GET_ITEM(by_free, new);
+    Py_ssize_t i = bisect_ints_left(from, node);
+    if (i < 0)
+        return -1;
+    if (i >= PyList_GET_SIZE(from)) {
+        PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
+        return -1;
+    }
+    if (PyList_SetSlice(from, i, i + 1, NULL) < 0 || (i = bisect_ints_left(to, node)) < 0)
+        return -1;
+    return PyList_Insert(to, i, node_obj);
+}
+
+/* gpus_change(gpus, jid, owner, used, node_of, free, node_gpus, by_free):
+ * ViewCache's bookkeeping when a job takes ``gpus`` (``jid``: it becomes
+ * their owner, and used) or gives them back (``jid`` None: they leave
+ * ``owner``; KeyError for one it does not hold): the owners, the used mask
+ * (None: not kept), and each of their nodes' free GPUs (``free[node]``, the
+ * node's GPUs in order less those owned) and place among the nodes by free
+ * count (``by_free``). NotImplemented, before any change, for another shape
+ * or type. */
+static PyObject *
+gpus_change(PyObject *self, PyObject *args)
+{
+    PyObject *gpus, *jid, *owner, *used, *node_of, *free, *node_gpus, *by_free;
+    if (!PyArg_ParseTuple(args, "O!OO!OO!O!O!O!", &PyTuple_Type, &gpus, &jid, &PyDict_Type, &owner, &used,
+                          &PyTuple_Type, &node_of, &PyList_Type, &free, &PyList_Type, &node_gpus, &PyList_Type,
+                          &by_free))
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(gpus), size = PyTuple_GET_SIZE(node_of), nodes = PyList_GET_SIZE(free);
+    Py_ssize_t nb = PyList_GET_SIZE(by_free), nn = 0;
+    if (n == 0 || n > 4096 || PyList_GET_SIZE(node_gpus) != nodes)
+        return not_implemented();
+    Py_ssize_t seen[4096];  /* the distinct nodes, in first-seen order */
+    Py_buffer uv;
+    int have_used = used != Py_None;
+    if (have_used) {
+        if (get_bool(used, &uv, 1) < 0)
+            return not_implemented();
+        if (uv.shape[0] != size) {
+            PyBuffer_Release(&uv);
+            return not_implemented();
+        }
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {  /* every check before any change */
+        PyObject *g = PyTuple_GET_ITEM(gpus, k);
+        Py_ssize_t gi = PyLong_CheckExact(g) ? PyLong_AsSsize_t(g) : -1, node;
+        if (gi < 0 || gi >= size || !PyLong_CheckExact(PyTuple_GET_ITEM(node_of, gi)))
+            goto skip;
+        node = PyLong_AsSsize_t(PyTuple_GET_ITEM(node_of, gi));
+        if (node < 0 || node >= nodes || !PyTuple_Check(PyList_GET_ITEM(free, node)) ||
+            !PyTuple_Check(PyList_GET_ITEM(node_gpus, node)) || PyTuple_GET_SIZE(PyList_GET_ITEM(node_gpus, node)) >= nb ||
+            PyTuple_GET_SIZE(PyList_GET_ITEM(node_gpus, node)) > 64)
+            goto skip;
+        Py_ssize_t j = 0;
+        while (j < nn && seen[j] != node)
+            j++;
+        if (j == nn)
+            seen[nn++] = node;
+    }
+    for (Py_ssize_t b = 0; b < nb; b++)
+        if (!PyList_Check(PyList_GET_ITEM(by_free, b)))
+            goto skip;
+    for (Py_ssize_t k = 0; k < n; k++) {  /* the owners, and the mask */
+        PyObject *g = PyTuple_GET_ITEM(gpus, k);
+        if ((jid != Py_None ? PyDict_SetItem(owner, g, jid) : PyDict_DelItem(owner, g)) < 0)
+            goto fail;
+        if (have_used)
+            ((char *)uv.buf)[PyLong_AsSsize_t(g)] = jid != Py_None;
+    }
+    for (Py_ssize_t j = 0; j < nn; j++) {  /* each node's free GPUs, and its bucket */
+        PyObject *all = PyList_GET_ITEM(node_gpus, seen[j]);
+        Py_ssize_t m = PyTuple_GET_SIZE(all), k2 = 0;
+        PyObject *kept[64], *tup;  /* m <= 64, checked above */
+        for (Py_ssize_t k = 0; k < m; k++) {
+            int held = PyDict_Contains(owner, PyTuple_GET_ITEM(all, k));
+            if (held < 0)
+                goto fail;
+            if (!held)
+                kept[k2++] = PyTuple_GET_ITEM(all, k);
+        }
+        if (!(tup = PyTuple_New(k2)))
+            goto fail;
+        for (Py_ssize_t k = 0; k < k2; k++) {
+            Py_INCREF(kept[k]);
+            PyTuple_SET_ITEM(tup, k, kept[k]);
+        }
+        Py_ssize_t old = PyTuple_GET_SIZE(PyList_GET_ITEM(free, seen[j]));
+        PyObject *node_obj = PyLong_FromSsize_t(seen[j]);
+        int bad = !node_obj || (k2 != old && rebucket(by_free, node_obj, seen[j], old, k2) < 0);
+        Py_XDECREF(node_obj);
+        if (bad) {
+            Py_DECREF(tup);
+            goto fail;
+        }
+        PyList_SetItem(free, seen[j], tup);  /* steals tup */
+    }
+    if (have_used)
+        PyBuffer_Release(&uv);
+    Py_RETURN_NONE;
+skip:
+    if (have_used)
+        PyBuffer_Release(&uv);
+    return not_implemented();
+fail:
+    if (have_used)
+        PyBuffer_Release(&uv);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"placer_start", placer_start, METH_VARARGS,
      "placer_start(current, want, mask): (jobs that keep their GPUs, jobs to place); clears the others' GPUs."},
+    {"gpus_change", gpus_change, METH_VARARGS,
+     "gpus_change(gpus, jid, owner, used, node_of, free, node_gpus, by_free): ViewCache's owners and free lists."},
     {"row_views", row_views, METH_VARARGS,
      "row_views(cls, cols, counters): (ids, views) of the running rows with an id (Rows.columns)."},
     {"las_floors", las_floors, METH_VARARGS,
@@ -1413,7 +1548,7 @@ PyInit__fastbits(void)
         || !(str_submit_time = PyUnicode_InternFromString("submit_time")))
         return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "API", 2) < 0) {
+    if (m && PyModule_AddIntConstant(m, "API", 3) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -26,6 +26,7 @@ from tidal.core.overhead import OverheadModel
 from tidal.core.profile import ThroughputProfile
 from tidal.core.topology import Cluster
 from tidal.core.job import JobState
+from tidal.scheduler import kernels
 from tidal.scheduler.api import FrozenDict, JobView, Snapshot
 from tidal.sim.progress import SimJob
 from tidal.sim.runset import Rows, RunSet
@@ -80,11 +81,13 @@ class ViewCache:
         """Record ``job.gpus`` as held by ``job``."""
         self._frozen = None
         jid, gpus = job.spec.job_id, job.gpus
-        if self.used is not None:
-            self.used[list(gpus)] = True
         self.held[jid] = gpus
         self.sizes[jid] = len(gpus)
         self._idle.pop(jid, None)
+        if self._fast_change(gpus, jid):
+            return
+        if self.used is not None:
+            self.used[list(gpus)] = True
         if len(gpus) == 1:  # one GPU: it leaves its node's free list
             g = gpus[0]
             self.owner[g] = jid
@@ -106,13 +109,15 @@ class ViewCache:
             return
         self._frozen = None
         jid, owner = job.spec.job_id, self.owner
-        if self.used is not None:
-            self.used[list(gpus)] = False
         self.held.pop(jid, None)
         self.sizes.pop(jid, None)
         if not leaving:
             self._idle[jid] = None  # out of arrival order if it stays idle (see snapshot)
             self._returned.add(jid)
+        if self._fast_change(gpus, None):
+            return
+        if self.used is not None:
+            self.used[list(gpus)] = False
         if len(gpus) == 1:  # one GPU: back in its node's free list, in order
             g = gpus[0]
             del owner[g]
@@ -125,6 +130,15 @@ class ViewCache:
             for g in gpus:
                 del owner[g]
             self._refree(gpus)
+
+    def _fast_change(self, gpus: tuple[int, ...], jid: str | None) -> bool:
+        """The owners, the used mask and the free lists for ``gpus`` taken by
+        ``jid`` (None: given back), compiled; False if that did not run (the
+        lines after the call do it)."""
+        fast = kernels.fast
+        return fast is not None and type(gpus) is tuple and fast.gpus_change(
+            gpus, jid, self.owner, self.used, self._node_of, self.free, self._node_gpus, self.by_free
+        ) is not NotImplemented
 
     def _rebucket(self, node: int, old: int, new: int) -> None:
         """``node`` had ``old`` free GPUs and has ``new``."""
