@@ -448,3 +448,60 @@ def test_free_lists_equal_python(cluster: str, monkeypatch: pytest.MonkeyPatch) 
     assert kernels.fast.gpus_change((10**6,), "x", cache.owner, None, cache._node_of, cache.free,
                                     cache._node_gpus, cache.by_free) is NotImplemented
     assert cache.owner == {}
+
+
+@needs_kernels
+def test_changed_jobs_equal_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """record_rescales' look at the jobs whose GPUs or count change,
+    compiled and in Python: random allocations and placements (kept tuples,
+    equal copies, other counts, no placement, count 0), and every round of a
+    small contended run."""
+    from tidal.core.topology import parse_cluster
+    from tidal.scheduler.api import FrozenDict
+    from tidal.scheduler.policies import elasticflow
+    from tidal.scheduler.registry import get_policy
+    from tidal.sim.engine import simulate
+    from tidal.sim.traces import poisson_jobs
+
+    def python(alloc, placement, held):
+        look = set(jid for jid, n in alloc.items() if placement.get(jid, ()) is not held.get(jid))
+        return look | {jid for jid, n in alloc.items() if len(placement.get(jid, ())) != n}
+
+    rng = random.Random(5)
+    for _ in range(500):
+        held, alloc, placement = {}, {}, {}
+        for k in range(rng.randrange(12)):
+            jid = f"j{k}"
+            gpus = tuple(range(k * 8, k * 8 + rng.choice([1, 2, 4])))
+            if rng.random() < 0.6:
+                held[jid] = gpus
+            if rng.random() < 0.8:
+                alloc[jid] = rng.choice([0, len(gpus), 2 * len(gpus)])
+            kind = rng.random()
+            if kind < 0.4 and jid in held:
+                placement[jid] = held[jid]  # the very tuple
+            elif kind < 0.6:
+                placement[jid] = tuple(gpus)[:]  # an equal copy
+            elif kind < 0.8:
+                placement[jid] = tuple(range(100, 100 + alloc.get(jid, 1)))
+        frozen = FrozenDict(held)
+        assert kernels.fast.changed_jobs(alloc, placement, frozen) == python(alloc, placement, held)
+    assert kernels.fast.changed_jobs({"a": 1.0}, {}, {}) is NotImplemented
+    assert kernels.fast.changed_jobs({"a": 1}, {"a": [0]}, {}) is NotImplemented
+
+    calls = []
+    original = elasticflow.record_rescales
+
+    def both(snap, plan, costs):
+        tags = {k: dict(v) for k, v in plan.tags.items()}
+        with monkeypatch.context() as m:
+            _numpy(m)
+            original(snap, plan, costs)
+        slow, plan.tags = plan.tags, tags
+        original(snap, plan, costs)
+        assert plan.tags == slow
+        calls.append(sum("ef_busy_until" in t for t in slow.values()))
+
+    monkeypatch.setattr(elasticflow, "record_rescales", both)
+    simulate(poisson_jobs(120, rate_per_hour=60, seed=7).jobs, parse_cluster("n4g8"), get_policy("tidal"))
+    assert len(calls) > 20 and max(calls) > 0

@@ -1498,9 +1498,52 @@ fail:
     return NULL;
 }
 
+/* changed_jobs(alloc, placement, held): the set of the jobs of ``alloc``
+ * (job -> count) whose placement (``()`` if none) is not the very object
+ * they hold (None if none), or whose placement's length is not their count
+ * (record_rescales' first look). NotImplemented for a count that is not an
+ * int or a placement that is not a tuple. */
+static PyObject *
+changed_jobs(PyObject *self, PyObject *args)
+{
+    PyObject *alloc, *placement, *held;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyDict_Type, &alloc, &PyDict_Type, &placement, &PyDict_Type, &held))
+        return NULL;
+    PyObject *jid, *n, *out = PySet_New(NULL), *empty = PyTuple_New(0);  /* the () that placement.get gives */
+    Py_ssize_t pos = 0;
+    if (!out || !empty)
+        goto fail;
+    while (PyDict_Next(alloc, &pos, &jid, &n)) {
+        PyObject *p = PyDict_GetItemWithError(placement, jid), *h;
+        if (!p && PyErr_Occurred())
+            goto fail;
+        if (!(h = PyDict_GetItemWithError(held, jid)) && PyErr_Occurred())
+            goto fail;
+        p = p ? p : empty;
+        if (!PyLong_CheckExact(n) || !PyTuple_CheckExact(p)) {
+            Py_DECREF(out);
+            Py_DECREF(empty);
+            return not_implemented();
+        }
+        Py_ssize_t count = PyLong_AsSsize_t(n);
+        if (count == -1 && PyErr_Occurred())
+            goto fail;
+        if ((p != (h ? h : Py_None) || PyTuple_GET_SIZE(p) != count) && PySet_Add(out, jid) < 0)
+            goto fail;
+    }
+    Py_DECREF(empty);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_XDECREF(empty);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"placer_start", placer_start, METH_VARARGS,
      "placer_start(current, want, mask): (jobs that keep their GPUs, jobs to place); clears the others' GPUs."},
+    {"changed_jobs", changed_jobs, METH_VARARGS,
+     "changed_jobs(alloc, placement, held): jobs not placed on the very GPUs they hold, or on another count."},
     {"gpus_change", gpus_change, METH_VARARGS,
      "gpus_change(gpus, jid, owner, used, node_of, free, node_gpus, by_free): ViewCache's owners and free lists."},
     {"row_views", row_views, METH_VARARGS,
@@ -1548,7 +1591,7 @@ PyInit__fastbits(void)
         || !(str_submit_time = PyUnicode_InternFromString("submit_time")))
         return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "API", 3) < 0) {
+    if (m && PyModule_AddIntConstant(m, "API", 4) < 0) {
         Py_DECREF(m);
         return NULL;
     }

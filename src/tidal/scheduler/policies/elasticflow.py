@@ -64,7 +64,7 @@ import numpy as np
 
 from tidal.core.job import JobState
 from tidal.core.overhead import OverheadModel
-from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
+from tidal.scheduler.api import FrozenDict, JobView, Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.buddy import place_buddy
 from tidal.scheduler.estimate import rigid_count
 from tidal.scheduler import kernels
@@ -666,8 +666,13 @@ def record_rescales(snap: Snapshot, plan: Plan, costs: Costs) -> None:
     next plan knows even if the overhead outlasts a slot."""
     alloc, placement, held = plan.allocation, plan.placement, snap.held
     # a job placed on the very GPUs it holds (and allocated their count) is skipped below: look at the others
-    look = set(compress(alloc, map(is_not, map(placement.get, alloc, repeat(())), map(held.get, alloc))))
-    look.update(compress(alloc, map(ne, map(len, map(placement.get, alloc, repeat(()))), alloc.values())))
+    fast = kernels.fast
+    look = NotImplemented
+    if fast is not None and type(alloc) is dict and type(placement) is dict and type(held) in (dict, FrozenDict):
+        look = fast.changed_jobs(alloc, placement, held)  # the two lines below, compiled
+    if look is NotImplemented:
+        look = set(compress(alloc, map(is_not, map(placement.get, alloc, repeat(())), map(held.get, alloc))))
+        look.update(compress(alloc, map(ne, map(len, map(placement.get, alloc, repeat(()))), alloc.values())))
     for j in snap.in_order(look):
         n = alloc.get(j.job_id, 0)
         if n == 0:
