@@ -5,4 +5,6 @@ numpy code they replace."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("tidal.scheduler._fastbits", ["src/tidal/scheduler/_fastbits.c"], optional=True)])
+# -ffp-contract=off: a product and a sum stay two roundings, as in numpy (no fused multiply-add)
+setup(ext_modules=[Extension("tidal.scheduler._fastbits", ["src/tidal/scheduler/_fastbits.c"],
+                             extra_compile_args=["-ffp-contract=off"], optional=True)])

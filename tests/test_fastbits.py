@@ -505,3 +505,44 @@ def test_changed_jobs_equal_python(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(elasticflow, "record_rescales", both)
     simulate(poisson_jobs(120, rate_per_hour=60, seed=7).jobs, parse_cluster("n4g8"), get_policy("tidal"))
     assert len(calls) > 20 and max(calls) > 0
+
+
+@needs_kernels
+def test_row_advance_equals_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RunSet.advance's arithmetic, compiled and with numpy, bit for bit:
+    random rows (the counters, the time of the last update, the useful
+    work's sum in row order, or its terms when slow rows are integrated
+    apart), then whole runs with the kernels and without: every job's
+    counters and times, the useful and busy GPU-seconds."""
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        cap, n = 16, int(rng.integers(1, 17))
+        S, M = rng.random((cap, 6)) * 1e4, rng.random((cap, 6)) * rng.choice([0.0, 1.0, 1e-3])
+        L, now = rng.random(cap) * 100, 100.0 + float(rng.random()) * 60
+        useful = float(rng.random() * 1e6)
+        gain = M[:n] * (now - L[:n])[:, None]
+        want_S, want_L = S.copy(), L.copy()
+        want_S[:n] += gain
+        want_L[:n] = now
+        terms = gain[:, 5].copy()
+        terms[0] += useful
+        for arg, want in ((useful, float(terms.cumsum()[-1])), (None, gain[:, 5].tolist())):
+            s, l = S.copy(), L.copy()
+            assert kernels.fast.advance_rows(s, M, l, n, now, arg) == want
+            assert s.tobytes() == want_S.tobytes() and l.tobytes() == want_L.tobytes()
+    assert kernels.fast.advance_rows(S.astype(np.float32), M, L, 4, 1.0, None) is NotImplemented
+    assert kernels.fast.advance_rows(S, M, L, 17, 1.0, None) is NotImplemented
+
+    from tidal.core.topology import parse_cluster
+    from tidal.scheduler.registry import get_policy
+    from tidal.sim.engine import simulate
+    from tidal.sim.traces import poisson_jobs
+
+    def run():
+        r = simulate(poisson_jobs(150, rate_per_hour=60, seed=8).jobs, parse_cluster("n4g8"), get_policy("tidal"))
+        return ([(j.spec.job_id, j.done, j.attained, j.executed, j.gpu_seconds, j.end_time) for j in r.jobs],
+                r.useful_norm_s, r.busy_gpu_s, r.rounds)
+
+    compiled = run()
+    _numpy(monkeypatch)
+    assert run() == compiled

@@ -1539,9 +1539,92 @@ fail:
     return NULL;
 }
 
+/* A C-contiguous float64 buffer of ``ndim`` dimensions (the last ``cols``
+ * wide if ndim is 2); -1 (no error set) if the object is not one. */
+static int
+get_f64(PyObject *obj, Py_buffer *view, int ndim, Py_ssize_t cols, int writable)
+{
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    if (view->itemsize != 8 || view->ndim != ndim || !view->format || strcmp(view->format, "d") != 0 ||
+        (ndim == 2 && view->shape[1] != cols)) {
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* advance_rows(S, M, L, n, now, useful): RunSet.advance's arithmetic on its
+ * first n rows: S += M * (now - L) row by row (the product rounded, then
+ * added, as numpy does), L = now. Returns ``useful`` plus the rows' last
+ * gain column summed in row order (as cumsum), or with ``useful`` None the
+ * list of those gains. NotImplemented for other arrays. */
+static PyObject *
+advance_rows(PyObject *self, PyObject *args)
+{
+    PyObject *s_obj, *m_obj, *l_obj, *useful;
+    Py_ssize_t n;
+    double now;
+    if (!PyArg_ParseTuple(args, "OOOndO", &s_obj, &m_obj, &l_obj, &n, &now, &useful))
+        return NULL;
+    if (useful != Py_None && !PyFloat_CheckExact(useful))
+        return not_implemented();
+    Py_buffer sv, mv, lv;
+    if (get_f64(s_obj, &sv, 2, 6, 1) < 0)
+        return not_implemented();
+    if (get_f64(m_obj, &mv, 2, 6, 0) < 0) {
+        PyBuffer_Release(&sv);
+        return not_implemented();
+    }
+    if (get_f64(l_obj, &lv, 1, 0, 1) < 0) {
+        PyBuffer_Release(&sv);
+        PyBuffer_Release(&mv);
+        return not_implemented();
+    }
+    PyObject *out = NULL;
+    if (n < 0 || n > sv.shape[0] || n > mv.shape[0] || n > lv.shape[0] || n == 0) {
+        out = not_implemented();
+        goto done;
+    }
+    double *S = sv.buf, *L = lv.buf, u = useful == Py_None ? 0.0 : PyFloat_AS_DOUBLE(useful);
+    const double *M = mv.buf;
+    PyObject *terms = useful == Py_None ? PyList_New(n) : NULL;
+    if (useful == Py_None && !terms)
+        goto done;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        double dt = now - L[r], g = 0.0;
+        for (int c = 0; c < 6; c++) {
+            g = M[6 * r + c] * dt;
+            S[6 * r + c] += g;
+        }
+        L[r] = now;
+        if (terms) {
+            PyObject *x = PyFloat_FromDouble(g);
+            if (!x) {
+                Py_DECREF(terms);
+                goto done;
+            }
+            PyList_SET_ITEM(terms, r, x);
+        } else {
+            u = r ? u + g : g + u;
+        }
+    }
+    out = terms ? terms : PyFloat_FromDouble(u);
+done:
+    PyBuffer_Release(&sv);
+    PyBuffer_Release(&mv);
+    PyBuffer_Release(&lv);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"placer_start", placer_start, METH_VARARGS,
      "placer_start(current, want, mask): (jobs that keep their GPUs, jobs to place); clears the others' GPUs."},
+    {"advance_rows", advance_rows, METH_VARARGS,
+     "advance_rows(S, M, L, n, now, useful): RunSet.advance's arithmetic (useful + gains, or the gains)."},
     {"changed_jobs", changed_jobs, METH_VARARGS,
      "changed_jobs(alloc, placement, held): jobs not placed on the very GPUs they hold, or on another count."},
     {"gpus_change", gpus_change, METH_VARARGS,
@@ -1591,7 +1674,7 @@ PyInit__fastbits(void)
         || !(str_submit_time = PyUnicode_InternFromString("submit_time")))
         return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "API", 4) < 0) {
+    if (m && PyModule_AddIntConstant(m, "API", 5) < 0) {
         Py_DECREF(m);
         return NULL;
     }

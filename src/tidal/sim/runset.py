@@ -205,6 +205,15 @@ class RunSet:
         if not self.k:
             return
         n = self.n
+        fast = kernels.fast
+        if fast is not None:  # the arithmetic below, compiled
+            got = fast.advance_rows(self.S, self.M, self.L, n, now, None if self.slow else progress.useful)
+            if type(got) is float:
+                progress.useful = got
+                return
+            if got is not NotImplemented:
+                self._advance_slow(now, progress, view_tags, got)
+                return
         L = self.L[:n]
         gain = self.M[:n] * (now - L)[:, None]
         self.S[:n] += gain
@@ -214,7 +223,11 @@ class RunSet:
             terms[0] += progress.useful
             progress.useful = float(terms.cumsum()[-1])
             return
-        seq: list[Any] = terms.tolist()
+        self._advance_slow(now, progress, view_tags, terms.tolist())
+
+    def _advance_slow(self, now: float, progress: Progress, view_tags: dict[str, Any], seq: list[Any]) -> None:
+        """The slow rows, integrated job by job into ``seq`` (the steady rows'
+        gains, in row order), then summed into ``progress``."""
         for pos in sorted(self.slow, reverse=True):
             job = self.slow[pos]
             sub: list[float] = []
