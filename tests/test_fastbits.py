@@ -546,3 +546,43 @@ def test_row_advance_equals_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
     compiled = run()
     _numpy(monkeypatch)
     assert run() == compiled
+
+
+@needs_kernels
+@pytest.mark.parametrize("policy", ["elasticflow", "tidal"])
+def test_runnable_jobs_equal_python(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The jobs Algorithm 2 may give GPUs and their base (_Context.runnable:
+    admitted before or now, not dropped, a count above 0, their share),
+    compiled and in Python, on every call of a small contended run with
+    deadlines, drops and admissions."""
+    import copy
+
+    from tidal.core.topology import parse_cluster
+    from tidal.scheduler.policies import elasticflow
+    from tidal.scheduler.registry import get_policy
+    from tidal.sim.engine import simulate
+    from tidal.sim.traces import poisson_jobs
+
+    original = elasticflow._Context.runnable
+    sizes = []
+
+    def both(self, snap, plan):
+        fresh = copy.copy(self)
+        fresh._runnable = None
+        with monkeypatch.context() as m:
+            _numpy(m)
+            slow = original(fresh, snap, plan)
+        fast = original(self, snap, plan)
+        assert [j.spec.job_id for j in fast[0]] == [j.spec.job_id for j in slow[0]]
+        assert all(map(operator.is_, fast[0], slow[0])) and list(fast[1].items()) == list(slow[1].items())
+        sizes.append((len(fast[0]), bool(plan.admit), bool(plan.drop), sum(fast[1].values())))
+        return fast
+
+    monkeypatch.setattr(elasticflow._Context, "runnable", both)
+    with_deadlines = poisson_jobs(70, rate_per_hour=40, seed=3, deadline_factor=1.2).jobs
+    best_effort = [replace(s, job_id=f"b{s.job_id}") for s in poisson_jobs(50, rate_per_hour=30, seed=4).jobs]
+    hopeless = [replace(s, job_id=f"h{s.job_id}", deadline=s.submit_time + 1.0) for s in with_deadlines[::10]]
+    simulate([*with_deadlines, *best_effort, *hopeless], parse_cluster("n8g8"), get_policy(policy))
+    assert len(sizes) > 20 and max(s[0] for s in sizes) > 5
+    assert any(s[1] for s in sizes) and any(s[2] for s in sizes)  # admissions and drops
+    assert any(s[3] for s in sizes)  # shares in the base

@@ -1620,9 +1620,75 @@ done:
     return out;
 }
 
+/* runnable(jobs, ids, admit, drop, levels, shares): _Context.runnable's
+ * loop over api.schedulable: of the job views (tuples of the JobView
+ * fields) admitted before (``admitted`` true) or in ``admit``, and not in
+ * ``drop`` (``ids``: their ids, in order), those whose levels have a count
+ * above 0, and a dict of their share (0 without one). NotImplemented for a
+ * view that is not such a tuple or sequences of other lengths. */
+static PyObject *
+runnable(PyObject *self, PyObject *args)
+{
+    PyObject *jobs, *ids, *admit, *drop, *levels, *shares;
+    if (!PyArg_ParseTuple(args, "O!O!OOO!O!", &PyTuple_Type, &jobs, &PyTuple_Type, &ids, &admit, &drop,
+                          &PyDict_Type, &levels, &PyDict_Type, &shares))
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(jobs);
+    if (PyTuple_GET_SIZE(ids) != n)
+        return not_implemented();
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (!PyTuple_Check(PyTuple_GET_ITEM(jobs, k)) || PyTuple_GET_SIZE(PyTuple_GET_ITEM(jobs, k)) < 10)
+            return not_implemented();
+    int any_admit = PyObject_IsTrue(admit), any_drop = PyObject_IsTrue(drop);
+    if (any_admit < 0 || any_drop < 0)
+        return NULL;
+    PyObject *out = PyList_New(0), *base = PyDict_New(), *zero = PyLong_FromLong(0), *res = NULL;
+    if (!out || !base || !zero)
+        goto done;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *j = PyTuple_GET_ITEM(jobs, k), *id = PyTuple_GET_ITEM(ids, k);
+        int ok = PyObject_IsTrue(PyTuple_GET_ITEM(j, 7));
+        if (ok == 0 && any_admit)
+            ok = PySequence_Contains(admit, id);
+        if (ok > 0 && any_drop) {
+            int in = PySequence_Contains(drop, id);
+            ok = in < 0 ? -1 : !in;
+        }
+        if (ok < 0)
+            goto done;
+        if (!ok)
+            continue;
+        PyObject *jid = PyObject_GetAttr(PyTuple_GET_ITEM(j, 0), str_job_id), *lv, *counts = NULL;
+        if (!jid)
+            goto done;
+        if (!(lv = PyDict_GetItemWithError(levels, jid))) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, jid);
+            Py_DECREF(jid);
+            goto done;
+        }
+        Py_ssize_t m = (counts = PyObject_GetAttr(lv, str_count_list)) ? PyObject_Size(counts) : -1;
+        Py_XDECREF(counts);
+        PyObject *share = m > 1 ? PyDict_GetItemWithError(shares, jid) : NULL;
+        int bad = m < 0 || (m > 1 && ((!share && PyErr_Occurred()) || PyList_Append(out, j) < 0 ||
+                                      PyDict_SetItem(base, jid, share ? share : zero) < 0));
+        Py_DECREF(jid);
+        if (bad)
+            goto done;
+    }
+    res = PyTuple_Pack(2, out, base);
+done:
+    Py_XDECREF(out);
+    Py_XDECREF(base);
+    Py_XDECREF(zero);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"placer_start", placer_start, METH_VARARGS,
      "placer_start(current, want, mask): (jobs that keep their GPUs, jobs to place); clears the others' GPUs."},
+    {"runnable", runnable, METH_VARARGS,
+     "runnable(jobs, ids, admit, drop, levels, shares): (jobs, base) of _Context.runnable."},
     {"advance_rows", advance_rows, METH_VARARGS,
      "advance_rows(S, M, L, n, now, useful): RunSet.advance's arithmetic (useful + gains, or the gains)."},
     {"changed_jobs", changed_jobs, METH_VARARGS,
@@ -1674,7 +1740,7 @@ PyInit__fastbits(void)
         || !(str_submit_time = PyUnicode_InternFromString("submit_time")))
         return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "API", 5) < 0) {
+    if (m && PyModule_AddIntConstant(m, "API", 6) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -511,14 +511,19 @@ class _Context:
         hit = self._runnable
         if (hit is None or hit[0] is not admit or hit[1] is not drop or hit[2] != (len(admit), len(drop))
                 or hit[5] is not snap):
-            levels, sget = self.levels, self.shares.get
-            jobs, base = [], {}
-            for j in schedulable(snap, plan):
-                jid = j.spec.job_id
-                if len(levels[jid].count_list) > 1:
-                    jobs.append(j)
-                    base[jid] = sget(jid, 0)
-            hit = self._runnable = (admit, drop, (len(admit), len(drop)), jobs, base, snap)
+            levels, fast = self.levels, kernels.fast
+            got = NotImplemented
+            if fast is not None and type(levels) is dict and type(self.shares) is dict and type(snap.ids) is tuple:
+                got = fast.runnable(tuple(snap.jobs), snap.ids, admit, drop, levels, self.shares)
+            if got is NotImplemented:
+                sget = self.shares.get
+                got = [], {}
+                for j in schedulable(snap, plan):
+                    jid = j.spec.job_id
+                    if len(levels[jid].count_list) > 1:
+                        got[0].append(j)
+                        got[1][jid] = sget(jid, 0)
+            hit = self._runnable = (admit, drop, (len(admit), len(drop)), *got, snap)
         return list(hit[3]), dict(hit[4])
 
 
