@@ -241,6 +241,9 @@ def test_algorithm2_input_equals_the_python_loop(policy: str, monkeypatch: pytes
         fast = original_floors(self, snap, jobs, base, levels, free)
         assert fast == slow and list(base.items()) == list(slow_base.items())
         assert slow_queues is None or list(self._pass.queues.items()) == list(slow_queues.items())
+        if self._pass.weights is not None:  # the weights the floors found are the Python loop's
+            found, self._pass.weights = self._weights(snap, jobs), None
+            assert found == self._weights(snap, jobs)
         floors.append(len(slow_queues or ()))
         return fast
 
@@ -300,8 +303,11 @@ def test_floors_order_equals_python(submit: str, monkeypatch: pytest.MonkeyPatch
                     _numpy(m)
                 policy._pass = _Pass(frozenset(), split=dict(split))
                 b = dict(base)
-                got = policy._floors(types.SimpleNamespace(), list(jobs), b, levels, free)
-                out.append((got, list(b.items()), list(policy._pass.queues.items())))
+                listed = list(jobs)
+                got = policy._floors(types.SimpleNamespace(), listed, b, levels, free)
+                weights = policy._weights(types.SimpleNamespace(), listed)
+                assert off or policy._pass.weights is not None  # found by the kernel
+                out.append((got, list(b.items()), list(policy._pass.queues.items()), weights))
         assert out[0] == out[1]
 
 

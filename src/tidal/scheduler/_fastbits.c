@@ -967,6 +967,16 @@ levels_of(PyObject *self, PyObject *args)
 
 static PyObject *str_ef_class, *str_tiresias_base, *str_holds_gpus, *str_submit_time;  /* interned */
 
+/* Appends x to the list ``to``; 0, or -1 with an error. */
+static int
+append_float(PyObject *to, double x)
+{
+    PyObject *f = PyFloat_FromDouble(x);
+    int rc = f ? PyList_Append(to, f) : -1;
+    Py_XDECREF(f);
+    return rc;
+}
+
 /* A best-effort job's place in the floors' order: (queue, not holding GPUs,
  * submit time, id), compared in C when the submit time is a float (not NaN)
  * and the id a str, as Python compares the tuple. */
@@ -995,7 +1005,8 @@ floor_key_cmp(const void *pa, const void *pb)
  * C); 0, or -1 with an error. */
 static int
 floor_first(PyObject *j, PyObject *base, PyObject *split, PyObject *th, PyObject *queues, PyObject *classes,
-            PyObject *zero, PyObject *fzero, floor_key *keys, Py_ssize_t *nkeys, int *plain, PyObject **free)
+            PyObject *zero, PyObject *fzero, floor_key *keys, Py_ssize_t *nkeys, int *plain, PyObject **free,
+            PyObject *weights)
 {
     PyObject *spec = PyTuple_GET_ITEM(j, 0), *tags = PyTuple_GET_ITEM(j, 8);
     PyObject *jid = PyObject_GetAttr(spec, str_job_id), *ddl = NULL, *x = NULL, *q = NULL, *hg = NULL;
@@ -1019,6 +1030,8 @@ floor_first(PyObject *j, PyObject *base, PyObject *split, PyObject *th, PyObject
         Py_ssize_t at = bisect_obj(th, x, 1);
         if (at < 0 || !(q = PyLong_FromSsize_t(at)) || PyDict_SetItem(queues, jid, q) < 0)
             goto out;
+        if (append_float(weights, ldexp(1.0, (int)-at)) < 0)  /* its weight 2 ** -queue, exact */
+            goto out;
         if (!(hg = PyObject_GetAttr(PyTuple_GET_ITEM(j, 1), str_holds_gpus)))
             goto out;
         int holds = PyObject_IsTrue(hg);
@@ -1038,6 +1051,8 @@ floor_first(PyObject *j, PyObject *base, PyObject *split, PyObject *th, PyObject
     } else {  /* a guaranteed job keeps what the split gave it */
         PyObject *n = PyDict_GetItemWithError(split, jid), *b;
         if (!n && PyErr_Occurred())
+            goto out;
+        if (append_float(weights, 1.0) < 0)
             goto out;
         if (!(b = PyDict_GetItemWithError(base, jid)) && PyErr_Occurred())
             goto out;
@@ -1162,16 +1177,19 @@ fail:
     return -1;
 }
 
-/* las_floors(jobs, base, split, levels, thresholds, queues, free, classes):
- * the loops of Tidal._floors; returns the GPUs still free. NotImplemented
- * (nothing changed) for a view that is not a tuple of the JobView fields
- * with dict tags. */
+/* las_floors(jobs, base, split, levels, thresholds, queues, free, classes,
+ * weights): the loops of Tidal._floors; returns the GPUs still free, and
+ * appends each job's weight in Algorithm 2 to ``weights`` (Tidal._weights:
+ * 1.0 for a guaranteed job, 2 ** -queue for a best-effort one).
+ * NotImplemented (nothing changed) for a view that is not a tuple of the
+ * JobView fields with dict tags. */
 static PyObject *
 las_floors(PyObject *self, PyObject *args)
 {
-    PyObject *jobs, *base, *split, *levels, *th, *queues, *free_in, *classes;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO", &PyList_Type, &jobs, &PyDict_Type, &base, &PyDict_Type, &split,
-                          &PyDict_Type, &levels, &PyTuple_Type, &th, &PyDict_Type, &queues, &free_in, &classes))
+    PyObject *jobs, *base, *split, *levels, *th, *queues, *free_in, *classes, *weights;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OOO!", &PyList_Type, &jobs, &PyDict_Type, &base, &PyDict_Type, &split,
+                          &PyDict_Type, &levels, &PyTuple_Type, &th, &PyDict_Type, &queues, &free_in, &classes,
+                          &PyList_Type, &weights))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(jobs), nkeys = 0;
     for (Py_ssize_t k = 0; k < n; k++) {
@@ -1191,7 +1209,7 @@ las_floors(PyObject *self, PyObject *args)
         goto fail;
     for (Py_ssize_t k = 0; k < n; k++)
         if (floor_first(PyList_GET_ITEM(jobs, k), base, split, th, queues, classes, zero, fzero, keys, &nkeys,
-                        &plain, &free) < 0)
+                        &plain, &free, weights) < 0)
             goto fail;
     if (floor_sort(keys, nkeys, plain) < 0)
         goto fail;
@@ -1698,7 +1716,7 @@ static PyMethodDef methods[] = {
     {"row_views", row_views, METH_VARARGS,
      "row_views(cls, cols, counters): (ids, views) of the running rows with an id (Rows.columns)."},
     {"las_floors", las_floors, METH_VARARGS,
-     "las_floors(jobs, base, split, levels, thresholds, queues, free, classes): Tidal._floors' loops."},
+     "las_floors(jobs, base, split, levels, thresholds, queues, free, classes, weights): Tidal._floors' loops."},
     {"levels_of", levels_of, METH_VARARGS,
      "levels_of(jobs, by_job, make): _Memo.levels_of's loop (job id -> levels), keeping by_job."},
     {"greedy_open", greedy_open, METH_VARARGS,
@@ -1740,7 +1758,7 @@ PyInit__fastbits(void)
         || !(str_submit_time = PyUnicode_InternFromString("submit_time")))
         return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "API", 6) < 0) {
+    if (m && PyModule_AddIntConstant(m, "API", 7) < 0) {
         Py_DECREF(m);
         return NULL;
     }

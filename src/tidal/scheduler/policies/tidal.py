@@ -69,6 +69,7 @@ class _Pass:
     squeezed: frozenset[str]
     split: dict[str, int] | None = None
     queues: dict[str, int] | None = None  # best-effort jobs' LAS queue, found by the floors
+    weights: tuple[list[JobView], list[float]] | None = None  # (jobs, their weights), if the floors found them
 
 
 class Tidal(ElasticFlow):
@@ -133,8 +134,10 @@ class Tidal(ElasticFlow):
         fast = kernels.fast
         if fast is not None and (type(jobs), type(base), type(split), type(levels), type(th)) == (
                 list, dict, dict, dict, tuple):
-            got = fast.las_floors(jobs, base, split, levels, th, queues, free, _BEST_EFFORT)
+            weights: list[float] = []
+            got = fast.las_floors(jobs, base, split, levels, th, queues, free, _BEST_EFFORT, weights)
             if got is not NotImplemented:
+                p.weights = (jobs, weights)  # what _weights would find for these jobs
                 return got  # the loops below, compiled
         keyed = []
         for j in jobs:  # guaranteed jobs keep their split; best-effort ones in LAS order
@@ -169,6 +172,8 @@ class Tidal(ElasticFlow):
             return [tight if j.spec.job_id in squeezed else 1.0 for j in jobs]
         if p is None or p.queues is None:
             return [self._weight(snap, j) for j in jobs]
+        if p.weights is not None and p.weights[0] is jobs:
+            return list(p.weights[1])
         qget, th, out = p.queues.get, self.thresholds, []
         for j in jobs:
             q = qget(j.spec.job_id)
