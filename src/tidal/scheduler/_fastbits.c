@@ -967,6 +967,16 @@ levels_of(PyObject *self, PyObject *args)
 
 static PyObject *str_ef_class, *str_tiresias_base, *str_holds_gpus, *str_submit_time;  /* interned */
 
+/* Whether every item of the tuple is a float. */
+static int
+all_floats(PyObject *tup)
+{
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(tup); k++)
+        if (!PyFloat_CheckExact(PyTuple_GET_ITEM(tup, k)))
+            return 0;
+    return 1;
+}
+
 /* Appends x to the list ``to``; 0, or -1 with an error. */
 static int
 append_float(PyObject *to, double x)
@@ -1025,10 +1035,24 @@ floor_first(PyObject *j, PyObject *base, PyObject *split, PyObject *th, PyObject
         PyObject *b0 = PyDict_GetItemWithError(tags, str_tiresias_base);
         if (!b0 && PyErr_Occurred())
             goto out;
-        if (!(x = PyNumber_Subtract(PyTuple_GET_ITEM(j, 4), b0 ? b0 : fzero)))
+        PyObject *att = PyTuple_GET_ITEM(j, 4);
+        b0 = b0 ? b0 : fzero;
+        Py_ssize_t at;
+        if (PyFloat_CheckExact(att) && PyFloat_CheckExact(b0) && all_floats(th)) {  /* in C, as Python would */
+            double xv = PyFloat_AS_DOUBLE(att) - PyFloat_AS_DOUBLE(b0);
+            Py_ssize_t lo = 0, hi = PyTuple_GET_SIZE(th);
+            while (lo < hi) {  /* bisect_right */
+                Py_ssize_t mid = (lo + hi) / 2;
+                if (xv < PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(th, mid)))
+                    hi = mid;
+                else
+                    lo = mid + 1;
+            }
+            at = lo;
+        } else if (!(x = PyNumber_Subtract(att, b0)) || (at = bisect_obj(th, x, 1)) < 0) {
             goto out;
-        Py_ssize_t at = bisect_obj(th, x, 1);
-        if (at < 0 || !(q = PyLong_FromSsize_t(at)) || PyDict_SetItem(queues, jid, q) < 0)
+        }
+        if (!(q = PyLong_FromSsize_t(at)) || PyDict_SetItem(queues, jid, q) < 0)
             goto out;
         if (append_float(weights, ldexp(1.0, (int)-at)) < 0)  /* its weight 2 ** -queue, exact */
             goto out;
