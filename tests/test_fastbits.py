@@ -592,3 +592,26 @@ def test_runnable_jobs_equal_python(policy: str, monkeypatch: pytest.MonkeyPatch
     assert len(sizes) > 20 and max(s[0] for s in sizes) > 5
     assert any(s[1] for s in sizes) and any(s[2] for s in sizes)  # admissions and drops
     assert any(s[3] for s in sizes)  # shares in the base
+
+
+@needs_kernels
+def test_placer_inputs_equal_python() -> None:
+    """place_buddy's opening (the held GPUs in snapshot order, the counts
+    wanted), compiled and as the Python lines compute it, on random
+    snapshots and allocations: counts of 0, none, negative, bools, floats."""
+    from tidal.scheduler.api import FrozenDict
+
+    def python(ids, held, allocation):
+        current = {jid: held[jid] for jid in ids if jid in held}
+        want = {jid: n for jid, n in allocation.items() if n > 0} if 0 in allocation.values() else dict(allocation)
+        return current, want
+
+    rng = random.Random(9)
+    for _ in range(1000):
+        ids = tuple(f"j{k}" for k in rng.sample(range(30), rng.randrange(0, 20)))
+        held = FrozenDict({jid: (k,) for k, jid in enumerate(ids) if rng.random() < 0.5})
+        allocation = {jid: rng.choice([0, 1, 2, 4, -1, 0.0, 2.0, False, True]) for jid in ids if rng.random() < 0.7}
+        fast = kernels.fast.placer_inputs(ids, held, allocation)
+        slow = python(ids, held, allocation)
+        assert [list(d.items()) for d in fast] == [list(d.items()) for d in slow]
+        assert all(map(operator.is_, fast[0].values(), slow[0].values()))

@@ -1726,9 +1726,55 @@ done:
     return res;
 }
 
+/* placer_inputs(ids, held, allocation): place_buddy's opening: the GPUs
+ * each job of ``ids`` holds (``held``), in ``ids`` order, and the counts
+ * wanted: ``allocation`` less its entries that are not > 0 when one of its
+ * counts equals 0, else a copy of it. */
+static PyObject *
+placer_inputs(PyObject *self, PyObject *args)
+{
+    PyObject *ids, *held, *alloc;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyTuple_Type, &ids, &PyDict_Type, &held, &PyDict_Type, &alloc))
+        return NULL;
+    PyObject *current = PyDict_New(), *want = NULL, *zero = PyLong_FromLong(0), *out = NULL, *key, *value;
+    if (!current || !zero)
+        goto done;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(ids); k++) {
+        PyObject *jid = PyTuple_GET_ITEM(ids, k), *gpus = PyDict_GetItemWithError(held, jid);
+        if (!gpus && PyErr_Occurred())
+            goto done;
+        if (gpus && PyDict_SetItem(current, jid, gpus) < 0)
+            goto done;
+    }
+    int has_zero = 0;
+    Py_ssize_t pos = 0;
+    while (!has_zero && PyDict_Next(alloc, &pos, &key, &value))  /* 0 in allocation.values() */
+        if ((has_zero = PyObject_RichCompareBool(value, zero, Py_EQ)) < 0)
+            goto done;
+    if (!has_zero) {
+        want = PyDict_Copy(alloc);
+    } else if ((want = PyDict_New())) {
+        pos = 0;
+        while (PyDict_Next(alloc, &pos, &key, &value)) {
+            int pos_n = PyObject_RichCompareBool(value, zero, Py_GT);
+            if (pos_n < 0 || (pos_n && PyDict_SetItem(want, key, value) < 0))
+                goto done;
+        }
+    }
+    if (want)
+        out = PyTuple_Pack(2, current, want);
+done:
+    Py_XDECREF(current);
+    Py_XDECREF(want);
+    Py_XDECREF(zero);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"placer_start", placer_start, METH_VARARGS,
      "placer_start(current, want, mask): (jobs that keep their GPUs, jobs to place); clears the others' GPUs."},
+    {"placer_inputs", placer_inputs, METH_VARARGS,
+     "placer_inputs(ids, held, allocation): (held GPUs in ids order, wanted counts) of place_buddy."},
     {"runnable", runnable, METH_VARARGS,
      "runnable(jobs, ids, admit, drop, levels, shares): (jobs, base) of _Context.runnable."},
     {"advance_rows", advance_rows, METH_VARARGS,
@@ -1782,7 +1828,7 @@ PyInit__fastbits(void)
         || !(str_submit_time = PyUnicode_InternFromString("submit_time")))
         return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "API", 7) < 0) {
+    if (m && PyModule_AddIntConstant(m, "API", 8) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from types import ModuleType
 
-API = 7  # the _fastbits.c this code calls (its API constant)
+API = 8  # the _fastbits.c this code calls (its API constant)
 
 fast: ModuleType | None
 try:
