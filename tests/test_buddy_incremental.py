@@ -141,3 +141,35 @@ def test_copied_counts_stay_current_and_apart(cluster: str) -> None:
         assert_counts_current(b)
     assert_counts_current(a)
     assert a.mask().tolist() == before.tolist()
+
+
+def test_placement_keeps_the_snapshot_order_through_restarts(monkeypatch) -> None:
+    """The placer's output lists the jobs that keep their GPUs in snapshot
+    order (then the placed ones), also after a failed job made it start over
+    keeping its GPUs: checked on every placement of a contended run."""
+    from tidal.core.topology import parse_cluster
+    from tidal.scheduler import buddy
+    from tidal.scheduler.registry import get_policy
+    from tidal.sim.engine import simulate
+    from tidal.sim.traces import poisson_jobs
+
+    original_out, original_restart = buddy._Placer.out, buddy._Placer.restart
+    seen = {"outs": 0, "restarts": 0}
+
+    def out(self):
+        got = original_out.fget(self)
+        keep = self.keep
+        want = {jid: keep[jid] for jid in self.current if jid in keep}
+        want.update(self.placed)
+        assert list(got.items()) == list(want.items())
+        seen["outs"] += 1
+        return got
+
+    def restart(self, kept):
+        seen["restarts"] += 1
+        return original_restart(self, kept)
+
+    monkeypatch.setattr(buddy._Placer, "out", property(out))
+    monkeypatch.setattr(buddy._Placer, "restart", restart)
+    simulate(poisson_jobs(200, rate_per_hour=90, seed=2).jobs, parse_cluster("n4g8"), get_policy("elasticflow"))
+    assert seen["outs"] > 20 and seen["restarts"] > 0

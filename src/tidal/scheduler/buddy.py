@@ -435,8 +435,7 @@ class _Placer:
         if prev is None:
             self._start(current, want, used)
         else:  # start over once job ``kept`` keeps its GPUs too (the order of the rest holds)
-            self.keep = dict(prev.keep)
-            self.keep[kept] = current[kept]
+            self.keep = _in_order(current, {**prev.keep, kept: current[kept]})
             buddy.start_from(prev.used0.copy(), prev.start_bits())
             buddy.mark(current[kept])
             self.todo = [j for j in prev.todo if j != kept]
@@ -487,8 +486,7 @@ class _Placer:
     def out(self) -> dict[str, tuple[int, ...]]:
         """The placement: jobs that keep their GPUs (in the order of
         ``current``), then the others in the order they were placed."""
-        keep = self.keep
-        out = {jid: keep[jid] for jid in self.current if jid in keep}
+        out = dict(self.keep)  # in the order of ``current`` already
         out.update(self.placed)
         return out
 
@@ -525,7 +523,7 @@ class _Placer:
         if self.pos or self.placed or self.todo[0] != kept:
             return _Placer(self.buddy.cluster, self.current, self.want, self, kept)
         gpus = self.current[kept]
-        self.keep[kept] = gpus
+        self.keep = _in_order(self.current, {**self.keep, kept: gpus})
         self.buddy.mark(gpus)
         self.used0 = self.buddy.mask()
         self._bits0 = None
@@ -544,6 +542,11 @@ class _Placer:
         want = self.want
         self.todo[self.pos :] = sorted(tail, key=lambda j: (-want[j], j))
         return True
+
+
+def _in_order(current: dict[str, tuple[int, ...]], keep: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """``keep`` (jobs of ``current``) in the order of ``current``."""
+    return {jid: keep[jid] for jid in current if jid in keep}
 
 
 def _evict_for(buddy: BuddyAllocator, out: dict[str, tuple[int, ...]], n: int, weights: Mapping[str, int]):
