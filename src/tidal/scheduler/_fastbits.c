@@ -692,6 +692,36 @@ bisect_obj(PyObject *tup, PyObject *x, int right)
     return lo;
 }
 
+/* bisect_left(tup, x): in C when x and every item are ints that fit a long
+ * long, else as bisect_obj; -1 with an error. */
+static Py_ssize_t
+bisect_ints_or_obj(PyObject *tup, PyObject *x)
+{
+    Py_ssize_t m = PyTuple_GET_SIZE(tup);
+    long long v[64];
+    int overflow = 0;
+    long long xv = PyLong_CheckExact(x) ? PyLong_AsLongLongAndOverflow(x, &overflow) : 0;
+    if (!PyLong_CheckExact(x) || overflow || m > 64)
+        return bisect_obj(tup, x, 0);
+    for (Py_ssize_t k = 0; k < m; k++) {
+        PyObject *c = PyTuple_GET_ITEM(tup, k);
+        if (!PyLong_CheckExact(c))
+            return bisect_obj(tup, x, 0);
+        v[k] = PyLong_AsLongLongAndOverflow(c, &overflow);
+        if (overflow)
+            return bisect_obj(tup, x, 0);
+    }
+    Py_ssize_t lo = 0, hi = m;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (v[mid] < xv)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
 /* steps_input(jobs, levels, base, shares, weights, tables, make, inf): the
  * loop of elasticflow.algorithm2_input (Algorithm 2's input). Per job view (in
  * order): its levels, the step tables memoised in ``tables`` under (id of
@@ -738,7 +768,9 @@ steps_input(PyObject *self, PyObject *args)
         if (has < 0)
             goto next;
         PyObject *share = has ? b : Py_None;
-        int go = PyObject_RichCompareBool(PyTuple_GET_ITEM(j, 5), zero, Py_GT);  /* executed > 0 */
+        PyObject *executed = PyTuple_GET_ITEM(j, 5);
+        int go = PyFloat_CheckExact(executed) ? PyFloat_AS_DOUBLE(executed) > 0.0
+                                              : PyObject_RichCompareBool(executed, zero, Py_GT);  /* executed > 0 */
         if (go < 0 || !(id = PyLong_FromVoidPtr(lv))
             || !(held = PyLong_FromSsize_t(PyTuple_GET_SIZE(PyTuple_GET_ITEM(j, 2)))))
             goto next;
@@ -762,7 +794,7 @@ steps_input(PyObject *self, PyObject *args)
             PyObject *counts = PyObject_GetAttr(lv, str_count_list);
             if (!counts)
                 goto next;
-            Py_ssize_t at = PyTuple_Check(counts) ? bisect_obj(counts, b, 0) : -2;
+            Py_ssize_t at = PyTuple_Check(counts) ? bisect_ints_or_obj(counts, b) : -2;
             Py_DECREF(counts);
             if (at == -2)
                 PyErr_SetString(PyExc_TypeError, "steps_input: Levels.count_list must be a tuple");
