@@ -432,10 +432,13 @@ class _Placer:
         """``used``: the GPUs ``current`` holds, as a mask, if the caller has it."""
         self.current, self.want = current, want  # ``want`` is shared with the caller
         self.buddy = buddy = BuddyAllocator(cluster)
+        self._ordered = True  # ``keep`` is in the order of ``current`` (until a restart adds a job)
         if prev is None:
             self._start(current, want, used)
         else:  # start over once job ``kept`` keeps its GPUs too (the order of the rest holds)
-            self.keep = _in_order(current, {**prev.keep, kept: current[kept]})
+            self.keep = dict(prev.keep)
+            self.keep[kept] = current[kept]
+            self._ordered = False
             buddy.start_from(prev.used0.copy(), prev.start_bits())
             buddy.mark(current[kept])
             self.todo = [j for j in prev.todo if j != kept]
@@ -486,7 +489,8 @@ class _Placer:
     def out(self) -> dict[str, tuple[int, ...]]:
         """The placement: jobs that keep their GPUs (in the order of
         ``current``), then the others in the order they were placed."""
-        out = dict(self.keep)  # in the order of ``current`` already
+        keep = self.keep
+        out = dict(keep) if self._ordered else {jid: keep[jid] for jid in self.current if jid in keep}
         out.update(self.placed)
         return out
 
@@ -523,7 +527,8 @@ class _Placer:
         if self.pos or self.placed or self.todo[0] != kept:
             return _Placer(self.buddy.cluster, self.current, self.want, self, kept)
         gpus = self.current[kept]
-        self.keep = _in_order(self.current, {**self.keep, kept: gpus})
+        self.keep[kept] = gpus
+        self._ordered = False
         self.buddy.mark(gpus)
         self.used0 = self.buddy.mask()
         self._bits0 = None
@@ -542,11 +547,6 @@ class _Placer:
         want = self.want
         self.todo[self.pos :] = sorted(tail, key=lambda j: (-want[j], j))
         return True
-
-
-def _in_order(current: dict[str, tuple[int, ...]], keep: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """``keep`` (jobs of ``current``) in the order of ``current``."""
-    return {jid: keep[jid] for jid in current if jid in keep}
 
 
 def _evict_for(buddy: BuddyAllocator, out: dict[str, tuple[int, ...]], n: int, weights: Mapping[str, int]):
