@@ -130,8 +130,7 @@ def test_copied_counts_stay_current_and_apart(cluster: str) -> None:
     a = BuddyAllocator(c, {int(g) for g in np.flatnonzero(rng.random(c.num_gpus) < 0.4)})
     a.best_fit_block(8)  # builds a's counts
     before = a.mask()
-    b = BuddyAllocator(c)
-    b.start_from(a.mask(), a.bits_copy())
+    b = BuddyAllocator(c, start=(a.mask(), a.bits_copy()))
     for _ in range(200):
         lo = int(rng.integers(b.size // 8 - 1)) * 8  # room for two nodes
         if rng.random() < 0.5:

@@ -80,15 +80,21 @@ class BuddyAllocator:
     (:class:`~tidal.scheduler.nodebits.NodeBits`) that every take and release
     keeps up to date, instead of the whole GPU mask."""
 
-    def __init__(self, cluster: Cluster, used: set[int] | None = None) -> None:
+    def __init__(self, cluster: Cluster, used: set[int] | None = None,
+                 start: tuple[np.ndarray, NodeBits | None] | None = None) -> None:
+        """``start``: a used mask (padding included, owned from now on) and its
+        per-node counts if known, instead of an empty cluster and ``used``."""
         self.cluster = cluster
         self.n = cluster.num_gpus
         self.size = size = 1 << (max(self.n, 1) - 1).bit_length()  # padded to a power of two; padding is "used"
-        self._used = np.ones(size, dtype=bool)
-        self._used[: self.n] = False
-        if used:
-            self._used[list(used)] = True
         self._bits: NodeBits | None = None  # built when first searched
+        if start is not None:
+            self._used, self._bits = start
+        else:
+            self._used = np.ones(size, dtype=bool)
+            self._used[: self.n] = False
+            if used:
+                self._used[list(used)] = True
         self._exposed = False  # ``used`` was handed out: it may be written behind our back
         self._held: np.ndarray | None = None  # made when ``held`` is first handed out (all zeros till then)
         self._holding = False  # whether ``held`` was ever handed out
@@ -161,12 +167,6 @@ class BuddyAllocator:
         if self._bits is None or self._exposed:
             self._bits = node_bits(self.cluster, self._used)
         return self._bits
-
-    def start_from(self, mask: np.ndarray, bits: NodeBits | None) -> None:
-        """Use ``mask`` as the used mask, with ``bits`` its per-node counts
-        (owned from now on) if known."""
-        self.used = mask
-        self._bits = bits
 
     def bits_copy(self) -> NodeBits | None:
         """A copy of the per-node counts of the mask now (None if not kept)."""
@@ -431,15 +431,15 @@ class _Placer:
     ) -> None:
         """``used``: the GPUs ``current`` holds, as a mask, if the caller has it."""
         self.current, self.want = current, want  # ``want`` is shared with the caller
-        self.buddy = buddy = BuddyAllocator(cluster)
         self._ordered = True  # ``keep`` is in the order of ``current`` (until a restart adds a job)
         if prev is None:
+            self.buddy = buddy = BuddyAllocator(cluster)
             self._start(current, want, used)
         else:  # start over once job ``kept`` keeps its GPUs too (the order of the rest holds)
-            self.keep = dict(prev.keep)
+            self.keep = prev.keep  # ``prev`` is not used again (see restart): its dict is taken over
             self.keep[kept] = current[kept]
             self._ordered = False
-            buddy.start_from(prev.used0.copy(), prev.start_bits())
+            self.buddy = buddy = BuddyAllocator(cluster, start=(prev.used0.copy(), prev.start_bits()))
             buddy.mark(current[kept])
             self.todo = [j for j in prev.todo if j != kept]
         self.used0 = buddy.mask()
@@ -523,7 +523,9 @@ class _Placer:
     def restart(self, kept: str) -> "_Placer":
         """Start over now that the failed job ``kept`` keeps its GPUs. When it
         failed first (nothing placed in this run: the allocator is as it began)
-        this placer goes on in place, as a new one would."""
+        this placer goes on in place, as a new one would. Either way only the
+        placer returned is used from then on (a new one takes this one's
+        kept jobs over)."""
         if self.pos or self.placed or self.todo[0] != kept:
             return _Placer(self.buddy.cluster, self.current, self.want, self, kept)
         gpus = self.current[kept]
