@@ -1537,11 +1537,16 @@ gpus_change(PyObject *self, PyObject *args)
         Py_ssize_t m = PyTuple_GET_SIZE(all), k2 = 0;
         PyObject *kept[64], *tup;  /* m <= 64, checked above */
         for (Py_ssize_t k = 0; k < m; k++) {
-            int held = PyDict_Contains(owner, PyTuple_GET_ITEM(all, k));
+            PyObject *g = PyTuple_GET_ITEM(all, k);
+            Py_ssize_t gi = have_used && PyLong_CheckExact(g) ? PyLong_AsSsize_t(g) : -1;
+            if (gi == -1 && PyErr_Occurred())
+                PyErr_Clear();  /* too large for the mask: the owners tell */
+            /* the mask, where kept, says what the owners say */
+            int held = gi >= 0 && gi < size ? ((char *)uv.buf)[gi] != 0 : PyDict_Contains(owner, g);
             if (held < 0)
                 goto fail;
             if (!held)
-                kept[k2++] = PyTuple_GET_ITEM(all, k);
+                kept[k2++] = g;
         }
         if (!(tup = PyTuple_New(k2)))
             goto fail;
