@@ -73,6 +73,11 @@ def node_bits(cluster: Cluster, used: np.ndarray) -> NodeBits | None:
     return NodeBits(used, cluster.nodes_per_switch)
 
 
+def _padded(n: int) -> int:
+    """A buddy tree's size for ``n`` GPUs: the next power of two."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 class BuddyAllocator:
     """Free/used map of a cluster with aligned-block allocation.
 
@@ -86,7 +91,7 @@ class BuddyAllocator:
         per-node counts if known, instead of an empty cluster and ``used``."""
         self.cluster = cluster
         self.n = cluster.num_gpus
-        self.size = size = 1 << (max(self.n, 1) - 1).bit_length()  # padded to a power of two; padding is "used"
+        self.size = size = _padded(self.n)  # padding is "used"
         self._bits: NodeBits | None = None  # built when first searched
         if start is not None:
             self._used, self._bits = start
@@ -433,8 +438,7 @@ class _Placer:
         self.current, self.want = current, want  # ``want`` is shared with the caller
         self._ordered = True  # ``keep`` is in the order of ``current`` (until a restart adds a job)
         if prev is None:
-            self.buddy = buddy = BuddyAllocator(cluster)
-            self._start(current, want, used)
+            buddy = self._start(cluster, current, want, used)
         else:  # start over once job ``kept`` keeps its GPUs too (the order of the rest holds)
             self.keep = prev.keep  # ``prev`` is not used again (see restart): its dict is taken over
             self.keep[kept] = current[kept]
@@ -447,23 +451,28 @@ class _Placer:
         self.placed: dict[str, tuple[int, ...]] = {}
         self.pos = 0
 
-    def _start(self, current: dict[str, tuple[int, ...]], want: dict[str, int], used: np.ndarray | None) -> None:
+    def _start(self, cluster: Cluster, current: dict[str, tuple[int, ...]], want: dict[str, int],
+               used: np.ndarray | None) -> BuddyAllocator:
         """The jobs whose count stays keep their GPUs; the others' GPUs are
-        free to place (the mask); the jobs to place, largest first."""
-        fast, buddy = kernels.fast, self.buddy
-        mask = None
-        if used is not None:  # every held GPU, less those of the jobs that change
-            mask = np.ones(buddy.size, dtype=bool)
+        free to place (the allocator, returned); the jobs to place, largest
+        first."""
+        fast, n = kernels.fast, cluster.num_gpus
+
+        def held_mask() -> np.ndarray:  # every held GPU (and the padding)
+            mask = np.ones(_padded(n), dtype=bool)
             mask[: len(used)] = used
-            mask[len(used) : buddy.n] = False
+            mask[len(used) : n] = False
+            return mask
+
+        mask = None if used is None else held_mask()
         got = NotImplemented
         if fast is not None and mask is not None and type(current) is dict and type(want) is dict:
-            cleared = mask.copy()  # (a kernel that hands the case back may have cleared some)
-            got = fast.placer_start(current, want, cleared)  # the lines below, compiled
+            got = fast.placer_start(current, want, mask)  # the lines below, compiled; less the changing jobs' GPUs
         if got is not NotImplemented:
             self.keep, todo = got
-            mask = cleared
         else:
+            if mask is not None:  # (a kernel that hands the case back may have cleared some)
+                mask = held_mask()
             sizes = dict(zip(current, map(len, current.values())))
             moves = [jid for jid, _ in sizes.items() - want.items()]  # held, and their count changes
             self.keep = keep = dict(current)
@@ -473,10 +482,12 @@ class _Placer:
                 mask[list(chain.from_iterable(map(current.__getitem__, moves)))] = False
             todo = [jid for jid, _ in want.items() - sizes.items()]
         if mask is None:
+            self.buddy = buddy = BuddyAllocator(cluster)
             buddy.mark(chain.from_iterable(self.keep.values()))
         else:
-            buddy.used = mask
+            self.buddy = buddy = BuddyAllocator(cluster, start=(mask, None))
         self.todo = sorted(todo, key=lambda j: (-want[j], j))
+        return buddy
 
     def start_bits(self) -> NodeBits | None:
         """A copy of the per-node counts of ``used0`` (for a placer that
