@@ -637,10 +637,9 @@ def place_shares_first(snap: Snapshot, plan: Plan, ctx: _Context) -> None:
     fallback = _Fallback(plan.allocation, ctx)
     # moving a guaranteed job costs more than a best-effort one, and much
     # more once its plan has no slack left for a migration
-    shares, thin = ctx.shares, ctx.thin
-    weights = dict.fromkeys(snap.held, 1)
-    if shares:
-        weights.update((jid, 10_000 if jid in thin else 100) for jid in shares if jid in weights)
+    shares, thin, held = ctx.shares, ctx.thin, snap.held
+    # every other job's weight is 1 (the placer's default)
+    weights = {jid: 10_000 if jid in thin else 100 for jid in shares if jid in held} if shares else {}
     plan.placement = placement = place_buddy(snap, plan.allocation, fallback, weights)
     plan.allocation = dict(zip(placement, map(len, placement.values())))
 
