@@ -59,6 +59,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import is_not, ne
+from typing import Any
 
 import numpy as np
 
@@ -653,9 +654,15 @@ class _Fallback(Mapping[str, list[int]]):
         self.allocation, self.ctx = allocation, ctx
 
     def __getitem__(self, jid: str) -> list[int]:
+        got = self.get(jid)
+        if got is None:
+            raise KeyError(jid)
+        return got
+
+    def get(self, jid: str, default: Any = None) -> Any:  # without raising: the placer asks for many
         n, base = self.allocation.get(jid, 0), self.ctx.shares.get(jid, 0)
         if n <= base:
-            raise KeyError(jid)
+            return default
         return [c for c in reversed(self.ctx.levels[jid].count_list) if base <= c < n]
 
     def __iter__(self) -> Iterator[str]:
