@@ -1513,6 +1513,7 @@ gpus_change(PyObject *self, PyObject *args)
             goto skip;
         node = PyLong_AsSsize_t(PyTuple_GET_ITEM(node_of, gi));
         if (node < 0 || node >= nodes || !PyTuple_Check(PyList_GET_ITEM(free, node)) ||
+            PyTuple_GET_SIZE(PyList_GET_ITEM(free, node)) >= nb ||
             !PyTuple_Check(PyList_GET_ITEM(node_gpus, node)) || PyTuple_GET_SIZE(PyList_GET_ITEM(node_gpus, node)) >= nb ||
             PyTuple_GET_SIZE(PyList_GET_ITEM(node_gpus, node)) > 64)
             goto skip;
