@@ -11,7 +11,7 @@ checked when it got them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, repeat
 from operator import is_not, ne
 
 from tidal.scheduler.api import JobView, Plan, Snapshot
@@ -166,12 +166,13 @@ def _check_change(
         bad = breaks(snap.cluster, view.spec, [g for g in gpus if 0 <= g < total])
         if bad is not None:
             raise PlanError(jid, f"GPU {bad} is of type {snap.cluster.gpu_type_of(bad)!r}, which the job does not allow")
-    for g in gpus:
-        if not 0 <= g < total:
-            raise PlanError(jid, f"GPU {g} is not in the cluster")
-        if g in taken:
-            raise PlanError(jid, f"GPU {g} is placed for both {taken[g]} and {jid}")
-        taken[g] = jid
+    if gpus and (min(gpus) < 0 or max(gpus) >= total or not taken.keys().isdisjoint(gpus)):
+        for g in gpus:  # the first GPU at fault, in order
+            if not 0 <= g < total:
+                raise PlanError(jid, f"GPU {g} is not in the cluster")
+            if g in taken:
+                raise PlanError(jid, f"GPU {g} is placed for both {taken[g]} and {jid}")
+    taken.update(zip(gpus, repeat(jid)))
 
 
 def diff_plan(snap: Snapshot, plan: Plan, changed_ids: set[str] | None = None) -> dict[str, JobDelta]:
