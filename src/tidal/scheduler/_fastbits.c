@@ -372,7 +372,19 @@ cut_tables(PyObject *tables, long long free_in)
         return PyErr_NoMemory();
     for (; got < jobs; got++) {
         Py_buffer *v = &views[got];
-        if (PyObject_GetBuffer(PyList_GET_ITEM(tables, got), v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyObject *table = PyList_GET_ITEM(tables, got);
+        if (PyBytes_CheckExact(table)) {  /* a chain's rows as bytes (float64, 4 per row): no buffer to take */
+            if (PyBytes_GET_SIZE(table) % 32 != 0) {
+                out = not_implemented();
+                goto done;
+            }
+            v->buf = PyBytes_AS_STRING(table);
+            v->len = PyBytes_GET_SIZE(table);
+            v->obj = NULL;  /* nothing to release */
+            rows += v->len / 32;
+            continue;
+        }
+        if (PyObject_GetBuffer(table, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
             PyErr_Clear();
             out = not_implemented();
             goto done;
@@ -382,7 +394,7 @@ cut_tables(PyObject *tables, long long free_in)
             out = not_implemented();
             goto done;
         }
-        rows += v->shape[0];
+        rows += v->len / 32;
     }
     if (rows == 0) {
         out = not_implemented();
@@ -399,7 +411,7 @@ cut_tables(PyObject *tables, long long free_in)
     Py_ssize_t r = 0;
     for (Py_ssize_t j = 0; j < jobs; j++) {
         const double *t = (const double *)views[j].buf;
-        for (Py_ssize_t i = 0; i < views[j].shape[0]; i++, r++) {
+        for (Py_ssize_t i = 0; i < views[j].len / 32; i++, r++) {
             if (t[4 * i] != t[4 * i]) {  /* NaN: numpy's sort order, not ours */
                 out = not_implemented();
                 goto done;
@@ -444,7 +456,8 @@ cut_tables(PyObject *tables, long long free_in)
     out = Py_BuildValue("nNLn", end, counts, left, special);
 done:
     for (Py_ssize_t j = 0; j < got; j++)
-        PyBuffer_Release(&views[j]);
+        if (views[j].obj)
+            PyBuffer_Release(&views[j]);
     PyMem_Free(views);
     PyMem_Free(keyed);
     PyMem_Free(owner);
@@ -564,14 +577,17 @@ merge_open(PyObject *self, PyObject *args)
         }
         if (!c && !(c = PyObject_CallFunctionObjArgs(chain_fn, st, i, NULL)))
             goto done;
-        if (!PyTuple_Check(c) || PyTuple_GET_SIZE(c) != 2 || !PyTuple_Check(PyTuple_GET_ITEM(c, 1))) {
+        if (!PyTuple_Check(c) || PyTuple_GET_SIZE(c) < 2 || !PyTuple_Check(PyTuple_GET_ITEM(c, 1))) {
             Py_DECREF(c);
             out = not_implemented();
             goto done;
         }
         PyList_SET_ITEM(chains, k, c);
-        Py_INCREF(PyTuple_GET_ITEM(c, 0));
-        PyList_SET_ITEM(tables, k, PyTuple_GET_ITEM(c, 0));
+        /* the rows' bytes where the chain keeps them (the same numbers as its table) */
+        PyObject *rows_of = PyTuple_GET_SIZE(c) > 2 && PyBytes_CheckExact(PyTuple_GET_ITEM(c, 2))
+                                ? PyTuple_GET_ITEM(c, 2) : PyTuple_GET_ITEM(c, 0);
+        Py_INCREF(rows_of);
+        PyList_SET_ITEM(tables, k, rows_of);
     }
     cut = cut_tables(tables, free_in);
     if (!cut || cut == Py_NotImplemented) {

@@ -198,7 +198,7 @@ def _merge(entries: dict[str, tuple[Steps, int, float]], jobs: list[str], cur: d
     return free, heap
 
 
-def _cut(chains: list[tuple[np.ndarray, tuple[int, ...]]], free: int) -> tuple[int, list[int], int, int]:
+def _cut(chains: list[tuple[np.ndarray, tuple[int, ...], bytes]], free: int) -> tuple[int, list[int], int, int]:
     """Where :func:`_merge` stops: the rows taken, in the order of a stable
     sort on the key (the rows are in (tie order, place) order already); the
     rows taken per job; the GPUs left; the job whose row stopped the merge
@@ -221,10 +221,11 @@ def _cut(chains: list[tuple[np.ndarray, tuple[int, ...]]], free: int) -> tuple[i
     return end, took, int(left[end - 1]) if end else free, stop
 
 
-def _chain(st: Steps, i: int) -> tuple[np.ndarray, tuple[int, ...]]:
+def _chain(st: Steps, i: int) -> tuple[np.ndarray, tuple[int, ...], bytes]:
     """The chain of best steps from level ``i`` with GPUs to spare: a row
     per step (the largest queue key ``-return`` so far on the chain, extra
-    GPUs, the need at the level reached, place) and the levels reached."""
+    GPUs, the need at the level reached, place), the levels reached, and
+    the rows' bytes (what the compiled merge reads)."""
     hit = st.chains.get(i)
     if hit is None:
         rows, levels = [], []
@@ -236,5 +237,5 @@ def _chain(st: Steps, i: int) -> tuple[np.ndarray, tuple[int, ...]]:
             k = nxt
         table = np.array(rows, dtype=float)
         table[:, 0] = np.maximum.accumulate(table[:, 0])
-        hit = st.chains[i] = (table, tuple(levels))
+        hit = st.chains[i] = (table, tuple(levels), table.tobytes())
     return hit
