@@ -1,7 +1,8 @@
 /* Compiled kernels of the scheduling core (tidal.scheduler.kernels owns the
  * import). Each function computes exactly what a passage of nodebits, buddy,
- * greedy, policies/elasticflow or policies/tidal computes, on the same
- * arrays and objects, without the interpreter's per-call and per-item
+ * greedy, policies/elasticflow or policies/tidal, or of the simulator's
+ * runset and views, computes, on the same arrays and objects, without the
+ * interpreter's per-call and per-item
  * overhead (a Philly replay runs them hundreds of thousands of times, on a
  * few hundred entries or the ~90 jobs of a round). A case a kernel does not
  * cover (an array of another type, a shape numpy would reject, an index out

@@ -3,8 +3,9 @@
 ``setup.py`` builds ``tidal.scheduler._fastbits`` (C, optional) when the
 package is installed on a machine with a C compiler. Each kernel computes
 exactly what a passage of :mod:`tidal.scheduler.nodebits`,
-:mod:`tidal.scheduler.buddy`, :mod:`tidal.scheduler.greedy` or the
-ElasticFlow and Tidal policies computes, and hands back ``NotImplemented``
+:mod:`tidal.scheduler.buddy`, :mod:`tidal.scheduler.greedy`, the
+ElasticFlow and Tidal policies, or the simulator's running rows and views
+(:mod:`tidal.sim.runset`, :mod:`tidal.sim.views`) computes, and hands back ``NotImplemented``
 for a case it does not cover; that passage then runs, as it does when
 ``fast`` is None. A build of other kernels than this code calls (the source
 changed since ``pip install -e .``) is not used: a warning says to
