@@ -22,43 +22,39 @@
 #include <stdint.h>
 #include <string.h>
 
-/* A 1-d C-contiguous int64 buffer of ``obj`` (0), or -1 with ``*skip`` set
- * when it is not one (the caller falls back) or an error raised. */
+/* A C-contiguous buffer of ``obj`` (0): items of ``itemsize`` bytes whose
+ * format is one of ``codes`` in native order, ``ndim`` dimensions (the last
+ * ``cols`` wide when ndim is 2); or -1 when it is not one (nothing raised:
+ * the caller hands the case back). */
 static int
-get_i64(PyObject *obj, Py_buffer *view, int writable, int *skip)
+get_buffer(PyObject *obj, Py_buffer *view, const char *codes, Py_ssize_t itemsize, int ndim, Py_ssize_t cols,
+           int writable)
 {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0) {
         PyErr_Clear();
-        *skip = 1;
         return -1;
     }
     const char *f = view->format;
-    char c = (f && f[0]) ? f[strlen(f) - 1] : 'B';
-    if (view->itemsize != 8 || view->ndim != 1 || (c != 'q' && c != 'l')) {
+#if PY_LITTLE_ENDIAN
+    if (f && (f[0] == '@' || f[0] == '=' || f[0] == '<'))
+#else
+    if (f && (f[0] == '@' || f[0] == '=' || f[0] == '>'))
+#endif
+        f++;  /* native order */
+    if (!f || !f[0] || f[1] || !strchr(codes, f[0]) || view->itemsize != itemsize || view->ndim != ndim ||
+        (ndim == 2 && view->shape[1] != cols)) {
         PyBuffer_Release(view);
-        *skip = 1;
         return -1;
     }
     return 0;
 }
 
-/* A 1-d C-contiguous bool buffer (numpy's ``?``) of ``obj`` (0), or -1 when
- * it is not one (nothing raised: the caller hands the case back). */
-static int
-get_bool(PyObject *obj, Py_buffer *view, int writable)
-{
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, view, flags) < 0) {
-        PyErr_Clear();
-        return -1;
-    }
-    if (view->itemsize != 1 || view->ndim != 1 || !view->format || strcmp(view->format, "?") != 0) {
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
+/* A 1-d int64 / bool (numpy's ``?``) buffer, or a float64 one of ``ndim``
+ * dimensions (``cols`` wide), as get_buffer. */
+#define get_i64(obj, view, writable) get_buffer((obj), (view), "ql", 8, 1, 0, (writable))
+#define get_bool(obj, view, writable) get_buffer((obj), (view), "?", 1, 1, 0, (writable))
+#define get_f64(obj, view, ndim, cols, writable) get_buffer((obj), (view), "d", 8, (ndim), (cols), (writable))
 
 static PyObject *
 not_implemented(void)
@@ -77,12 +73,12 @@ best_whole_nodes(PyObject *self, PyObject *args)
     if (s < 8 || (s & (s - 1)) || sw_sz <= 0)
         return not_implemented();
     Py_buffer fv, sv;
-    int skip = 0, have_sw = swf_obj != Py_None;
-    if (get_i64(free_obj, &fv, 0, &skip) < 0)
-        return skip ? not_implemented() : NULL;
-    if (have_sw && get_i64(swf_obj, &sv, 0, &skip) < 0) {
+    int have_sw = swf_obj != Py_None;
+    if (get_i64(free_obj, &fv, 0) < 0)
+        return not_implemented();
+    if (have_sw && get_i64(swf_obj, &sv, 0) < 0) {
         PyBuffer_Release(&fv);
-        return skip ? not_implemented() : NULL;
+        return not_implemented();
     }
     const int64_t *free8 = (const int64_t *)fv.buf;
     const int64_t *swf = have_sw ? (const int64_t *)sv.buf : NULL;
@@ -164,17 +160,17 @@ set_range(PyObject *self, PyObject *args)
     if (nps <= 0 || lo < 0 || hi < lo)
         return not_implemented();
     Py_buffer bv, fv, sv;
-    int skip = 0, have_sw = swf_obj != Py_None;
-    if (get_i64(bytes_obj, &bv, 1, &skip) < 0)
-        return skip ? not_implemented() : NULL;
-    if (get_i64(free_obj, &fv, 1, &skip) < 0) {
+    int have_sw = swf_obj != Py_None;
+    if (get_i64(bytes_obj, &bv, 1) < 0)
+        return not_implemented();
+    if (get_i64(free_obj, &fv, 1) < 0) {
         PyBuffer_Release(&bv);
-        return skip ? not_implemented() : NULL;
+        return not_implemented();
     }
-    if (have_sw && get_i64(swf_obj, &sv, 1, &skip) < 0) {
+    if (have_sw && get_i64(swf_obj, &sv, 1) < 0) {
         PyBuffer_Release(&bv);
         PyBuffer_Release(&fv);
-        return skip ? not_implemented() : NULL;
+        return not_implemented();
     }
     int64_t *bytes = (int64_t *)bv.buf, *free8 = (int64_t *)fv.buf, *swf = have_sw ? (int64_t *)sv.buf : NULL;
     Py_ssize_t nodes = bv.shape[0], nsw = have_sw ? sv.shape[0] : 0;
@@ -232,23 +228,23 @@ counts(PyObject *self, PyObject *args)
     if (nps <= 0)
         return not_implemented();
     Py_buffer uv, bv, fv, sv;
-    int skip = 0, have_sw = swf_obj != Py_None;
+    int have_sw = swf_obj != Py_None;
     if (get_bool(used_obj, &uv, 0) < 0)
         return not_implemented();
-    if (get_i64(bytes_obj, &bv, 1, &skip) < 0) {
+    if (get_i64(bytes_obj, &bv, 1) < 0) {
         PyBuffer_Release(&uv);
-        return skip ? not_implemented() : NULL;
+        return not_implemented();
     }
-    if (get_i64(free_obj, &fv, 1, &skip) < 0) {
+    if (get_i64(free_obj, &fv, 1) < 0) {
         PyBuffer_Release(&uv);
         PyBuffer_Release(&bv);
-        return skip ? not_implemented() : NULL;
+        return not_implemented();
     }
-    if (have_sw && get_i64(swf_obj, &sv, 1, &skip) < 0) {
+    if (have_sw && get_i64(swf_obj, &sv, 1) < 0) {
         PyBuffer_Release(&uv);
         PyBuffer_Release(&bv);
         PyBuffer_Release(&fv);
-        return skip ? not_implemented() : NULL;
+        return not_implemented();
     }
     const unsigned char *used = (const unsigned char *)uv.buf;
     int64_t *bytes = (int64_t *)bv.buf, *free8 = (int64_t *)fv.buf, *swf = have_sw ? (int64_t *)sv.buf : NULL;
@@ -385,13 +381,7 @@ cut_tables(PyObject *tables, long long free_in)
             rows += v->len / 32;
             continue;
         }
-        if (PyObject_GetBuffer(table, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-            PyErr_Clear();
-            out = not_implemented();
-            goto done;
-        }
-        if (v->ndim != 2 || v->shape[1] != 4 || v->itemsize != 8 || !v->format || strcmp(v->format, "d") != 0) {
-            got++;
+        if (get_f64(table, v, 2, 4, 0) < 0) {
             out = not_implemented();
             goto done;
         }
@@ -479,27 +469,29 @@ merge_cut(PyObject *self, PyObject *args)
 
 static PyObject *str_chains, *str_ext, *str_gain, *str_to;  /* Steps' attribute names, interned */
 
-/* bisect_right on a tuple of ints: the first index whose item is > x; -1
- * with an error set, or -2 when an item is not a small int. */
+/* bisect_left (``right`` 0) or bisect_right (1) of x among ``n`` int
+ * items (a tuple's or a list's), probing as Python's bisect does; -2 when a
+ * probed item is not an int that fits a long long (nothing raised). */
 static Py_ssize_t
-bisect_ints(PyObject *tup, long long x)
+bisect_ints_in(PyObject *const *items, Py_ssize_t n, long long x, int right)
 {
-    Py_ssize_t lo = 0, hi = PyTuple_GET_SIZE(tup);
+    Py_ssize_t lo = 0, hi = n;
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi) / 2;
         int overflow = 0;
-        long long v = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(tup, mid), &overflow);
-        if (v == -1 && PyErr_Occurred())
-            return -1;
-        if (overflow)
+        long long v = PyLong_CheckExact(items[mid]) ? PyLong_AsLongLongAndOverflow(items[mid], &overflow) : 0;
+        if (!PyLong_CheckExact(items[mid]) || overflow)
             return -2;
-        if (x < v)
+        if (right ? x < v : !(v < x))
             hi = mid;
         else
             lo = mid + 1;
     }
     return lo;
 }
+
+/* bisect_right on a tuple of ints; -2 when an item is not a small int. */
+#define bisect_ints(tup, x) bisect_ints_in(&PyTuple_GET_ITEM((tup), 0), PyTuple_GET_SIZE(tup), (x), 1)
 
 /* merge_open(entries, jobs, cur, free, chain): tidal.scheduler.greedy._merge
  * (``chain``: its _chain, called for a chain not yet made); returns (GPUs
@@ -635,8 +627,7 @@ merge_open(PyObject *self, PyObject *args)
         Py_ssize_t p = k == stop ? bisect_ints(ext, left) : PyTuple_GET_SIZE(ext);
         if (p < 0) {
             Py_DECREF(ext);
-            if (p == -2)
-                PyErr_SetString(PyExc_OverflowError, "merge_open: a step of more GPUs than fit in a long");
+            PyErr_SetString(PyExc_OverflowError, "merge_open: a step's GPU count is not an int that fits a long");
             goto done;
         }
         int pays = 0;
@@ -709,34 +700,16 @@ bisect_obj(PyObject *tup, PyObject *x, int right)
     return lo;
 }
 
-/* bisect_left(tup, x): in C when x and every item are ints that fit a long
- * long, else as bisect_obj; -1 with an error. */
+/* bisect_left(tup, x): in C on ints that fit a long long, else as
+ * bisect_obj (the same probes either way); -1 with an error. */
 static Py_ssize_t
 bisect_ints_or_obj(PyObject *tup, PyObject *x)
 {
-    Py_ssize_t m = PyTuple_GET_SIZE(tup);
-    long long v[64];
     int overflow = 0;
     long long xv = PyLong_CheckExact(x) ? PyLong_AsLongLongAndOverflow(x, &overflow) : 0;
-    if (!PyLong_CheckExact(x) || overflow || m > 64)
-        return bisect_obj(tup, x, 0);
-    for (Py_ssize_t k = 0; k < m; k++) {
-        PyObject *c = PyTuple_GET_ITEM(tup, k);
-        if (!PyLong_CheckExact(c))
-            return bisect_obj(tup, x, 0);
-        v[k] = PyLong_AsLongLongAndOverflow(c, &overflow);
-        if (overflow)
-            return bisect_obj(tup, x, 0);
-    }
-    Py_ssize_t lo = 0, hi = m;
-    while (lo < hi) {
-        Py_ssize_t mid = (lo + hi) / 2;
-        if (v[mid] < xv)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo;
+    Py_ssize_t at = PyLong_CheckExact(x) && !overflow
+                        ? bisect_ints_in(&PyTuple_GET_ITEM(tup, 0), PyTuple_GET_SIZE(tup), xv, 0) : -2;
+    return at == -2 ? bisect_obj(tup, x, 0) : at;
 }
 
 /* steps_input(jobs, levels, base, shares, weights, tables, make, inf): the
@@ -1408,13 +1381,9 @@ row_views(PyObject *self, PyObject *args)
         n = PyList_GET_SIZE(col);
     }
     Py_buffer view;
-    if (PyObject_GetBuffer(counters, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyErr_Clear();
+    if (get_f64(counters, &view, 2, 3, 0) < 0)
         return not_implemented();
-    }
-    const char *f = view.format;
-    if (view.itemsize != 8 || view.ndim != 2 || !f || strcmp(f, "d") != 0 || view.shape[0] != n ||
-        view.shape[1] != 3) {
+    if (view.shape[0] != n) {
         PyBuffer_Release(&view);
         return not_implemented();
     }
@@ -1456,23 +1425,6 @@ done:
     return out;
 }
 
-/* An int list's bisect_left of v (its items are ints); -1 with an error. */
-static Py_ssize_t
-bisect_ints_left(PyObject *list, Py_ssize_t v)
-{
-    Py_ssize_t lo = 0, hi = PyList_GET_SIZE(list);
-    while (lo < hi) {
-        Py_ssize_t mid = (lo + hi) / 2, x = PyLong_AsSsize_t(PyList_GET_ITEM(list, mid));
-        if (x == -1 && PyErr_Occurred())
-            return -1;
-        if (x < v)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo;
-}
-
 /* Node ``node`` went from ``old`` free GPUs to ``new``: it moves from
  * by_free[old] (deleted at its bisect_left place) to by_free[new] (inserted
  * in order), as ViewCache._rebucket; 0, or -1 with an error. */
@@ -1480,15 +1432,17 @@ static int
 rebucket(PyObject *by_free, PyObject *node_obj, Py_ssize_t node, Py_ssize_t old, Py_ssize_t new)
 {
     PyObject *from = PyList_GET_ITEM(by_free, old), *to = PyList_GET_ITEM(by_free, new);
-    Py_ssize_t i = bisect_ints_left(from, node);
-    if (i < 0)
-        return -1;
+    Py_ssize_t i = bisect_ints_in(((PyListObject *)from)->ob_item, PyList_GET_SIZE(from), node, 0);
     if (i >= PyList_GET_SIZE(from)) {
         PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
         return -1;
     }
-    if (PyList_SetSlice(from, i, i + 1, NULL) < 0 || (i = bisect_ints_left(to, node)) < 0)
+    if (i < 0 || PyList_SetSlice(from, i, i + 1, NULL) < 0 ||
+        (i = bisect_ints_in(((PyListObject *)to)->ob_item, PyList_GET_SIZE(to), node, 0)) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "gpus_change: a node bucket holds something other than ints");
         return -1;
+    }
     return PyList_Insert(to, i, node_obj);
 }
 
@@ -1510,6 +1464,7 @@ gpus_change(PyObject *self, PyObject *args)
         return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(gpus), size = PyTuple_GET_SIZE(node_of), nodes = PyList_GET_SIZE(free);
     Py_ssize_t nb = PyList_GET_SIZE(by_free), nn = 0;
+    PyObject *out = NULL;  /* None when done, NotImplemented, or NULL with an error */
     if (n == 0 || n > 4096 || PyList_GET_SIZE(node_gpus) != nodes)
         return not_implemented();
     Py_ssize_t seen[4096];  /* the distinct nodes, in first-seen order */
@@ -1546,7 +1501,7 @@ gpus_change(PyObject *self, PyObject *args)
     for (Py_ssize_t k = 0; k < n; k++) {  /* the owners, and the mask */
         PyObject *g = PyTuple_GET_ITEM(gpus, k);
         if ((jid != Py_None ? PyDict_SetItem(owner, g, jid) : PyDict_DelItem(owner, g)) < 0)
-            goto fail;
+            goto done;
         if (have_used)
             ((char *)uv.buf)[PyLong_AsSsize_t(g)] = jid != Py_None;
     }
@@ -1562,12 +1517,12 @@ gpus_change(PyObject *self, PyObject *args)
             /* the mask, where kept, says what the owners say */
             int held = gi >= 0 && gi < size ? ((char *)uv.buf)[gi] != 0 : PyDict_Contains(owner, g);
             if (held < 0)
-                goto fail;
+                goto done;
             if (!held)
                 kept[k2++] = g;
         }
         if (!(tup = PyTuple_New(k2)))
-            goto fail;
+            goto done;
         for (Py_ssize_t k = 0; k < k2; k++) {
             Py_INCREF(kept[k]);
             PyTuple_SET_ITEM(tup, k, kept[k]);
@@ -1578,21 +1533,19 @@ gpus_change(PyObject *self, PyObject *args)
         Py_XDECREF(node_obj);
         if (bad) {
             Py_DECREF(tup);
-            goto fail;
+            goto done;
         }
         PyList_SetItem(free, seen[j], tup);  /* steals tup */
     }
-    if (have_used)
-        PyBuffer_Release(&uv);
-    Py_RETURN_NONE;
+    out = Py_None;
+    Py_INCREF(out);
+    goto done;
 skip:
+    out = not_implemented();
+done:
     if (have_used)
         PyBuffer_Release(&uv);
-    return not_implemented();
-fail:
-    if (have_used)
-        PyBuffer_Release(&uv);
-    return NULL;
+    return out;
 }
 
 /* changed_jobs(alloc, placement, held): the set of the jobs of ``alloc``
@@ -1634,24 +1587,6 @@ fail:
     Py_XDECREF(out);
     Py_XDECREF(empty);
     return NULL;
-}
-
-/* A C-contiguous float64 buffer of ``ndim`` dimensions (the last ``cols``
- * wide if ndim is 2); -1 (no error set) if the object is not one. */
-static int
-get_f64(PyObject *obj, Py_buffer *view, int ndim, Py_ssize_t cols, int writable)
-{
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, view, flags) < 0) {
-        PyErr_Clear();
-        return -1;
-    }
-    if (view->itemsize != 8 || view->ndim != ndim || !view->format || strcmp(view->format, "d") != 0 ||
-        (ndim == 2 && view->shape[1] != cols)) {
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
 }
 
 /* advance_rows(S, M, L, n, now, useful): RunSet.advance's arithmetic on its
