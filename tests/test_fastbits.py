@@ -615,3 +615,86 @@ def test_placer_inputs_equal_python() -> None:
         slow = python(ids, held, allocation)
         assert [list(d.items()) for d in fast] == [list(d.items()) for d in slow]
         assert all(map(operator.is_, fast[0].values(), slow[0].values()))
+
+
+def _elan_jobs(rng: random.Random, n: int, doubling: bool) -> list:
+    """Random jobs for Elan's step order: counts in steps of one GPU (the
+    rule rarely caps), or doubling ones (1, 2, 4, ...: steps of several GPUs
+    that often do not fit in the GPUs left, the capped case)."""
+    from tidal.scheduler.elan_order import OrderJob
+
+    out = []
+    for i in range(n):
+        lo = rng.choice([1, 1, 2, 4])
+        k = rng.randint(1, 5 if doubling else 12)
+        counts = tuple(lo * 2**e for e in range(k)) if doubling else tuple(range(lo, lo + k))
+        one = rng.uniform(0.5, 3.0)
+        rates, gain = [one * lo], one
+        for a, b in zip(counts, counts[1:]):  # concave, as measured curves mostly are
+            gain *= rng.uniform(0.55, 0.95)
+            rates.append(rates[-1] + gain * (b - a))
+        running = rng.random() < 0.6
+        out.append(OrderJob(f"j{i}", rng.uniform(0, 100), counts, tuple(rates), one, rng.uniform(1e3, 1e6),
+                            running, rng.choice(counts) if running else 0))
+    return out
+
+
+@needs_kernels
+def test_elan_runs_equal_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Elan's event-driven admission estimate (both runs, from their starts
+    to their sums), compiled and in Python, on random job sets: the same
+    sums to the last bit, and None (capped steps) in the same cases; the
+    kernel decides every case it is given (it hands none back)."""
+    from tidal.scheduler import elan_event
+    from tidal.scheduler.elan_order import StepOrder
+
+    compiled = kernels.fast
+    answers = {"sums": 0, "capped": 0}
+
+    class Counting:
+        def elan_runs(self, *args):
+            got = compiled.elan_runs(*args)
+            assert got is not NotImplemented
+            answers["sums" if got else "capped"] += 1
+            return got
+
+    for seed in range(1500):
+        rng = random.Random(seed)
+        jobs = _elan_jobs(rng, rng.randint(3, 60), doubling=seed % 2 == 1)
+        xs = list(range(len(jobs)))
+        rng.shuffle(xs)
+        total = max(sum(j.counts[0] for j in jobs), rng.randint(8, 4 * len(jobs)))
+        members, cost = xs[: rng.randint(1, len(xs) - 1)], rng.choice([0.0, 30.0])
+        w = xs[len(members)]
+        monkeypatch.setattr(kernels, "fast", Counting())
+        fast = elan_event.event_pair(StepOrder(jobs), members, w, total, cost)
+        monkeypatch.setattr(kernels, "fast", None)
+        slow = elan_event.event_pair(StepOrder(jobs), members, w, total, cost)
+        assert fast == slow, seed
+    assert answers["sums"] > 500 and answers["capped"] > 10
+
+
+@needs_kernels
+def test_elan_runs_hand_back_what_they_do_not_cover() -> None:
+    """Arrays of another type, lengths that do not match, a job index out of
+    range or a speed not finite: NotImplemented (the Python runs then)."""
+    from tidal.scheduler.elan_event import _start, _start_late
+    from tidal.scheduler.elan_order import StepOrder
+
+    rng = random.Random(3)
+    order = StepOrder(_elan_jobs(rng, 12, doubling=False))
+    mask = np.zeros(12, dtype=bool)
+    mask[:6] = True
+    a = _start(order, mask | (np.arange(12) == 6), 64, 0.0)
+    b = _start_late(order, mask, 6, 64, 0.0)
+    steps = order.step_columns()
+    assert kernels.fast.elan_runs(steps, a, b) not in (None, NotImplemented)
+    oj, on, oc, os_ = steps
+    bad_steps = [(oj.astype(np.int32), on, oc, os_), (oj, on[:-1], oc, os_), (oj + 12, on, oc, os_),
+                 (oj, on, oc, np.where(np.arange(len(os_)) == 0, np.nan, os_)), (oj, on, oc)]
+    for bad in bad_steps:
+        assert kernels.fast.elan_runs(bad, a, b) is NotImplemented
+    bad_runs = [a._replace(fin=a.fin.astype(np.float32)), a._replace(held=a.held[:-1]),
+                a._replace(spd=np.where(a.present, np.inf, a.spd)), a._replace(ptr=len(oj) + 1), tuple(a)[:7]]
+    for bad in bad_runs:
+        assert kernels.fast.elan_runs(steps, bad, b) is NotImplemented

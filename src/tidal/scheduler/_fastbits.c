@@ -1,6 +1,6 @@
 /* Compiled kernels of the scheduling core (tidal.scheduler.kernels owns the
  * import). Each function computes exactly what a passage of nodebits, buddy,
- * greedy, policies/elasticflow or policies/tidal, or of the simulator's
+ * greedy, elan_event, policies/elasticflow or policies/tidal, or of the simulator's
  * runset and views, computes, on the same arrays and objects, without the
  * interpreter's per-call and per-item
  * overhead (a Philly replay runs them hundreds of thousands of times, on a
@@ -1760,7 +1760,490 @@ done:
     return out;
 }
 
+/* elan_runs(steps, a, b): elan_event's two runs (_follow) from their
+ * starts (elan_event.Start tuples) to their sums. ``steps``: the step
+ * order's columns (job, GPUs added, the job's GPUs and rate after). The
+ * heaps hold (time, job) entries in Python's tuple order; a popped entry
+ * counts only while its job is present at that time (stale ones are
+ * dropped), as in the Python heaps, so each run pops the same completions
+ * and does the same arithmetic in the same order. Returns (acc_a, rest_a,
+ * acc_b, rest_b), a run's sum being acc + sum(rest) (rest: the present
+ * jobs' completion times, summed by the caller as Python sums; None: no
+ * job left), or None where the rule needs capped steps. NotImplemented for
+ * other arrays, a time or speed not finite, or an empty heap. */
+
+typedef struct {
+    double t;
+    Py_ssize_t x;
+} HeapEntry;
+
+typedef struct {
+    HeapEntry *e;
+    Py_ssize_t n, cap;
+} Heap;
+
+static inline int
+entry_less(const HeapEntry *p, const HeapEntry *q)
+{
+    return p->t < q->t || (p->t == q->t && p->x < q->x);
+}
+
+static int
+heap_push(Heap *h, double t, Py_ssize_t x)
+{
+    if (h->n == h->cap) {
+        Py_ssize_t cap = h->cap ? 2 * h->cap : 64;
+        HeapEntry *e = PyMem_Realloc(h->e, cap * sizeof(HeapEntry));
+        if (!e)
+            return -1;
+        h->e = e;
+        h->cap = cap;
+    }
+    HeapEntry it = {t, x};
+    Py_ssize_t i = h->n++;
+    while (i > 0) {
+        Py_ssize_t up = (i - 1) / 2;
+        if (!entry_less(&it, &h->e[up]))
+            break;
+        h->e[i] = h->e[up];
+        i = up;
+    }
+    h->e[i] = it;
+    return 0;
+}
+
+static HeapEntry
+heap_pop(Heap *h)
+{
+    HeapEntry top = h->e[0], last = h->e[--h->n];
+    Py_ssize_t i = 0, n = h->n;
+    for (;;) {
+        Py_ssize_t c = 2 * i + 1;
+        if (c >= n)
+            break;
+        if (c + 1 < n && entry_less(&h->e[c + 1], &h->e[c]))
+            c++;
+        if (!entry_less(&h->e[c], &last))
+            break;
+        h->e[i] = h->e[c];
+        i = c;
+    }
+    if (n)
+        h->e[i] = last;
+    return top;
+}
+
+typedef struct {  /* elan_event._Alloc */
+    char *present;
+    int64_t *held;
+    double *spd;
+    Py_ssize_t ptr;
+    long long left, live;
+} RunAlloc;
+
+enum { RUN_ON, RUN_ACC, RUN_REST };  /* going on; done: acc alone; done: acc + the present jobs' times */
+
+typedef struct {  /* elan_event._Run */
+    double *fin, acc;
+    Heap heap;
+    RunAlloc *al;
+    int done;
+} EventRun;
+
+typedef struct {
+    const int64_t *oj, *on, *oc;
+    const double *os;
+    Py_ssize_t end, n;
+    int64_t *mark, epoch;  /* jobs moved at one completion: mark[y] == epoch */
+    Py_ssize_t *moved;
+    double *news;
+} StepCols;
+
+enum { EV_OK = 0, EV_ERROR = -1, EV_CAPPED = -2, EV_BACK = -3 };  /* BACK: hand the case back */
+
+/* The run's next completion: its heap's first entry whose job is present
+ * at that time (stale ones dropped). */
+static int
+pop_live(EventRun *r, HeapEntry *got)
+{
+    const char *present = r->al->present;
+    while (r->heap.n) {
+        HeapEntry e = heap_pop(&r->heap);
+        if (present[e.x] && r->fin[e.x] == e.t) {
+            *got = e;
+            return EV_OK;
+        }
+    }
+    return EV_BACK;
+}
+
+/* _alone: one completion of run r by itself (_event and _fit). */
+static int
+run_alone(StepCols *c, EventRun *r)
+{
+    RunAlloc *al = r->al;
+    if (al->ptr >= c->end) {
+        r->done = RUN_REST;
+        return EV_OK;
+    }
+    HeapEntry e;
+    if (pop_live(r, &e) < 0)
+        return EV_BACK;
+    double t = e.t;
+    r->acc += t;
+    al->present[e.x] = 0;
+    al->live--;
+    long long left = al->left + al->held[e.x];
+    al->held[e.x] = 0;
+    Py_ssize_t ptr = al->ptr, nm = 0;
+    int64_t ep = ++c->epoch;
+    while (ptr < c->end) {
+        Py_ssize_t y = c->oj[ptr];
+        if (al->present[y]) {
+            long long need = c->on[ptr];
+            if (need > left) {
+                if (left)
+                    return EV_CAPPED;
+                break;
+            }
+            al->held[y] = c->oc[ptr];
+            c->news[y] = c->os[ptr];
+            if (c->mark[y] != ep) {
+                c->mark[y] = ep;
+                c->moved[nm++] = y;
+            }
+            left -= need;
+        }
+        ptr++;
+    }
+    al->ptr = ptr;
+    al->left = left;
+    for (Py_ssize_t k = 0; k < nm; k++) {
+        Py_ssize_t y = c->moved[k];
+        double s = c->news[y], f = t + (r->fin[y] - t) * (al->spd[y] / s);
+        if (!isfinite(f))
+            return EV_BACK;
+        r->fin[y] = f;
+        al->spd[y] = s;
+        if (heap_push(&r->heap, f, y) < 0)
+            return EV_ERROR;
+    }
+    if (!al->live)
+        r->done = RUN_ACC;
+    return EV_OK;
+}
+
+/* _together: completions of both runs (sharing a's allocation) while they
+ * end the same job next. */
+static int
+run_together(StepCols *c, EventRun *a, EventRun *b)
+{
+    RunAlloc *al = a->al;
+    char *present = al->present;
+    int64_t *held = al->held;
+    double *sp = al->spd, *fa = a->fin, *fb = b->fin;
+    Py_ssize_t ptr = al->ptr;
+    long long left = al->left, live = al->live;
+    int status = EV_OK, quiet = 1;
+    while (ptr < c->end) {
+        HeapEntry ea, eb;
+        if (pop_live(a, &ea) < 0 || pop_live(b, &eb) < 0) {
+            status = EV_BACK;
+            goto out;
+        }
+        double ta = ea.t, tb = eb.t;
+        if (ea.x != eb.x) {
+            if (heap_push(&a->heap, ta, ea.x) < 0 || heap_push(&b->heap, tb, eb.x) < 0)
+                status = EV_ERROR;
+            quiet = 0;
+            break;
+        }
+        Py_ssize_t x = ea.x;
+        a->acc += ta;
+        b->acc += tb;
+        present[x] = 0;
+        if (!--live) {
+            a->done = b->done = RUN_ACC;
+            quiet = 0;
+            break;
+        }
+        left += held[x];
+        held[x] = 0;
+        Py_ssize_t nm = 0;
+        int64_t ep = ++c->epoch;
+        while (ptr < c->end) {
+            Py_ssize_t y = c->oj[ptr];
+            if (present[y]) {
+                long long need = c->on[ptr];
+                if (need > left) {
+                    if (left) {
+                        status = EV_CAPPED;
+                        goto out;
+                    }
+                    break;
+                }
+                held[y] = c->oc[ptr];
+                left -= need;
+                double s = c->os[ptr], q = sp[y] / s;
+                sp[y] = s;
+                fa[y] = ta + (fa[y] - ta) * q;
+                fb[y] = tb + (fb[y] - tb) * q;
+                if (!isfinite(fa[y]) || !isfinite(fb[y])) {
+                    status = EV_BACK;
+                    goto out;
+                }
+                if (c->mark[y] != ep) {
+                    c->mark[y] = ep;
+                    c->moved[nm++] = y;
+                }
+            }
+            ptr++;
+        }
+        for (Py_ssize_t k = 0; k < nm; k++) {
+            Py_ssize_t y = c->moved[k];
+            if (heap_push(&a->heap, fa[y], y) < 0 || heap_push(&b->heap, fb[y], y) < 0) {
+                status = EV_ERROR;
+                goto out;
+            }
+        }
+    }
+    if (quiet)
+        a->done = b->done = RUN_REST;
+out:
+    al->ptr = ptr;
+    al->left = left;
+    al->live = live;
+    return status;
+}
+
+static int
+allocs_same(const RunAlloc *p, const RunAlloc *q, Py_ssize_t n)
+{
+    return p->live == q->live && p->left == q->left && !memcmp(p->held, q->held, n * sizeof(int64_t))
+           && !memcmp(p->present, q->present, n);
+}
+
+/* _follow's loop on two started runs. */
+static int
+follow_runs(StepCols *c, EventRun *a, EventRun *b, RunAlloc *spare)
+{
+    Py_ssize_t n = c->n;
+    int st = run_alone(c, a);
+    while (st == EV_OK && (!a->done || !b->done)) {
+        if (!a->done && !b->done && allocs_same(a->al, b->al, n)) {
+            if (b->al->ptr > a->al->ptr)
+                a->al->ptr = b->al->ptr;
+            b->al = a->al;
+            if ((st = run_together(c, a, b)) != EV_OK)
+                break;
+            if (!a->done) {  /* b goes on with its own copy */
+                memcpy(spare->present, a->al->present, n);
+                memcpy(spare->held, a->al->held, n * sizeof(int64_t));
+                memcpy(spare->spd, a->al->spd, n * sizeof(double));
+                spare->ptr = a->al->ptr;
+                spare->left = a->al->left;
+                spare->live = a->al->live;
+                b->al = spare;
+            }
+        }
+        if (!a->done && (st = run_alone(c, a)) != EV_OK)
+            break;
+        if (!b->done && (st = run_alone(c, b)) != EV_OK)
+            break;
+    }
+    return st;
+}
+
+/* A Start tuple's arrays copied into a run's own storage (0), or EV_BACK. */
+static int
+run_from(PyObject *start, Py_ssize_t n, EventRun *r, RunAlloc *al)
+{
+    PyObject *fin_o, *pres_o, *held_o, *spd_o;
+    Py_ssize_t ptr;
+    long long left, live;
+    double acc;
+    if (!PyTuple_Check(start) || PyTuple_GET_SIZE(start) != 8
+        || !PyArg_ParseTuple(start, "OOOOnLLd", &fin_o, &pres_o, &held_o, &spd_o, &ptr, &left, &live, &acc)) {
+        PyErr_Clear();
+        return EV_BACK;
+    }
+    Py_buffer fv, pv, hv, sv;
+    int got = 0, st = EV_BACK;
+    if (get_f64(fin_o, &fv, 1, 0, 0) < 0)
+        return EV_BACK;
+    got++;
+    if (get_bool(pres_o, &pv, 0) < 0)
+        goto done;
+    got++;
+    if (get_i64(held_o, &hv, 0) < 0)
+        goto done;
+    got++;
+    if (get_f64(spd_o, &sv, 1, 0, 0) < 0)
+        goto done;
+    got++;
+    if (fv.shape[0] != n || pv.shape[0] != n || hv.shape[0] != n || sv.shape[0] != n)
+        goto done;
+    const double *fin = fv.buf, *spd = sv.buf;
+    const char *present = pv.buf;
+    for (Py_ssize_t x = 0; x < n; x++) {
+        if (present[x] && !(isfinite(fin[x]) && isfinite(spd[x]) && spd[x] > 0.0))
+            goto done;
+    }
+    memcpy(r->fin, fin, n * sizeof(double));
+    memcpy(al->present, present, n);
+    memcpy(al->held, hv.buf, n * sizeof(int64_t));
+    memcpy(al->spd, spd, n * sizeof(double));
+    al->ptr = ptr;
+    al->left = left;
+    al->live = live;
+    r->acc = acc;
+    r->al = al;
+    r->done = RUN_ON;
+    st = EV_OK;
+    for (Py_ssize_t x = 0; x < n && st == EV_OK; x++) {
+        if (present[x] && heap_push(&r->heap, fin[x], x) < 0)
+            st = EV_ERROR;
+    }
+done:
+    if (got > 3)
+        PyBuffer_Release(&sv);
+    if (got > 2)
+        PyBuffer_Release(&hv);
+    if (got > 1)
+        PyBuffer_Release(&pv);
+    PyBuffer_Release(&fv);
+    return st;
+}
+
+/* A finished run's (acc, rest) for the caller's sum. */
+static int
+run_result(PyObject *out, Py_ssize_t at, const EventRun *r, Py_ssize_t n)
+{
+    PyObject *acc = PyFloat_FromDouble(r->acc), *rest = Py_None;
+    if (!acc)
+        return -1;
+    PyTuple_SET_ITEM(out, at, acc);
+    if (r->done == RUN_REST) {
+        if (!(rest = PyList_New(0)))
+            return -1;
+        for (Py_ssize_t x = 0; x < n; x++) {
+            if (!r->al->present[x])
+                continue;
+            PyObject *f = PyFloat_FromDouble(r->fin[x]);
+            if (!f || PyList_Append(rest, f) < 0) {
+                Py_XDECREF(f);
+                Py_DECREF(rest);
+                return -1;
+            }
+            Py_DECREF(f);
+        }
+    } else {
+        Py_INCREF(rest);
+    }
+    PyTuple_SET_ITEM(out, at + 1, rest);
+    return 0;
+}
+
+static PyObject *
+elan_runs(PyObject *self, PyObject *args)
+{
+    PyObject *steps, *sa, *sb;
+    if (!PyArg_ParseTuple(args, "O!OO", &PyTuple_Type, &steps, &sa, &sb))
+        return NULL;
+    if (PyTuple_GET_SIZE(steps) != 4)
+        return not_implemented();
+    Py_buffer jv, nv, cv, ov;
+    if (get_i64(PyTuple_GET_ITEM(steps, 0), &jv, 0) < 0)
+        return not_implemented();
+    if (get_i64(PyTuple_GET_ITEM(steps, 1), &nv, 0) < 0) {
+        PyBuffer_Release(&jv);
+        return not_implemented();
+    }
+    if (get_i64(PyTuple_GET_ITEM(steps, 2), &cv, 0) < 0) {
+        PyBuffer_Release(&jv);
+        PyBuffer_Release(&nv);
+        return not_implemented();
+    }
+    if (get_f64(PyTuple_GET_ITEM(steps, 3), &ov, 1, 0, 0) < 0) {
+        PyBuffer_Release(&jv);
+        PyBuffer_Release(&nv);
+        PyBuffer_Release(&cv);
+        return not_implemented();
+    }
+    PyObject *out = NULL;
+    StepCols c = {jv.buf, nv.buf, cv.buf, ov.buf, jv.shape[0], 0, NULL, 0, NULL, NULL};
+    EventRun a = {0}, b = {0};
+    RunAlloc s0 = {0}, s1 = {0};
+    char *block = NULL;
+    Py_ssize_t n = -1;
+    PyObject *fin_a = PyTuple_Check(sa) && PyTuple_GET_SIZE(sa) == 8 ? PyTuple_GET_ITEM(sa, 0) : NULL;
+    if (fin_a && PyObject_CheckBuffer(fin_a)) {
+        Py_buffer fv;
+        if (get_f64(fin_a, &fv, 1, 0, 0) == 0) {
+            n = fv.shape[0];
+            PyBuffer_Release(&fv);
+        }
+    }
+    int st = EV_BACK;
+    if (n < 0 || nv.shape[0] != c.end || cv.shape[0] != c.end || ov.shape[0] != c.end)
+        goto done;
+    for (Py_ssize_t k = 0; k < c.end; k++) {
+        if (c.oj[k] < 0 || c.oj[k] >= n || c.on[k] < 0 || !(isfinite(c.os[k]) && c.os[k] > 0.0))
+            goto done;
+    }
+    c.n = n;
+    /* per job: 5 doubles (two runs' times, the new speeds, two allocations' speeds), 3 int64 (two allocations' GPUs, the marks), one
+     * index (moved), 2 flags (two allocations' present) */
+    size_t per = 5 * sizeof(double) + 3 * sizeof(int64_t) + sizeof(Py_ssize_t) + 2, size = (size_t)n * per + 1;
+    if (!(block = PyMem_Calloc(1, size))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    double *d = (double *)block;
+    a.fin = d;
+    b.fin = d + n;
+    c.news = d + 2 * n;
+    s0.spd = d + 3 * n;
+    s1.spd = d + 4 * n;
+    int64_t *i = (int64_t *)(d + 5 * n);
+    s0.held = i;
+    s1.held = i + n;
+    c.moved = (Py_ssize_t *)(i + 2 * n);
+    c.mark = (int64_t *)(c.moved + n);
+    s0.present = (char *)(c.mark + n);
+    s1.present = s0.present + n;
+    if ((st = run_from(sa, n, &a, &s0)) == EV_OK && (st = run_from(sb, n, &b, &s1)) == EV_OK) {
+        if ((a.al->ptr < 0 || a.al->ptr > c.end) || (b.al->ptr < 0 || b.al->ptr > c.end))
+            st = EV_BACK;
+        else
+            st = follow_runs(&c, &a, &b, &s1);
+    }
+    if (st == EV_CAPPED) {
+        Py_INCREF(Py_None);
+        out = Py_None;
+    } else if (st == EV_OK) {
+        out = PyTuple_New(4);
+        if (out && (run_result(out, 0, &a, n) < 0 || run_result(out, 2, &b, n) < 0))
+            Py_CLEAR(out);
+    }
+done:
+    if (st == EV_BACK && !PyErr_Occurred())
+        out = not_implemented();
+    else if (st == EV_ERROR && !PyErr_Occurred())
+        PyErr_NoMemory();
+    PyMem_Free(a.heap.e);
+    PyMem_Free(b.heap.e);
+    PyMem_Free(block);
+    PyBuffer_Release(&jv);
+    PyBuffer_Release(&nv);
+    PyBuffer_Release(&cv);
+    PyBuffer_Release(&ov);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"elan_runs", elan_runs, METH_VARARGS,
+     "elan_runs(steps, a, b): elan_event's two runs from their starts: (acc_a, rest_a, acc_b, rest_b) or None."},
     {"placer_start", placer_start, METH_VARARGS,
      "placer_start(current, want, mask): (jobs that keep their GPUs, jobs to place); clears the others' GPUs."},
     {"placer_inputs", placer_inputs, METH_VARARGS,
@@ -1818,7 +2301,7 @@ PyInit__fastbits(void)
         || !(str_submit_time = PyUnicode_InternFromString("submit_time")))
         return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "API", 8) < 0) {
+    if (m && PyModule_AddIntConstant(m, "API", 9) < 0) {
         Py_DECREF(m);
         return NULL;
     }

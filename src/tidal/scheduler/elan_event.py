@@ -31,6 +31,10 @@ The arithmetic is not the exact loop's (floats differ in the last bits, and
 jobs that end within the loop's tolerance of one another end one after the
 other here), so the policy trusts these sums only when they decide the test
 by a wide margin (:func:`decided`).
+
+Both runs, from their starts on, are also a compiled kernel
+(``kernels.fast.elan_runs``): the same steps in the same order, so the same
+sums to the last bit; these Python lines are its fallback and reference.
 """
 
 from __future__ import annotations
@@ -38,10 +42,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from tidal.scheduler import kernels
 from tidal.scheduler.elan_order import StepOrder
 
 MARGIN = 1e-7  # relative gap between the two sums below which the exact estimate decides
@@ -71,20 +76,37 @@ class _Alloc:
         return self.live == o.live and self.left == o.left and self.held == o.held and self.present == o.present
 
 
+class Start(NamedTuple):
+    """A run at its start, as arrays (read only): each job's completion
+    time at its speed, the jobs present, the GPUs each gets and its speed
+    there; the first step not taken, the GPUs left, the live count and the
+    sum so far."""
+
+    fin: np.ndarray
+    present: np.ndarray
+    held: np.ndarray
+    spd: np.ndarray
+    ptr: int
+    left: int
+    live: int
+    acc: float
+
+
 class _Run:
     """One run's clocks: each job's completion time at its present speed,
     the heap of completion times, the sum so far."""
 
     __slots__ = ("fin", "heap", "acc", "al", "result")
 
-    def __init__(self, fin: np.ndarray, al: _Alloc, idx: np.ndarray) -> None:
-        """``fin``: each job's completion time at its speed; ``idx``: the
-        jobs present."""
+    def __init__(self, start: Start) -> None:
+        fin, idx = start.fin, np.flatnonzero(start.present)
         at = fin[idx]
         by = np.argsort(at, kind="stable")  # a sorted list is a heap
         self.heap = list(zip(at[by].tolist(), idx[by].tolist()))
-        self.fin, self.al = fin.tolist(), al
-        self.acc = 0.0
+        self.fin = fin.tolist()
+        self.al = _Alloc(start.present.tolist(), start.held.tolist(), start.spd.tolist(), start.ptr, start.left,
+                         start.live)
+        self.acc = start.acc
         self.result: float | None = None
 
     def peek(self) -> tuple[float, int]:
@@ -123,6 +145,21 @@ def event_pair(order: StepOrder, members: Sequence[int], w: int, total: int,
     try:
         a = _start(order, with_w, total, shrink_cost)
         b = _start_late(order, mask, w, total, shrink_cost)
+    except Capped:
+        return None
+    fast = kernels.fast
+    got = NotImplemented if fast is None else fast.elan_runs(order.step_columns(), a, b)
+    if got is NotImplemented:
+        return _follow(order, _Run(a), _Run(b))
+    if got is None:
+        return None
+    acc_a, rest_a, acc_b, rest_b = got
+    return (acc_a if rest_a is None else acc_a + sum(rest_a)), (acc_b if rest_b is None else acc_b + sum(rest_b))
+
+
+def _follow(order: StepOrder, a: _Run, b: _Run) -> tuple[float, float] | None:
+    """Both runs from their starts to their sums (None: capped steps)."""
+    try:
         _alone(order, a)  # b has had its first completion, where w joined
         while a.result is None or b.result is None:
             if a.result is None and b.result is None and a.al.same(b.al):
@@ -256,20 +293,18 @@ def _begin(order: StepOrder, mask: np.ndarray, total: int, cost: float) -> tuple
     return hit
 
 
-def _held(order: StepOrder, mask: np.ndarray, pos: np.ndarray) -> list[int]:
+def _held(order: StepOrder, mask: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """The GPUs each job in ``mask`` gets at count indexes ``pos`` (others: 0)."""
-    return np.where(mask, order.counts2d[np.arange(len(mask)), pos], 0).tolist()
+    return np.where(mask, order.counts2d[np.arange(len(mask)), pos], 0)
 
 
-def _start(order: StepOrder, mask: np.ndarray, total: int, cost: float) -> _Run:
+def _start(order: StepOrder, mask: np.ndarray, total: int, cost: float) -> Start:
     """The run with every job in ``mask`` started at time 0."""
     pos, ptr, left, lows, spd, rem, fin = _begin(order, mask, total, cost)
-    idx = np.flatnonzero(mask)
-    al = _Alloc(mask.tolist(), _held(order, mask, pos), spd.tolist(), ptr, left, len(idx))
-    return _Run(fin, al, idx)
+    return Start(fin, mask, _held(order, mask, pos), spd, ptr, left, int(np.count_nonzero(mask)), 0.0)
 
 
-def _start_late(order: StepOrder, mask: np.ndarray, w: int, total: int, cost: float) -> _Run:
+def _start_late(order: StepOrder, mask: np.ndarray, w: int, total: int, cost: float) -> Start:
     """The run where ``w`` waits (the others: ``mask``), after its first
     completion (numpy: no heap needed before it), where ``w`` joins (raises
     :class:`Capped` if its min_res does not fit then, a case not followed
@@ -288,10 +323,7 @@ def _start_late(order: StepOrder, mask: np.ndarray, w: int, total: int, cost: fl
     rem[w], rem[x] = order.jobs[w].remaining, math.inf
     pos, ptr, left = _scratch(order, mask, lows, total)
     spd = order.rate2d[np.arange(len(mask)), pos]
-    al = _Alloc(mask.tolist(), _held(order, mask, pos), spd.tolist(), ptr, left, live)
-    r = _Run(t + rem / spd, al, np.flatnonzero(mask))
-    r.acc = t
-    return r
+    return Start(t + rem / spd, mask, _held(order, mask, pos), spd, ptr, left, live, t)
 
 
 def _fit(order: StepOrder, present: list[bool], held: list[int], ptr: int,

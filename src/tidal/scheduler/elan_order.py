@@ -168,6 +168,16 @@ class StepOrder:
             lists[name] = got
         return got
 
+    def step_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The steps as arrays (``oj``, ``on``, ``oc``, ``os``: job, GPUs
+        added, the job's GPUs and rate after), for the compiled event-driven
+        estimate; made once and shared with the copies of :meth:`with_jobs`."""
+        got = self._lists.get("columns")
+        if got is None:
+            got = self._lists["columns"] = (self.oj_np, self.on_np, self.counts2d[self.oj_np, self.ot_np],
+                                            self.rate2d[self.oj_np, self.ot_np])
+        return got  # type: ignore[return-value]
+
     oj = property(lambda self: self._list("oj"), doc="The job of each step.")
     ot = property(lambda self: self._list("ot"), doc="The count index after each step.")
     on = property(lambda self: self._list("on"), doc="The GPUs each step adds.")

@@ -3,8 +3,8 @@
 ``setup.py`` builds ``tidal.scheduler._fastbits`` (C, optional) when the
 package is installed on a machine with a C compiler. Each kernel computes
 exactly what a passage of :mod:`tidal.scheduler.nodebits`,
-:mod:`tidal.scheduler.buddy`, :mod:`tidal.scheduler.greedy`, the
-ElasticFlow and Tidal policies, or the simulator's running rows and views
+:mod:`tidal.scheduler.buddy`, :mod:`tidal.scheduler.greedy`,
+:mod:`tidal.scheduler.elan_event`, the ElasticFlow and Tidal policies, or the simulator's running rows and views
 (:mod:`tidal.sim.runset`, :mod:`tidal.sim.views`) computes, and hands back ``NotImplemented``
 for a case it does not cover; that passage then runs, as it does when
 ``fast`` is None. A build of other kernels than this code calls (the source
@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from types import ModuleType
 
-API = 8  # the _fastbits.c this code calls (its API constant)
+API = 9  # the _fastbits.c this code calls (its API constant)
 
 fast: ModuleType | None
 try:
