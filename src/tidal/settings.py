@@ -106,7 +106,7 @@ SWITCH: Setting[str] = Setting("TIDAL_SWITCH", _str, "", "the switch (rack) of t
                                "worker")
 STATE_MAX_MBPS: Setting[float] = Setting("TIDAL_STATE_MAX_MBPS", float, 0.0,
                                          "cap on one source's state-transfer egress in MB/s (0: none)", "worker")
-HEARTBEAT_S: Setting[float] = Setting("TIDAL_HEARTBEAT_S", float, 0.1,
+HEARTBEAT_S: Setting[float] = Setting("TIDAL_HEARTBEAT_S", float, 0.25,
                                       "rank 0's progress heartbeat interval in seconds", "worker")
 DEVICE: Setting[str | None] = Setting("TIDAL_DEVICE", _opt_str, None,
                                       "this worker's device (cpu, cuda:1); default: its GPU if it has one "
