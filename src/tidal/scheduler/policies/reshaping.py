@@ -481,17 +481,18 @@ def _reshape_down(
     times, cum = st.ends()
     i = bisect.bisect_left(cum, g + reserved - st.free)  # first end after which enough are idle
     t_free = times[i] if i < len(times) else math.inf
-    t_w = t_free + st.pred.start(w, g)
+    t_start = st.pred.start(w, g)
+    t_w = t_free + t_start
     top_t, top_id = top
     best = (max(top_t, t_w), total + t_w, 0, g, "", 0, t_w, 0.0)
     need = g - max(0, st.free - reserved)
     pick = None  # the best donor so far: (makespan, sum, job, count left, t_w, t_d)
     touched = st.touched
     if early_init:  # no donor delays w: t_w is the same for all
-        t_w = st.pred.start(w, g)
-        found = st.best_donor(need, t_w, top, second, total)
+        rows = st._rows.get(need)
+        found = None if rows is not None and not rows else st.best_donor(need, t_start, top, second, total)
         if found is not None:
-            pick = (found[0], found[1], found[2], found[3], t_w, found[4])
+            pick = (found[0], found[1], found[2], found[3], t_start, found[4])
     else:
         alloc, done_at, running, pred = st.alloc, st.done_at, st.running, st.pred
         for jid in st.donors(need):
