@@ -215,7 +215,7 @@ def test_initial_worker_lost_after_its_group_formed(tmp_path: Path) -> None:
 def test_newcomer_lost_before_joining_a_scale_out(tmp_path: Path, kill_at: str) -> None:
     """(c) the newcomer w2 of a scale-out 2->3 dies; the change ends without
     it, the two others lose no step, and a second scale-out (w3) then works."""
-    epochs = 20
+    epochs = 40  # slow steps (0.05 s) until the test lifts them: about 20 s for two scale-outs, one losing its newcomer
     proc, out = _launch(tmp_path, f"newcomer-{kill_at}", 2, "w2", kill_at, epochs, 0.05, max_workers=3)
     try:
         c = MasterClient(master_url(f"newcomer-{kill_at}", tmp_path / "home", proc), patience_s=10)
