@@ -1855,7 +1855,7 @@ typedef struct {
     const double *os;
     Py_ssize_t end, n;
     int64_t *mark, epoch;  /* jobs moved at one completion: mark[y] == epoch */
-    Py_ssize_t *moved;
+    Py_ssize_t *moved, *took;  /* those jobs, once each; the steps taken, in order */
     double *news;
 } StepCols;
 
@@ -1877,7 +1877,56 @@ pop_live(EventRun *r, HeapEntry *got)
     return EV_BACK;
 }
 
-/* _alone: one completion of run r by itself (_event and _fit). */
+/* _fit: the rule's steps that fit in the GPUs left, from al->ptr on (al->ptr
+ * and al->left move on; each job taken gets its GPUs and, in c->news, its
+ * last new speed). The steps taken are listed in c->took, in order (``*k``
+ * of them), and their jobs in c->moved, once each (``*nm``). EV_CAPPED
+ * where a step needs more GPUs than are left while some are free. */
+static int
+take_steps(StepCols *c, RunAlloc *al, Py_ssize_t *k, Py_ssize_t *nm)
+{
+    Py_ssize_t ptr = al->ptr;
+    long long left = al->left;
+    int64_t ep = ++c->epoch;
+    *k = *nm = 0;
+    while (ptr < c->end) {
+        Py_ssize_t y = c->oj[ptr];
+        if (al->present[y]) {
+            long long need = c->on[ptr];
+            if (need > left) {
+                if (left)
+                    return EV_CAPPED;
+                break;
+            }
+            al->held[y] = c->oc[ptr];
+            c->news[y] = c->os[ptr];
+            left -= need;
+            c->took[(*k)++] = ptr;
+            if (c->mark[y] != ep) {
+                c->mark[y] = ep;
+                c->moved[(*nm)++] = y;
+            }
+        }
+        ptr++;
+    }
+    al->ptr = ptr;
+    al->left = left;
+    return EV_OK;
+}
+
+/* Job x of run r's allocation ends: its GPUs are free again. */
+static void
+release_job(RunAlloc *al, Py_ssize_t x)
+{
+    al->present[x] = 0;
+    al->live--;
+    al->left += al->held[x];
+    al->held[x] = 0;
+}
+
+/* _alone: one completion of run r by itself (_event): each job moved gets
+ * its new speed once, its completion time moved by the ratio of the old
+ * speed to the new. */
 static int
 run_alone(StepCols *c, EventRun *r)
 {
@@ -1891,35 +1940,11 @@ run_alone(StepCols *c, EventRun *r)
         return EV_BACK;
     double t = e.t;
     r->acc += t;
-    al->present[e.x] = 0;
-    al->live--;
-    long long left = al->left + al->held[e.x];
-    al->held[e.x] = 0;
-    Py_ssize_t ptr = al->ptr, nm = 0;
-    int64_t ep = ++c->epoch;
-    while (ptr < c->end) {
-        Py_ssize_t y = c->oj[ptr];
-        if (al->present[y]) {
-            long long need = c->on[ptr];
-            if (need > left) {
-                if (left)
-                    return EV_CAPPED;
-                break;
-            }
-            al->held[y] = c->oc[ptr];
-            c->news[y] = c->os[ptr];
-            if (c->mark[y] != ep) {
-                c->mark[y] = ep;
-                c->moved[nm++] = y;
-            }
-            left -= need;
-        }
-        ptr++;
-    }
-    al->ptr = ptr;
-    al->left = left;
-    for (Py_ssize_t k = 0; k < nm; k++) {
-        Py_ssize_t y = c->moved[k];
+    release_job(al, e.x);
+    Py_ssize_t k, nm;
+    int st = take_steps(c, al, &k, &nm);
+    for (Py_ssize_t i = 0; i < nm && st == EV_OK; i++) {
+        Py_ssize_t y = c->moved[i];
         double s = c->news[y], f = t + (r->fin[y] - t) * (al->spd[y] / s);
         if (!isfinite(f))
             return EV_BACK;
@@ -1928,92 +1953,59 @@ run_alone(StepCols *c, EventRun *r)
         if (heap_push(&r->heap, f, y) < 0)
             return EV_ERROR;
     }
-    if (!al->live)
+    if (st == EV_OK && !al->live)
         r->done = RUN_ACC;
-    return EV_OK;
+    return st;
 }
 
 /* _together: completions of both runs (sharing a's allocation) while they
- * end the same job next. */
+ * end the same job next; a new speed moves both runs' completion times,
+ * step by step. */
 static int
 run_together(StepCols *c, EventRun *a, EventRun *b)
 {
     RunAlloc *al = a->al;
-    char *present = al->present;
-    int64_t *held = al->held;
     double *sp = al->spd, *fa = a->fin, *fb = b->fin;
-    Py_ssize_t ptr = al->ptr;
-    long long left = al->left, live = al->live;
-    int status = EV_OK, quiet = 1;
-    while (ptr < c->end) {
+    while (al->ptr < c->end) {
         HeapEntry ea, eb;
-        if (pop_live(a, &ea) < 0 || pop_live(b, &eb) < 0) {
-            status = EV_BACK;
-            goto out;
-        }
+        if (pop_live(a, &ea) < 0 || pop_live(b, &eb) < 0)
+            return EV_BACK;
         double ta = ea.t, tb = eb.t;
         if (ea.x != eb.x) {
             if (heap_push(&a->heap, ta, ea.x) < 0 || heap_push(&b->heap, tb, eb.x) < 0)
-                status = EV_ERROR;
-            quiet = 0;
-            break;
+                return EV_ERROR;
+            return EV_OK;
         }
-        Py_ssize_t x = ea.x;
         a->acc += ta;
         b->acc += tb;
-        present[x] = 0;
-        if (!--live) {
+        if (al->live == 1) {
+            al->present[ea.x] = 0;
+            al->live = 0;
             a->done = b->done = RUN_ACC;
-            quiet = 0;
-            break;
+            return EV_OK;
         }
-        left += held[x];
-        held[x] = 0;
-        Py_ssize_t nm = 0;
-        int64_t ep = ++c->epoch;
-        while (ptr < c->end) {
-            Py_ssize_t y = c->oj[ptr];
-            if (present[y]) {
-                long long need = c->on[ptr];
-                if (need > left) {
-                    if (left) {
-                        status = EV_CAPPED;
-                        goto out;
-                    }
-                    break;
-                }
-                held[y] = c->oc[ptr];
-                left -= need;
-                double s = c->os[ptr], q = sp[y] / s;
-                sp[y] = s;
-                fa[y] = ta + (fa[y] - ta) * q;
-                fb[y] = tb + (fb[y] - tb) * q;
-                if (!isfinite(fa[y]) || !isfinite(fb[y])) {
-                    status = EV_BACK;
-                    goto out;
-                }
-                if (c->mark[y] != ep) {
-                    c->mark[y] = ep;
-                    c->moved[nm++] = y;
-                }
-            }
-            ptr++;
+        release_job(al, ea.x);
+        Py_ssize_t k, nm;
+        int st = take_steps(c, al, &k, &nm);
+        if (st != EV_OK)
+            return st;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            Py_ssize_t p = c->took[i], y = c->oj[p];
+            double s = c->os[p], q = sp[y] / s;
+            sp[y] = s;
+            fa[y] = ta + (fa[y] - ta) * q;
+            fb[y] = tb + (fb[y] - tb) * q;
+            if (!isfinite(fa[y]) || !isfinite(fb[y]))
+                return EV_BACK;
         }
-        for (Py_ssize_t k = 0; k < nm; k++) {
-            Py_ssize_t y = c->moved[k];
-            if (heap_push(&a->heap, fa[y], y) < 0 || heap_push(&b->heap, fb[y], y) < 0) {
-                status = EV_ERROR;
-                goto out;
-            }
+        for (Py_ssize_t i = 0; i < nm; i++) {
+            Py_ssize_t y = c->moved[i];
+            if (heap_push(&a->heap, fa[y], y) < 0 || heap_push(&b->heap, fb[y], y) < 0)
+                return EV_ERROR;
         }
     }
-    if (quiet)
-        a->done = b->done = RUN_REST;
-out:
-    al->ptr = ptr;
-    al->left = left;
-    al->live = live;
-    return status;
+    a->done = b->done = RUN_REST;
+    return EV_OK;
 }
 
 static int
@@ -2037,12 +2029,13 @@ follow_runs(StepCols *c, EventRun *a, EventRun *b, RunAlloc *spare)
             if ((st = run_together(c, a, b)) != EV_OK)
                 break;
             if (!a->done) {  /* b goes on with its own copy */
-                memcpy(spare->present, a->al->present, n);
-                memcpy(spare->held, a->al->held, n * sizeof(int64_t));
-                memcpy(spare->spd, a->al->spd, n * sizeof(double));
-                spare->ptr = a->al->ptr;
-                spare->left = a->al->left;
-                spare->live = a->al->live;
+                const RunAlloc *src = a->al;
+                memcpy(spare->present, src->present, n);
+                memcpy(spare->held, src->held, n * sizeof(int64_t));
+                memcpy(spare->spd, src->spd, n * sizeof(double));
+                spare->ptr = src->ptr;
+                spare->left = src->left;
+                spare->live = src->live;
                 b->al = spare;
             }
         }
@@ -2171,13 +2164,13 @@ elan_runs(PyObject *self, PyObject *args)
         return not_implemented();
     }
     PyObject *out = NULL;
-    StepCols c = {jv.buf, nv.buf, cv.buf, ov.buf, jv.shape[0], 0, NULL, 0, NULL, NULL};
+    StepCols c = {jv.buf, nv.buf, cv.buf, ov.buf, jv.shape[0], 0, NULL, 0, NULL, NULL, NULL};
     EventRun a = {0}, b = {0};
     RunAlloc s0 = {0}, s1 = {0};
     char *block = NULL;
     Py_ssize_t n = -1;
     PyObject *fin_a = PyTuple_Check(sa) && PyTuple_GET_SIZE(sa) == 8 ? PyTuple_GET_ITEM(sa, 0) : NULL;
-    if (fin_a && PyObject_CheckBuffer(fin_a)) {
+    if (fin_a) {
         Py_buffer fv;
         if (get_f64(fin_a, &fv, 1, 0, 0) == 0) {
             n = fv.shape[0];
@@ -2192,9 +2185,11 @@ elan_runs(PyObject *self, PyObject *args)
             goto done;
     }
     c.n = n;
-    /* per job: 5 doubles (two runs' times, the new speeds, two allocations' speeds), 3 int64 (two allocations' GPUs, the marks), one
-     * index (moved), 2 flags (two allocations' present) */
-    size_t per = 5 * sizeof(double) + 3 * sizeof(int64_t) + sizeof(Py_ssize_t) + 2, size = (size_t)n * per + 1;
+    /* per job: 5 doubles (two runs' times, the new speeds, two allocations' speeds), 3 int64 (two
+     * allocations' GPUs, the marks), one index (moved), 2 flags (two allocations' present); per step:
+     * one index (took) */
+    size_t per = 5 * sizeof(double) + 3 * sizeof(int64_t) + sizeof(Py_ssize_t) + 2;
+    size_t size = (size_t)n * per + (size_t)c.end * sizeof(Py_ssize_t) + 1;
     if (!(block = PyMem_Calloc(1, size))) {
         PyErr_NoMemory();
         goto done;
@@ -2210,7 +2205,8 @@ elan_runs(PyObject *self, PyObject *args)
     s1.held = i + n;
     c.moved = (Py_ssize_t *)(i + 2 * n);
     c.mark = (int64_t *)(c.moved + n);
-    s0.present = (char *)(c.mark + n);
+    c.took = (Py_ssize_t *)(c.mark + n);
+    s0.present = (char *)(c.took + c.end);
     s1.present = s0.present + n;
     if ((st = run_from(sa, n, &a, &s0)) == EV_OK && (st = run_from(sb, n, &b, &s1)) == EV_OK) {
         if ((a.al->ptr < 0 || a.al->ptr > c.end) || (b.al->ptr < 0 || b.al->ptr > c.end))

@@ -153,8 +153,8 @@ def event_pair(order: StepOrder, members: Sequence[int], w: int, total: int,
         return _follow(order, _Run(a), _Run(b))
     if got is None:
         return None
-    acc_a, rest_a, acc_b, rest_b = got
-    return (acc_a if rest_a is None else acc_a + sum(rest_a)), (acc_b if rest_b is None else acc_b + sum(rest_b))
+    acc_a, rest_a, acc_b, rest_b = got  # a run's sum: acc, plus the times of the jobs left (_Run.quiet_sum)
+    return acc_a + sum(rest_a or ()), acc_b + sum(rest_b or ())
 
 
 def _follow(order: StepOrder, a: _Run, b: _Run) -> tuple[float, float] | None:
