@@ -52,6 +52,7 @@ import numpy as np
 from scipy.optimize import minimize_scalar, nnls
 
 from tidal.core.job import JobSpec
+from tidal.core.overhead import OverheadModel
 from tidal.scheduler.api import JobView, Plan, Policy, Snapshot, schedulable
 from tidal.scheduler.estimate import rigid_count, useful_counts
 
@@ -72,6 +73,13 @@ def options(snap: Snapshot, job: JobView | JobSpec) -> list[int]:
     else:
         out = useful_counts(snap, spec, cap) or spec.counts(cap)[:1]
     return [c for c in out if snap.throughput(spec, c) > 0]
+
+
+def _options_key(spec: JobSpec) -> tuple:
+    """What :func:`options` reads of a spec: jobs with equal keys have the
+    same options in one snapshot (a trace has a few dozen kinds of job)."""
+    return (spec.model, spec.batch_size, spec.elastic, spec.allowed_gpus, spec.requested_gpus, spec.min_gpus,
+            spec.max_gpus)
 
 
 # -- target accuracy: ground truth (simulator side) and observations ----------
@@ -241,9 +249,18 @@ class Predictor:
         return hit
 
     def _start(self, job: JobView, n: int, delay: float) -> float:
-        now = self.snap.now
-        segs = self.snap.overheads.start(now + delay, self.rate(job, n), resumed=job.executed > 0)
-        return delay + finish_in(segs, now + delay, self.work(job))
+        now, ov = self.snap.now + delay, self.snap.overheads
+        rate, resumed = self.rate(job, n), job.executed > 0
+        if type(ov) is not OverheadModel:
+            return delay + finish_in(ov.start(now, rate, resumed=resumed), now, self.work(job))
+        # finish_in over OverheadModel.start's segments, without building them: the same float
+        # operations in the same order, so the same bits
+        wait = ov.stop_resume_s if resumed else ov.launch_s
+        begin = now + wait if wait > 0 else now
+        if not rate > 0:
+            return delay + math.inf
+        end = begin + self.work(job) / rate
+        return delay + ((end - now) if end <= math.inf else math.inf)
 
     def resize(self, job: JobView, n: int) -> float:
         key = ("r", job.job_id, n)
@@ -289,6 +306,7 @@ class _Tentative:
     free: int
     touched: set[str] = field(default_factory=set)
     _options: dict[str, list[int]] = field(default_factory=dict)
+    _by_kind: dict[tuple, list[int]] = field(default_factory=dict)  # options by _options_key
     _pairs: list[tuple[float, int, str]] = field(default_factory=list)  # (done_at, GPUs, job), sorted
     _times: list[float] = field(default_factory=list)  # the pairs' columns
     _ns: list[int] = field(default_factory=list)
@@ -310,10 +328,16 @@ class _Tentative:
         return st
 
     def opts(self, j: JobView) -> list[int]:
-        """:func:`options`, computed once per job (it is pure within a round)."""
+        """:func:`options`, computed once per job and once per kind of job
+        (:func:`_options_key`: everything it reads of the spec; the snapshot
+        is the same all round)."""
         hit = self._options.get(j.job_id)
         if hit is None:
-            hit = self._options[j.job_id] = options(self.snap, j)
+            key = _options_key(j.spec)
+            hit = self._by_kind.get(key)
+            if hit is None:
+                hit = self._by_kind[key] = options(self.snap, j)
+            self._options[j.job_id] = hit
         return hit
 
     def ends(self) -> tuple[list[float], list[int]]:
