@@ -23,8 +23,11 @@ from tidal.core.topology import parse_cluster
 from tidal.scheduler.api import JobView, Snapshot
 from tidal.scheduler.policies.k8s_default import fixed_count
 from tidal.scheduler.policies.reshaping import (
+    Predictor,
+    _Tentative,
     accuracy_job,
     epochs_to_target,
+    finish_in,
     fit_error_curve,
     observed_accuracy,
     predicted_remaining,
@@ -251,3 +254,40 @@ def test_random_workload_keeps_jobs_on_their_options(policy, toy_profiles):
             assert j.rescales == 0 and j.max_gpus == j.spec.requested_gpus
         else:
             assert j.max_gpus in j.spec.allowed_gpus
+
+
+class _SlowStart(OverheadModel):
+    """A start overhead the predictor cannot know in closed form: twice as
+    long, at half the rate."""
+
+    def start(self, now, rate, resumed):
+        return ((now, 0.0), (now + 2 * self.launch_s, rate / 2))
+
+
+@pytest.mark.parametrize("overheads", [RESTART, NO_OVERHEAD, OverheadModel(launch_s=7.5, stop_resume_s=33.3),
+                                       OverheadModel(launch_s=float("inf")), _SlowStart(launch_s=3.0)])
+def test_start_times_follow_the_overhead_segments(toy_profiles, overheads):
+    # the predictor's start time (computed without the segments for OverheadModel) equals
+    # finish_in over the model's own segments, to the bit, fresh and resumed, at every count
+    views = [JobView(job(f"j{i}", 0, iters), JobState.PENDING, done=done, executed=ex, admitted=True)
+             for i, (iters, done, ex) in enumerate([(1000, 0.0, 0.0), (777, 123.4, 56.0), (10**9, 0.0, 0.0),
+                                                    (500, 500.0, 3.0), (3, 0.0, 1e-9)])]
+    snap = Snapshot(now=12345.678, cluster=parse_cluster("n1g4"), jobs=tuple(views), profiles=toy_profiles,
+                    overheads=overheads)
+    pred = Predictor(snap)
+    for v in views:
+        for n in (0, 1, 2, 3, 4):
+            for delay in (0.0, 0.1, 60.0):
+                now = snap.now + delay
+                segs = overheads.start(now, pred.rate(v, n), resumed=v.executed > 0)
+                assert pred.start(v, n, delay) == delay + finish_in(segs, now, pred.work(v))
+
+
+def test_jobs_of_one_kind_share_their_options(toy_profiles):
+    a, b = job("a", 0, 100), job("b", 5, 900)
+    c = job("c", 0, 100, allowed=(1, 4))  # the same request as a: only the allowed counts differ
+    views = [JobView(s, JobState.PENDING, admitted=True) for s in (a, b, c)]
+    snap = Snapshot(now=0.0, cluster=parse_cluster("n1g4"), jobs=tuple(views), profiles=toy_profiles)
+    st = _Tentative.of(snap, views)
+    assert st.opts(views[0]) is st.opts(views[1]) and st.opts(views[0]) == [1, 2, 4]
+    assert st.opts(views[2]) == [1, 4]
