@@ -5,7 +5,8 @@ Two gloo processes on loopback (``torch.multiprocessing`` spawn,
 local batches with:
 
 * **A, reducer**: :class:`tidal.runtime.reducer.GradReducer` used directly
-  (bucketed, 4 MB buckets, all-reduce overlapped with backward), armed with
+  (bucketed as in the runtime: 25 MB, the first 1 MB as DDP's; all-reduce
+  overlapped with backward), armed with
   the rank's batch-share weight before each backward; its control tensor
   carries what the runtime sends every step (the two switch-agreement numbers
   and one compute time per rank);
@@ -258,7 +259,7 @@ def main() -> None:
     ap.add_argument("--large-steps", type=int, default=12, help="timed steps per repeat, large model")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rebuilds", type=int, default=5, help="DDP constructions timed (C)")
-    ap.add_argument("--bucket-mb", type=float, default=4.0, help="the reducer's bucket cap (the runtime uses 4)")
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="the reducer's bucket cap (the runtime's: 25)")
     a = ap.parse_args()
     unknown = set(a.models.split(",")) - set(MODELS)
     if unknown:

@@ -13,12 +13,15 @@ second ends).
 
 from __future__ import annotations
 
+import math
+import random
 import zlib
 
 import pytest
 
 from tidal.core.job import JobSpec, JobState
 from tidal.core.overhead import OverheadModel
+from tidal.core.profile import load_profiles
 from tidal.core.topology import parse_cluster
 from tidal.scheduler.api import JobView, Snapshot
 from tidal.scheduler.policies.k8s_default import fixed_count
@@ -29,6 +32,7 @@ from tidal.scheduler.policies.reshaping import (
     epochs_to_target,
     finish_in,
     fit_error_curve,
+    options,
     observed_accuracy,
     predicted_remaining,
 )
@@ -264,23 +268,55 @@ class _SlowStart(OverheadModel):
         return ((now, 0.0), (now + 2 * self.launch_s, rate / 2))
 
 
+NAN, INF = float("nan"), float("inf")
+
+
 @pytest.mark.parametrize("overheads", [RESTART, NO_OVERHEAD, OverheadModel(launch_s=7.5, stop_resume_s=33.3),
-                                       OverheadModel(launch_s=float("inf")), _SlowStart(launch_s=3.0)])
-def test_start_times_follow_the_overhead_segments(toy_profiles, overheads):
+                                       OverheadModel(launch_s=INF), OverheadModel(launch_s=-5.0, stop_resume_s=NAN),
+                                       _SlowStart(launch_s=3.0)])
+@pytest.mark.parametrize("now", [12345.678, 0.0, NAN])
+def test_start_times_follow_the_overhead_segments(toy_profiles, overheads, now):
     # the predictor's start time (computed without the segments for OverheadModel) equals
-    # finish_in over the model's own segments, to the bit, fresh and resumed, at every count
+    # finish_in over the model's own segments, to the bit (NaN where it is NaN), fresh and resumed,
+    # at every count, with work that is infinite or not a number too
     views = [JobView(job(f"j{i}", 0, iters), JobState.PENDING, done=done, executed=ex, admitted=True)
              for i, (iters, done, ex) in enumerate([(1000, 0.0, 0.0), (777, 123.4, 56.0), (10**9, 0.0, 0.0),
-                                                    (500, 500.0, 3.0), (3, 0.0, 1e-9)])]
-    snap = Snapshot(now=12345.678, cluster=parse_cluster("n1g4"), jobs=tuple(views), profiles=toy_profiles,
+                                                    (500, 500.0, 3.0), (3, 0.0, 1e-9), (5, 0.0, 0.0), (6, 1.0, 2.0)])]
+    snap = Snapshot(now=now, cluster=parse_cluster("n1g4"), jobs=tuple(views), profiles=toy_profiles,
                     overheads=overheads)
     pred = Predictor(snap)
+    pred._work.update({"j5": INF, "j6": NAN})
     for v in views:
         for n in (0, 1, 2, 3, 4):
             for delay in (0.0, 0.1, 60.0):
-                now = snap.now + delay
-                segs = overheads.start(now, pred.rate(v, n), resumed=v.executed > 0)
-                assert pred.start(v, n, delay) == delay + finish_in(segs, now, pred.work(v))
+                at = snap.now + delay
+                segs = overheads.start(at, pred.rate(v, n), resumed=v.executed > 0)
+                want, got = delay + finish_in(segs, at, pred.work(v)), pred.start(v, n, delay)
+                assert got == want or (math.isnan(got) and math.isnan(want)), (v.job_id, n, delay, got, want)
+
+
+def test_options_by_kind_equal_each_jobs_own(tmp_path):
+    # random specs over models and batches whose profiled counts differ (and a count at which one
+    # does not run): the options shared by kind are each job's own options()
+    (tmp_path / "a.csv").write_text("global_batch_size,1,2,4,8\n32,1,2,3,4\n64,1,0,4,7\n")
+    (tmp_path / "b.csv").write_text("global_batch_size,1,3,6\n32,1,2.5,4\n64,2,5,6\n")
+    profiles = load_profiles(tmp_path)
+    rng = random.Random(7)
+    views = []
+    for i in range(400):
+        elastic = rng.random() < 0.7
+        allowed = rng.choice([None, None, (1, 2), (2, 4, 8), (1, 3, 6)])
+        views.append(JobView(JobSpec(
+            f"j{i}", submit_time=0.0, model=rng.choice("ab"), batch_size=rng.choice([32, 64]), iterations=10,
+            requested_gpus=rng.choice([1, 2, 3, 4, 8]), elastic=elastic, allowed_gpus=allowed if elastic else None,
+            min_gpus=rng.choice([None, 1, 2]) if elastic and allowed is None else None,
+            max_gpus=rng.choice([None, 3, 4]) if elastic and allowed is None else None),
+            JobState.PENDING, admitted=True))
+    snap = Snapshot(now=0.0, cluster=parse_cluster("n1g8"), jobs=tuple(views), profiles=profiles)
+    st = _Tentative.of(snap, views)
+    for v in views:
+        assert st.opts(v) == options(snap, v), v.spec
+    assert len({id(st.opts(v)) for v in views}) < len(views) / 2  # shared, not one list per job
 
 
 def test_jobs_of_one_kind_share_their_options(toy_profiles):
