@@ -78,7 +78,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
     x, y = _data(12)
     for case, (parts, bg) in CASES.items():
         m = _model()
-        red = GradReducer(list(m.parameters()), bucket_cap_mb=0.0005)  # several buckets, launched during backward
+        red = GradReducer(list(m.parameters()), bucket_cap_mb=0.0002)  # several buckets, launched during backward
         micro = parts[rank]
         lis = _Tail(red, sum(len(mb) for mb in micro) / bg, sum(len(mb) for mb in micro))
         red.listener, red.measure = lis, True

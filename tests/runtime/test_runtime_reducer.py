@@ -83,7 +83,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
         if case == "float32":
             m = m.float()
         lis = _Listener(rank)
-        red = GradReducer(list(m.parameters()), listener=lis, bucket_cap_mb=0.0005,  # several async launches
+        red = GradReducer(list(m.parameters()), listener=lis, bucket_cap_mb=0.0002,  # several async launches
                           grad_views=case != "copy")
         sizes = [n, 0] if case == "empty" else split_sizes(n, 2)
         lo = sum(sizes[:rank])
@@ -139,3 +139,45 @@ def test_weighted_allreduce_equals_full_batch_gradient() -> None:
             tol = dict(rtol=1e-5, atol=1e-6) if case == "float32" else dict(rtol=1e-12, atol=1e-14)
             for g, f in zip(grads, full):
                 assert torch.allclose(g, f, **tol), (case, rank, (g - f).abs().max())
+
+
+def _bucket_models() -> dict[str, torch.nn.Module]:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear
+    return {
+        # a large weight right after the first megabyte: stopping short of it would leave all but 45 kB of the
+        # model to the last bucket, reduced only after backward
+        "mlp": torch.nn.Sequential(lin(256, 1024), torch.nn.ReLU(), lin(1024, 1024), torch.nn.ReLU(), lin(1024, 10)),
+        "deep": torch.nn.Sequential(*[lin(700, 700) for _ in range(30)]),
+        # the last weight is exactly 1 MiB: a bucket closes when it reaches its limit, not only past it
+        "exact": torch.nn.Sequential(lin(64, 1024), lin(1024, 256, bias=False)),
+    }
+
+
+@pytest.mark.parametrize("cap_mb", [None, 2.0])
+def test_buckets_match_ddps(cap_mb: float | None) -> None:
+    """The buckets hold the same parameters as DDP's own (after its rebuild in
+    gradient-ready order, which is reverse registration order for these
+    models), so the same all-reduces overlap backward. DDP's defaults are a
+    25 MB cap and a 1 MB first bucket; a cap it is given applies to the
+    first bucket too."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for name, m in _bucket_models().items():
+            params = list(m.parameters())
+            index = {id(p): i for i, p in enumerate(params)}
+            ours = GradReducer(params) if cap_mb is None else GradReducer(params, bucket_cap_mb=cap_mb,
+                                                                           first_bucket_mb=cap_mb)
+            mine = [[index[id(p)] for p in b.params] for b in ours.buckets]
+            ours.remove()
+            ddp = torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=cap_mb)
+            x = torch.randn(2, params[0].shape[1])
+            for _ in range(3):  # rebuilt at the second forward, logged at the end of that step
+                ddp(x).sum().backward()
+            theirs = [[int(i) for i in b.split()] for b in
+                      ddp._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"].split(",")]
+            assert mine == theirs, name
+            assert len(mine) > 1 or name == "exact", name
+            del ddp
+    finally:
+        dist.destroy_process_group()

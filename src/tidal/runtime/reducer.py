@@ -378,18 +378,24 @@ def _sqnorm(x: torch.Tensor) -> torch.Tensor:
 
 
 def _make_buckets(params: list[torch.nn.Parameter], cap: int, first_cap: int) -> list[_Bucket]:
-    """Reverse registration order, one dtype per bucket, about ``cap`` bytes
-    each, the first about ``first_cap`` (DDP's defaults: 25 MB, 1 MB)."""
+    """Reverse registration order, one dtype per bucket; a bucket closes once
+    it holds at least ``cap`` bytes, the first at least ``first_cap`` (DDP's
+    assignment and defaults: 25 MB, 1 MB). Closing only after the limit is
+    reached, not before it would be passed, matters: a first bucket that
+    stopped short of a large weight would leave nearly all of the model to
+    the last bucket, reduced after backward instead of during it."""
     buckets: list[_Bucket] = []
     cur: list[torch.nn.Parameter] = []
     size = 0
     for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if cur and (size + nbytes > (cap if buckets else first_cap) or p.dtype != cur[0].dtype):
+        if cur and p.dtype != cur[0].dtype:
             buckets.append(_Bucket(cur))
             cur, size = [], 0
         cur.append(p)
-        size += nbytes
+        size += p.numel() * p.element_size()
+        if size >= (cap if buckets else first_cap):
+            buckets.append(_Bucket(cur))
+            cur, size = [], 0
     if cur:
         buckets.append(_Bucket(cur))
     return buckets
