@@ -52,10 +52,11 @@ warmed its spares (a one-time start-up cost, as DDP's own start is). ``overhead_
 ``cpu_overhead_pct`` the same for the CPU time per step of rank 0's process;
 ``overhead_pct_ci90`` and ``cpu_overhead_pct_ci90``, a bootstrap 90 %
 interval of each median (the pairs spread by several points, and so does
-one run's median). ``--repeats`` is 61 (about four minutes): with a CPU
-burner beside it, single pairs spread from -10 to +7 %, and a median of 21
-pairs moved from -0.6 to +5.6 % between runs of the same code, wider than
-the 2-point target it is compared with; 61 pairs narrow that by 40 %.
+one run's median). ``--repeats`` is 61 (the overhead part takes about four
+minutes): with a CPU burner beside it, single pairs spread from about -13
+to +17 %, and a median of 21 pairs moved from -0.6 to +5.6 % between runs
+of the same code, more than the 2-point target it is compared with; the
+interval of a median narrows as one over the square root of the pairs.
 
 ``--alone N``: besides, N pairs of runs in which each job is alone on the
 machine (the elastic one, then the DDP one, ``--alone-steps`` steps each):

@@ -153,7 +153,8 @@ def _worker(rank: int, port: int, out: Any) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     abortable.SIGNAL.enter(1)
     model, listener = _model(), _Listener()
-    red = GradReducer(list(model.parameters()), listener=listener, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+    red = GradReducer(list(model.parameters()), listener=listener, bucket_cap_mb=0.0002, first_bucket_mb=0.0002)
+    assert len(red.buckets) > 1  # a bucket is launched from a hook during backward, before the last one
     x = torch.randn(4, 6)
     red.arm(0.5, True)
     model(x).sum().backward()  # one good step

@@ -380,10 +380,13 @@ def _sqnorm(x: torch.Tensor) -> torch.Tensor:
 def _make_buckets(params: list[torch.nn.Parameter], cap: int, first_cap: int) -> list[_Bucket]:
     """Reverse registration order, one dtype per bucket; a bucket closes once
     it holds at least ``cap`` bytes, the first at least ``first_cap`` (DDP's
-    assignment and defaults: 25 MB, 1 MB). Closing only after the limit is
-    reached, not before it would be passed, matters: a first bucket that
-    stopped short of a large weight would leave nearly all of the model to
-    the last bucket, reduced after backward instead of during it."""
+    assignment and defaults for a model of one dtype: 25 MB, 1 MB). Closing
+    only after the limit is reached, not before it would be passed, matters:
+    a first bucket that stopped short of a large weight would leave nearly
+    all of the model to the last bucket, reduced after backward instead of
+    during it. Unlike DDP, a change of dtype closes the open bucket (DDP
+    keeps one open bucket per dtype), and a cap that is given leaves the
+    first bucket at ``first_cap`` (DDP then uses the cap for it too)."""
     buckets: list[_Bucket] = []
     cur: list[torch.nn.Parameter] = []
     size = 0
