@@ -239,6 +239,7 @@ def test_ctrl_c_suspends_running_jobs_and_the_next_up_resumes_them(tmp_path):
     up = Up(home, port, gpus=3)
     try:
         api = up.wait_up()
+        _wait(lambda: "submit with:" in up.text(), 30, "`tidal up`'s last line", up)  # printed after the resumes
         assert f"suspended job(s) resume from their checkpoints: {a}" in up.text(), up.text()
         _wait(lambda: api.job(a)["state"] in ("completed", "failed", "cancelled"), 300, "A to complete", up)
         final = api.job(a)

@@ -432,10 +432,9 @@ def _run_until_stopped(c: Any, policy: str) -> None:
 
 def _say_resuming(c: Any) -> None:
     """Name the suspended jobs waiting in the store: the policy starts them
-    again, and each loads its checkpoint."""
-    from tidal.control.local import suspended_jobs
-
-    ids = suspended_jobs(c.embedded.store)
+    again, and each loads its checkpoint. They are the ones the store held
+    when the server started: the policy may have started them by now."""
+    ids = c.embedded.resuming
     if ids:
         _say(f"{len(ids)} suspended job(s) resume from their checkpoints: {', '.join(ids)}")
 

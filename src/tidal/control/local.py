@@ -190,10 +190,12 @@ class EmbeddedServer:
     ``tidal server`` (:func:`tidal.control.server.create_app`) served by
     uvicorn in a thread, on loopback, with the cluster's home, port, policy
     and admin token. Holding it gives the coordinator (:attr:`coordinator`),
-    which a graceful stop drains."""
+    which a graceful stop drains, and the suspended jobs found in the store
+    when it started (:attr:`resuming`), before its policy could start any."""
 
     def __init__(self, cluster: LocalCluster) -> None:
         self.cluster = cluster
+        self.resuming: list[str] = []
         self.app: Any = None
         self._uvicorn: Any = None
         self._thread: threading.Thread | None = None
@@ -224,6 +226,7 @@ class EmbeddedServer:
         # may go on after its cluster, e.g. a test run, and files it makes then are not the server's)
         self._umask = os.umask(0o077)
         store = Store(c.db_url or f"sqlite:///{c.home / 'tidal.db'}")
+        self.resuming = suspended_jobs(store)  # before the coordinator exists: none has been started again
         credentials = Credentials.from_file(secret_path(c.home))
         for name, text in (("admin.token", c.admin_token), ("agent.token", credentials.agent_token())):
             write_private(c.home / name, text)
