@@ -39,7 +39,7 @@ def _full_grads(n: int) -> list[torch.Tensor]:
     return [p.grad.clone() for p in m.parameters()]
 
 
-CASES = ("uneven", "accumulate", "empty", "unused", "float32", "steps", "steps_none", "copy")
+CASES = ("uneven", "accumulate", "accumulate_again", "empty", "unused", "float32", "steps", "steps_none", "copy")
 BIG = float(2**40 + 3)  # a step number float32 alone would round
 
 
@@ -94,6 +94,22 @@ def _worker(rank: int, port: int, out: dict) -> None:
                 mse(m(xb[:1]), yb[:1]).backward()
             red.arm(2 / n, True)
             mse(m(xb[1:]), yb[1:]).backward()
+        elif case == "accumulate_again":  # two steps, each a window of two micro-batches on rank 1
+            for _ in range(2):
+                m.zero_grad(set_to_none=True)
+                if rank == 1:
+                    red.arm(1 / n, True)
+                    with red.no_sync():
+                        mse(m(xb[:1]), yb[:1]).backward()
+                    red.arm(2 / n, True)
+                    mse(m(xb[1:]), yb[1:]).backward()
+                else:
+                    red.arm(sizes[rank] / n, True)
+                    mse(m(xb), yb).backward()
+                red.closed()
+                # no pre-accumulation hook is left between windows (each costs every backward)
+                assert all(not p._backward_hooks for p in m.parameters())
+            lis.reduced = lis.reduced[-1:]
         elif case == "empty" and rank == 1:  # a stand-in sample with weight 0
             red.arm(0.0, True)
             mse(m(x[:1]), y[:1]).backward()
