@@ -95,21 +95,32 @@ def _worker(rank: int, port: int, out: dict) -> None:
             red.arm(2 / n, True)
             mse(m(xb[1:]), yb[1:]).backward()
         elif case == "accumulate_again":  # two steps, each a window of two micro-batches on rank 1
-            for _ in range(2):
-                m.zero_grad(set_to_none=True)
+            for window in range(2):
                 if rank == 1:
-                    red.arm(1 / n, True)
+                    # the second window as DDP's no_sync example runs it: the next batch is taken inside the
+                    # block, so the previous step ends (closed) there
                     with red.no_sync():
+                        if window == 1:
+                            red.closed()
+                        m.zero_grad(set_to_none=True)
+                        red.arm(1 / n, True)
                         mse(m(xb[:1]), yb[:1]).backward()
                     red.arm(2 / n, True)
                     mse(m(xb[1:]), yb[1:]).backward()
                 else:
+                    m.zero_grad(set_to_none=True)
                     red.arm(sizes[rank] / n, True)
                     mse(m(xb), yb).backward()
-                red.closed()
-                # no pre-accumulation hook is left between windows (each costs every backward)
-                assert all(not p._backward_hooks for p in m.parameters())
+                if window == 0 or rank == 0:
+                    red.closed()
             lis.reduced = lis.reduced[-1:]
+            grads = [p.grad.clone().double() for p in m.parameters()]
+            red.closed()
+            # no pre-accumulation hook is left after a window (each would cost every backward)
+            assert all(not p._backward_hooks for p in m.parameters())
+            out[(case, rank)] = (grads, lis.reduced, len(red.buckets))
+            red.remove()
+            continue
         elif case == "empty" and rank == 1:  # a stand-in sample with weight 0
             red.arm(0.0, True)
             mse(m(x[:1]), y[:1]).backward()

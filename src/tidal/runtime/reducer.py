@@ -197,7 +197,8 @@ class GradReducer:
     def closed(self) -> None:
         """The step ended: the next window starts from zeroed gradients."""
         self.scaled, self.syncs = False, 0
-        self._stop_prescaling()
+        if self.syncing:  # inside no_sync (a loop that takes its next batch in the block) the next window needs them
+            self._stop_prescaling()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
