@@ -137,7 +137,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
                 mse(m(xb), yb).backward()
                 red.closed()
             lis.reduced = lis.reduced[-1:]
-            views = [b.view(p).data_ptr() for b in red.buckets for p in b.params]
+            views = [v.data_ptr() for b in red.buckets for v in b.views]
             assert sorted(p.grad.data_ptr() for p in m.parameters()) == sorted(views) or case == "copy"
         else:
             red.arm(sizes[rank] / n, True)

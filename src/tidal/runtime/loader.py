@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
@@ -42,9 +41,9 @@ _PASSED = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn
            "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
 
 
-@dataclass(frozen=True)
-class Layout:
-    """What a rank's batches depend on besides the cursor."""
+class Layout(NamedTuple):
+    """What a rank's batches depend on besides the cursor (made and
+    compared at every batch: a tuple)."""
 
     epoch: int
     rank: int

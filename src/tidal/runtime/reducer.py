@@ -78,6 +78,10 @@ from tidal.runtime.rank0 import Diverged
 
 log = logging.getLogger(__name__)
 
+_SUM_ASYNC = dist.AllreduceOptions()  # what dist.all_reduce(t, async_op=True) passes to the group
+_SUM_ASYNC.reduceOp = dist.ReduceOp.SUM
+_SUM_ASYNC.asyncOp = True
+
 
 class SyncListener(Protocol):
     """What the step runner learns from a synced backward pass."""
@@ -100,8 +104,7 @@ class _Bucket:
     def __init__(self, params: list[torch.nn.Parameter], tail: int = 0) -> None:
         self.params = params
         self.n = sum(p.numel() for p in params)
-        self.slot: dict[int, int] = {id(p): i for i, p in enumerate(params)}
-        self.ready: set[int] = set()
+        self.ready: set[int] = set()  # positions in ``params`` filled in the running backward
         self.work: Any = None
         self.tail = tail
         self.buf = torch.zeros(self.n + tail, dtype=params[0].dtype, device=params[0].device)
@@ -118,9 +121,9 @@ class _Bucket:
         for p in self.params:
             self.views.append(self.buf[off : off + p.numel()].view(p.shape))
             off += p.numel()
-
-    def view(self, p: torch.Tensor) -> torch.Tensor:
-        return self.views[self.slot[id(p)]]
+        # the control tail as a numpy array sharing the buffer's memory (CPU only): written and read
+        # in place, without a tensor made per step
+        self.tail_np = self.buf[self.n :].numpy() if self.tail and self.buf.device.type == "cpu" else None
 
     def grow_tail(self, k: int) -> None:
         """Room for ``k`` control numbers after the gradients (keeps them)."""
@@ -144,7 +147,8 @@ class GradReducer:
         self.device = params_device(self.params)  # buckets and the control tensor live here
         self.listener = listener
         self.buckets = _make_buckets(self.params, int(bucket_cap_mb * 2**20), int(min(first_bucket_mb, bucket_cap_mb) * 2**20))
-        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        # each parameter's bucket and position in it, looked up once per parameter per backward
+        self.slot_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.overlap = overlap
         self.grad_views = grad_views
@@ -159,6 +163,9 @@ class GradReducer:
         self.syncing = True  # False inside no_sync()
         self.scaled = False  # the accumulated gradients are already weighted (an accumulation window)
         self.queued = False  # the end-of-backward callback is queued for the running backward
+        self.filling = False  # the running backward fills the buckets as its gradients are ready
+        self.fired = 0  # post-accumulate hooks that fired in the running backward (armed)
+        self.pg: Any = None  # the process group the armed micro-batch reduces in
         self.syncs = 0  # synced backward passes since arm()
         self.last_extra: list[float] = []
         self._next = 0
@@ -185,8 +192,10 @@ class GradReducer:
         self._prescaling = []
 
     def arm(self, weight: float, distributed: bool) -> None:
-        """A micro-batch starts: its weight ``b_r / B`` and whether to reduce."""
+        """A micro-batch starts: its weight ``b_r / B`` and whether to reduce
+        (in the current default process group)."""
         self.weight, self.distributed, self.armed = weight, distributed, True
+        self.pg = dist.group.WORLD if distributed else None
 
     def disarm(self) -> None:
         """No reduction until the next :meth:`arm` (a failed collective, or local code)."""
@@ -221,38 +230,49 @@ class GradReducer:
         return torch.zeros_like(grad) if self.weight == 0.0 else grad * self.weight
 
     def _hook(self, p: torch.Tensor) -> None:
+        """Runs once per parameter per backward (a Python call each time,
+        so it does as little as it can: one lookup, one copy)."""
         if not self.armed:
             return
         if not self.queued:
-            self.queued = True
-            self._next = 0
-            self._sq = []
-            for b in self.buckets:
-                b.ready.clear()
-                b.work = None
-            Variable._execution_engine.queue_callback(self._finalize)
-        if not self.syncing or not self.overlap or self._alone():
+            self._backward_began()
+        self.fired += 1
+        if not self.filling:
             return
-        b = self.bucket_of[id(p)]
-        self._fill(b, p)  # type: ignore[arg-type]
-        b.ready.add(id(p))
-        last = len(self.buckets) - 1 if self.merge else len(self.buckets)  # the last one carries the control tail
-        while self._next < last and len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
-            self._norm(self.buckets[self._next])
-            self._launch(self.buckets[self._next])
-            self._next += 1
+        b, i = self.slot_of[id(p)]
+        self._fill(b, i, p.grad)
+        b.ready.add(i)
+        if len(b.ready) == len(b.params):  # launch the buckets that are full, in index order
+            last = len(self.buckets) - 1 if self.merge else len(self.buckets)  # the last one carries the tail
+            while self._next < last and len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+                self._norm(self.buckets[self._next])
+                self._launch(self.buckets[self._next])
+                self._next += 1
 
-    def _fill(self, b: _Bucket, p: torch.nn.Parameter) -> None:
-        view, g = b.view(p), p.grad
+    def _backward_began(self) -> None:
+        """The first hook of a backward pass: queue the end-of-backward
+        callback and decide whether this backward fills the buckets as it
+        goes (synced, overlapping, and something to reduce or scale)."""
+        self.queued = True
+        self._next, self._sq, self.fired = 0, [], 0
+        for b in self.buckets:
+            b.ready.clear()
+            b.work = None
+        self.filling = self.syncing and self.overlap and not self._alone()
+        Variable._execution_engine.queue_callback(self._finalize)
+
+    def _fill(self, b: _Bucket, i: int, g: torch.Tensor | None) -> None:
+        """Put parameter ``i`` of ``b``'s gradient ``g``, weighted, into its view."""
+        view = b.views[i]
         if g is None or (self.weight == 0.0 and not self.scaled):
             view.zero_()  # unused here, or an empty share: contributes nothing
-        elif g is view or (g.data_ptr() == view.data_ptr() and g.shape == view.shape):
+        elif g is view or (g._base is not None and g.data_ptr() == view.data_ptr() and g.shape == view.shape):
             if not self.scaled and self.weight != 1.0:
                 view.mul_(self.weight)  # accumulated straight into the bucket
         elif self.scaled:
-            view.copy_(g.detach())
+            view.copy_(g.detach() if g.requires_grad else g)
         else:
-            torch.mul(g.detach(), self.weight, out=view)
+            torch.mul(g.detach() if g.requires_grad else g, self.weight, out=view)
 
     def _norm(self, b: _Bucket) -> None:
         """This rank's squared norm of ``b`` before its all-reduce (measuring only)."""
@@ -261,7 +281,13 @@ class GradReducer:
 
     def _launch(self, b: _Bucket, extra: int = 0) -> None:
         if self.distributed:
-            b.work = dist.all_reduce(b.buf[: b.n + extra] if extra else b.buf[: b.n], async_op=True)
+            b.work = self._all_reduce(b.buf[: b.n + extra] if extra else b.buf[: b.n])
+
+    def _all_reduce(self, t: torch.Tensor) -> Any:
+        """Launch a sum all-reduce of ``t`` in the armed group; its ``Work``.
+        The group's own call: ``dist.all_reduce(t, async_op=True)`` ends in
+        it too, after checks that cost more than a small bucket's launch."""
+        return self.pg.allreduce([t], _SUM_ASYNC)
 
     # -------------------------------------------------------------- end of backward
     def _finalize(self) -> None:
@@ -310,10 +336,11 @@ class GradReducer:
     def _reduce(self) -> None:
         alone = self._alone()
         for b in () if alone else self.buckets[self._next :]:
-            for p in b.params:
-                if id(p) not in b.ready:
-                    self._fill(b, p)
-        unused = [p for b in self.buckets for p in b.params if p.grad is None]
+            for i, p in enumerate(b.params):
+                if i not in b.ready:
+                    self._fill(b, i, p.grad)
+        # every hook fired: every gradient exists; else find the ones that do not
+        unused = [] if self.fired == len(self.params) else [p for p in self.params if p.grad is None]
         if self.measure:
             for b in self.buckets[self._next :]:
                 self._norm(b)
@@ -330,7 +357,7 @@ class GradReducer:
                 self._launch(b)
             c = torch.tensor(control, dtype=torch.float64, device=self.device)
             if self.distributed:
-                self._wait(dist.all_reduce(c, async_op=True))
+                self._wait(self._all_reduce(c))
         self._next = len(self.buckets)
         for b in self.buckets:
             if b.work is not None:
@@ -343,7 +370,7 @@ class GradReducer:
         skip = self._globally_unused(unused) if reduced[0] > 0 else set()
         for b in () if alone else self.buckets:  # write the reduced gradients back
             for p, g in zip(b.params, b.views):
-                if id(p) in skip:
+                if skip and id(p) in skip:
                     continue
                 if self.grad_views:
                     if p.grad is not g:
@@ -362,17 +389,26 @@ class GradReducer:
         float32 bucket gets each as (hi, lo) float32 halves. Returns the
         tail's length."""
         b = self.buckets[-1]
-        v = np.asarray(control, dtype=np.float64)
-        if b.buf.dtype != torch.float64:
-            hi = v.astype(np.float32)
-            v = np.concatenate([hi, (v - hi).astype(np.float32)])
-        b.grow_tail(len(v))
-        b.buf[b.n : b.n + len(v)].copy_(torch.from_numpy(v))
-        return len(v)
+        v = np.array(control, dtype=np.float64)
+        k = len(v) if b.buf.dtype == torch.float64 else 2 * len(v)
+        b.grow_tail(k)
+        t = b.tail_np
+        if t is None:  # a GPU buffer: one copy in
+            if k > len(v):
+                hi = v.astype(np.float32)
+                v = np.concatenate([hi, (v - hi).astype(np.float32)])
+            b.buf[b.n : b.n + k].copy_(torch.from_numpy(v))
+        elif k > len(v):  # written in place: the float32 value, then what it left out
+            t[: len(v)] = v
+            t[len(v) : k] = v - t[: len(v)]
+        else:
+            t[:k] = v
+        return k
 
     def _get_tail(self, k: int) -> list[float]:
         b = self.buckets[-1]
-        t = b.buf[b.n : b.n + (k if b.buf.dtype == torch.float64 else 2 * k)].cpu().numpy()
+        n = k if b.buf.dtype == torch.float64 else 2 * k
+        t = b.tail_np[:n] if b.tail_np is not None else b.buf[b.n : b.n + n].cpu().numpy()
         if b.buf.dtype == torch.float64:
             return t.tolist()
         return (t[:k].astype(np.float64) + t[k:]).tolist()
@@ -384,7 +420,7 @@ class GradReducer:
         for p in unused:
             used[self.index[id(p)]] = 0.0
         if self.distributed:
-            self._wait(dist.all_reduce(used, async_op=True))
+            self._wait(self._all_reduce(used))
         flags = used.tolist()
         return {id(p) for p in self.params if flags[self.index[id(p)]] == 0.0}
 

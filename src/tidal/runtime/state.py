@@ -154,10 +154,9 @@ class ElasticState:
         return StepSnapshot(
             schedulers=[_copy_value(s.state_dict()) for s in self.schedulers],
             scaler=_copy_value(self.scaler.state_dict()) if self.scaler is not None else None,
-            extras=_copy_value(self.extras),
+            extras=_copy_value(self.extras) if self.extras else {},
             rng=torch.get_rng_state(),
-            groups=[[{k: _copy_value(v) for k, v in g.items() if k != "params"} for g in o.param_groups]
-                    for o in self.optimizers],
+            groups=[[_copy_group(g) for g in o.param_groups] for o in self.optimizers],
             globals_=_copy_value(self.kept_globals()) if self.bound else {},
         )
 
@@ -177,6 +176,14 @@ class ElasticState:
 
 
 _IMMUTABLE = (int, float, bool, str, bytes, type(None))
+_PLAIN = frozenset(_IMMUTABLE)  # exact types, for a set lookup instead of isinstance
+
+
+def _copy_group(group: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer param group's settings without its parameters, copied
+    as :func:`_copy_value` does (taken every step: the plain numbers, nearly
+    all of a group, are shared without a call each)."""
+    return {k: v if type(v) in _PLAIN else _copy_value(v) for k, v in group.items() if k != "params"}
 
 
 def _copy_value(v: Any) -> Any:
