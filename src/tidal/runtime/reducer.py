@@ -26,8 +26,9 @@ bucket, and a later backward accumulates straight into the bucket. A
 reference to ``p.grad`` kept across steps therefore sees the next step's
 values (clone it to keep it). The control numbers ride in a tail of the last
 bucket (each as two float32 halves, exact for integers below 2**48) when that
-bucket is float32 or float64, saving a collective per step; otherwise they
-are a separate float64 tensor.
+bucket is float32 or float64, saving a collective per step (on the CPU
+written and read in place through a numpy view of the bucket); otherwise
+they are a separate float64 tensor.
 
 With one rank, a weight of 1 and no norms to take (a script run without a
 master, or a job at one worker), nothing is copied into the buckets: the
@@ -38,7 +39,9 @@ reduced; each micro-batch's incoming gradient is scaled by its own weight
 before it is accumulated (a pre-accumulation hook), so a window of uneven
 micro-batches still sums to the exact fixed-size gradient, and the synced
 backward that closes the window reduces without scaling again. Those hooks
-exist only from the first ``no_sync`` of a window to the window's end: a
+exist only from the first ``no_sync`` of a window until a window ends
+outside a ``no_sync`` block (one that ends inside a block, as in a loop
+that takes its next batch there, keeps them for the next window): a
 Python tensor hook costs about a microsecond per parameter per backward
 even when it does nothing, which a step without accumulation would pay for
 every parameter.
