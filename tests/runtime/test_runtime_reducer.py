@@ -39,7 +39,8 @@ def _full_grads(n: int) -> list[torch.Tensor]:
     return [p.grad.clone() for p in m.parameters()]
 
 
-CASES = ("uneven", "accumulate", "accumulate_again", "empty", "unused", "float32", "steps", "steps_none", "copy")
+CASES = ("uneven", "accumulate", "accumulate_again", "empty", "unused", "float32", "steps", "steps_none", "copy",
+         "raised")
 BIG = float(2**40 + 3)  # a step number float32 alone would round
 
 
@@ -121,6 +122,17 @@ def _worker(rank: int, port: int, out: dict) -> None:
             out[(case, rank)] = (grads, lis.reduced, len(red.buckets))
             red.remove()
             continue
+        elif case == "raised":  # a backward that raised after some hooks ran (the script caught it): the next reduces
+            def fail(_p: torch.Tensor) -> None:
+                raise RuntimeError("out of memory (simulated)")
+            h = m[0].weight.register_post_accumulate_grad_hook(fail)  # the first layer: its gradient comes last
+            red.arm(sizes[rank] / n, True)
+            with pytest.raises(RuntimeError, match="simulated"):
+                mse(m(xb), yb).backward()
+            h.remove()
+            m.zero_grad(set_to_none=True)
+            red.arm(sizes[rank] / n, True)
+            mse(m(xb), yb).backward()
         elif case == "empty" and rank == 1:  # a stand-in sample with weight 0
             red.arm(0.0, True)
             mse(m(x[:1]), y[:1]).backward()

@@ -61,7 +61,10 @@ thread for the collective timeout: every collective is launched with
 which gives up when the master aborts the generation. The step then fails
 like one whose peer died; the buckets the abandoned collectives still hold
 are replaced by fresh ones, so a late completion cannot write into the next
-step's gradients.
+step's gradients. The same holds for a backward that raised after launching
+some buckets (a script that catches an out-of-memory error and goes on):
+its end-of-backward callback never runs, and the next :meth:`GradReducer.
+arm` starts over with fresh buckets.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ log = logging.getLogger(__name__)
 
 _SUM_ASYNC = dist.AllreduceOptions()  # what dist.all_reduce(t, async_op=True) passes to the group
 _SUM_ASYNC.reduceOp = dist.ReduceOp.SUM
-_SUM_ASYNC.asyncOp = True
+if hasattr(_SUM_ASYNC, "asyncOp"):  # torch >= 2.7; before, every collective launched this way was async
+    _SUM_ASYNC.asyncOp = True
 
 
 class SyncListener(Protocol):
@@ -168,7 +172,6 @@ class GradReducer:
         self.queued = False  # the end-of-backward callback is queued for the running backward
         self.filling = False  # the running backward fills the buckets as its gradients are ready
         self.fired = 0  # post-accumulate hooks that fired in the running backward (armed)
-        self.pg: Any = None  # the process group the armed micro-batch reduces in
         self.syncs = 0  # synced backward passes since arm()
         self.last_extra: list[float] = []
         self._next = 0
@@ -195,10 +198,13 @@ class GradReducer:
         self._prescaling = []
 
     def arm(self, weight: float, distributed: bool) -> None:
-        """A micro-batch starts: its weight ``b_r / B`` and whether to reduce
-        (in the current default process group)."""
+        """A micro-batch starts: its weight ``b_r / B`` and whether to reduce."""
         self.weight, self.distributed, self.armed = weight, distributed, True
-        self.pg = dist.group.WORLD if distributed else None
+        if self.queued:  # the last backward raised (the script caught it): its end-of-backward callback never ran
+            self.queued = False
+            for b in self.buckets:
+                b.work = None
+                b.renew()  # an all-reduce it launched may still write into the old buffer
 
     def disarm(self) -> None:
         """No reduction until the next :meth:`arm` (a failed collective, or local code)."""
@@ -287,10 +293,12 @@ class GradReducer:
             b.work = self._all_reduce(b.buf[: b.n + extra] if extra else b.buf[: b.n])
 
     def _all_reduce(self, t: torch.Tensor) -> Any:
-        """Launch a sum all-reduce of ``t`` in the armed group; its ``Work``.
+        """Launch a sum all-reduce of ``t`` in the default group; its ``Work``.
         The group's own call: ``dist.all_reduce(t, async_op=True)`` ends in
-        it too, after checks that cost more than a small bucket's launch."""
-        return self.pg.allreduce([t], _SUM_ASYNC)
+        it too, after checks that cost more than a small bucket's launch.
+        The group is looked up each time, never kept: a reference would keep
+        a broken group (and its sockets) alive after it is destroyed."""
+        return dist.group.WORLD.allreduce([t], _SUM_ASYNC)
 
     # -------------------------------------------------------------- end of backward
     def _finalize(self) -> None:
